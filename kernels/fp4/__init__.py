@@ -1,0 +1,27 @@
+"""The FP4 numerics shared bit for bit by trainer and engine (DESIGN.md section 2).
+
+Layers, bottom up: `formats` (element and scale codecs), `packing`, `reference` (torch
+specification), `triton_fp4` (GPU kernels equal to the reference), `qtensor`, `api`.
+"""
+
+from .api import block_saturation_bound, dequantize, fake_quantize, quantize
+from .formats import (
+    E2M1_MAGNITUDES,
+    E2M1_MAX,
+    E4M3_MAX,
+    Format,
+    MXScaleRule,
+    e2m1_to_float,
+    e4m3_to_float,
+    e8m0_to_float,
+    float_to_e2m1_rne,
+)
+from .packing import pack_bits, pack_codes, unpack_bits, unpack_codes
+from .qtensor import QTensor
+
+__all__ = [
+    "E2M1_MAGNITUDES", "E2M1_MAX", "E4M3_MAX", "Format", "MXScaleRule", "QTensor",
+    "block_saturation_bound", "dequantize", "e2m1_to_float", "e4m3_to_float", "e8m0_to_float",
+    "fake_quantize", "float_to_e2m1_rne", "pack_bits", "pack_codes", "quantize",
+    "unpack_bits", "unpack_codes",
+]

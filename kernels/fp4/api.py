@@ -1,0 +1,224 @@
+"""Public FP4 entry points: quantize, dequantize, fake_quantize.
+
+They validate input, pick the backend (Triton on CUDA, the torch reference elsewhere; the
+two agree bit for bit) and assemble a `QTensor`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import reference
+from .formats import Format, MXScaleRule, e4m3_to_float, e8m0_to_float
+from .packing import pack_codes, unpack_codes
+from .qtensor import QTensor
+from .rng import seed_key
+
+try:  # Triton is optional on the CPU; CUDA builds of torch bring it.
+    from . import triton_fp4
+except ImportError:  # pragma: no cover - exercised only where triton is absent
+    triton_fp4 = None
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SCALE_MODES = ("tensor", "row")
+ROUNDING_MODES = ("rne", "stochastic")
+BACKENDS = ("auto", "torch", "triton")
+
+
+def _parse_format(fmt: str | Format) -> Format:
+    try:
+        return Format(fmt)
+    except ValueError:
+        raise ValueError(f"unsupported FP4 format {fmt!r}; choose one of {[f.value for f in Format]}") from None
+
+
+def _use_triton(x: torch.Tensor, backend: str) -> bool:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
+    if backend == "torch":
+        return False
+    if backend == "triton":
+        if triton_fp4 is None:
+            raise ValueError("backend='triton' requested but triton is not installed")
+        if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("backend='triton' on a CPU tensor needs TRITON_INTERPRET=1")
+        return True
+    return triton_fp4 is not None and x.is_cuda
+
+
+def _validate_input(x: torch.Tensor, fmt: Format) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"quantize expects a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"unsupported dtype {x.dtype} for FP4 quantization; use one of {SUPPORTED_DTYPES}")
+    bs = fmt.block_size
+    if x.dim() == 0 or x.shape[-1] == 0 or x.shape[-1] % bs:
+        raise ValueError(
+            f"{fmt.value} needs a last dimension that is a positive multiple of its block size {bs}, "
+            f"got shape {tuple(x.shape)} (no padding is done)"
+        )
+
+
+def _raise_nonfinite(where: str) -> None:
+    raise ValueError(f"FP4 quantize input contains NaN or Inf ({where}); refusing to produce codes")
+
+
+def quantize(
+    x: torch.Tensor,
+    fmt: str | Format = "nvfp4",
+    scale: str | None = None,
+    rounding: str = "rne",
+    seed: int | None = None,
+    *,
+    global_amax: torch.Tensor | None = None,
+    mx_scale_rule: str | MXScaleRule = "floor",
+    backend: str = "auto",
+) -> QTensor:
+    """Quantize `x` to FP4 along its last dimension (DESIGN.md section 2).
+
+    Args:
+        x: float32/bfloat16/float16 [..., K], K a multiple of the block size (16 nvfp4,
+            32 mxfp4), finite.
+        fmt: "nvfp4" or "mxfp4".
+        scale: NVFP4 global scale granularity: "tensor" (default; one g, a 0-d tensor) or
+            "row" (one g per row, [..., 1]). Must be None for MXFP4, which has none.
+        rounding: "rne" or "stochastic" (counter-based: same seed and input, same codes on
+            any device). Block scales always round to nearest.
+        seed: stochastic rounding seed; None draws one from torch's default generator.
+        global_amax: tensor-scaled NVFP4 only: a float32 0-d amax to derive g from, for
+            example one all-reduced over tensor- and expert-parallel shards so that every
+            shard quantizes with the g of the whole logical tensor. Elements above it saturate.
+        mx_scale_rule: MXFP4 block scale rule, "floor" (OCP) or "ceil" (never saturates).
+        backend: "auto" (Triton on CUDA tensors, torch elsewhere), "torch" or "triton".
+
+    Returns:
+        QTensor with codes uint8 [..., K/2], block scales [..., K/bs], global scale.
+
+    Raises:
+        ValueError: unsupported dtype, format, scale, rounding or backend; a last dimension
+            that is not a multiple of the block size; NaN or Inf in `x`.
+    """
+    fmt = _parse_format(fmt)
+    _validate_input(x, fmt)
+    if fmt is Format.MXFP4 and scale is not None:
+        raise ValueError(f"mxfp4 has no global scale, so scale must be None (got {scale!r})")
+    scale = scale or "tensor"
+    if scale not in SCALE_MODES:
+        raise ValueError(f"unknown scale mode {scale!r}; choose one of {SCALE_MODES}")
+    if rounding not in ROUNDING_MODES:
+        raise ValueError(f"unknown rounding {rounding!r}; choose one of {ROUNDING_MODES}")
+    stochastic = rounding == "stochastic"
+    if seed is not None and not stochastic:
+        raise ValueError("seed is only used by rounding='stochastic'")
+    if stochastic and seed is None:
+        seed = int(torch.randint(0, 2**62, ()).item())
+    key = seed_key(seed) if stochastic else 0
+    mx_rule = MXScaleRule(mx_scale_rule)
+    row_scale = fmt is Format.NVFP4 and scale == "row"
+    if global_amax is not None:
+        if fmt is not Format.NVFP4 or row_scale:
+            raise ValueError("global_amax applies only to nvfp4 with scale='tensor'")
+        if global_amax.dim() != 0 or not torch.isfinite(global_amax) or global_amax < 0:
+            raise ValueError(f"global_amax must be a finite non-negative 0-d tensor, got {global_amax}")
+
+    lead, k = x.shape[:-1], x.shape[-1]
+    x_MK = x.reshape(-1, k).contiguous()
+    need_amax = fmt is Format.NVFP4 and not row_scale and global_amax is None
+
+    if _use_triton(x, backend):
+        if need_amax:
+            lo, hi = torch.aminmax(x_MK)
+            global_amax = torch.maximum(-lo, hi).float()
+        packed, scale_bytes, g, bad = triton_fp4.quantize_rows_triton(
+            x_MK, fmt, row_scale, stochastic, key, global_amax, mx_rule
+        )
+        if bool(bad.any()):
+            _raise_nonfinite("detected by the Triton kernel")
+        block_scales = scale_bytes.view(torch.float8_e4m3fn) if fmt is Format.NVFP4 else scale_bytes
+    else:
+        if not bool(torch.isfinite(x_MK).all()):
+            _raise_nonfinite("detected before quantization")
+        if fmt is Format.MXFP4:
+            g = None
+            codes, block_scales = reference.mxfp4_quantize_reference(x_MK, mx_rule, stochastic, key)
+        else:
+            amax = x_MK.abs().amax(-1, keepdim=True) if row_scale else (
+                global_amax if global_amax is not None else x_MK.abs().amax())
+            g = reference.nvfp4_global_scale(amax)
+            codes, block_scales = reference.nvfp4_quantize_reference(x_MK, g, stochastic, key)
+        packed = pack_codes(codes)
+
+    if g is not None:
+        g = g.reshape(*lead, 1) if row_scale else g.reshape(())
+    return QTensor(
+        codes=packed.reshape(*lead, k // 2),
+        block_scales=block_scales.reshape(*lead, k // fmt.block_size),
+        global_scale=g,
+        fmt=fmt,
+        shape=torch.Size(x.shape),
+    )
+
+
+def dequantize(q: QTensor, dtype: torch.dtype = torch.float32, *, backend: str = "auto") -> torch.Tensor:
+    """Values of a QTensor: e2m1(code) * block_scale (* global_scale), in that order.
+
+    Args:
+        q: the quantized tensor.
+        dtype: output dtype; values are computed in float32 and rounded once to `dtype`.
+    Returns:
+        `dtype` tensor of shape `q.shape`.
+    """
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"unsupported output dtype {dtype}; use one of {SUPPORTED_DTYPES}")
+    r = q.rows()
+    g = r.global_scale
+    if _use_triton(q.codes, backend):
+        scale_bytes = r.block_scales.view(torch.uint8) if q.fmt is Format.NVFP4 else r.block_scales
+        g_flat = None if g is None else (g.reshape(-1) if g.dim() else g)
+        out = triton_fp4.dequantize_rows_triton(r.codes.contiguous(), scale_bytes.contiguous(), g_flat, q.fmt, dtype)
+    elif q.fmt is Format.MXFP4:
+        out = reference.mxfp4_dequantize_reference(unpack_codes(r.codes), r.block_scales).to(dtype)
+    else:
+        out = reference.nvfp4_dequantize_reference(unpack_codes(r.codes), r.block_scales, g).to(dtype)
+    return out.reshape(q.shape)
+
+
+def block_saturation_bound(q: QTensor) -> torch.Tensor:
+    """Largest magnitude each block represents without clipping, 6 * scale (* g): float32 [..., B]."""
+    r = q.rows()
+    if q.fmt is Format.MXFP4:
+        u = e8m0_to_float(r.block_scales)
+    else:
+        u = e4m3_to_float(r.block_scales) * r.global_scale
+    return (6.0 * u).reshape(*q.shape[:-1], -1)
+
+
+class _FakeQuantizeSTE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        q = quantize(x, **kwargs)
+        bound = block_saturation_bound(q)
+        xb = x.detach().float().reshape(*bound.shape, q.block_size)
+        ctx.save_for_backward((xb.abs() <= bound.unsqueeze(-1)).reshape(x.shape))
+        return dequantize(q, x.dtype, backend=kwargs.get("backend", "auto"))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inside,) = ctx.saved_tensors
+        return grad * inside, None
+
+
+def fake_quantize(x: torch.Tensor, fmt: str | Format = "nvfp4", scale: str | None = None,
+                  rounding: str = "rne", seed: int | None = None, **kwargs) -> torch.Tensor:
+    """quantize then dequantize back to x.dtype, with a straight-through backward.
+
+    The gradient passes unchanged where |x| is within its block's representable range
+    (6 * block scale * g) and is zero where the element saturated. Arguments as `quantize`.
+
+    Returns:
+        tensor of x's shape and dtype.
+    """
+    kwargs.update(fmt=fmt, scale=scale, rounding=rounding, seed=seed)
+    return _FakeQuantizeSTE.apply(x, kwargs)

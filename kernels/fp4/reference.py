@@ -1,0 +1,171 @@
+"""Torch reference of the FP4 numerics (DESIGN.md section 2); runs on any device.
+
+This is the specification in code: the Triton kernels in `triton_fp4.py` must equal it bit
+for bit. Every step is one IEEE-exact FP32 operation in a fixed order (no reciprocals, no
+fused multiply-adds), so the result does not depend on the device.
+
+Shapes: x_MK rows of the input, g_M1 per-row (or 0-d per-tensor) global scales,
+s_MB block scales, codes_MK unpacked codes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import rng
+from .formats import (
+    E2M1_MAX,
+    E2M1_SIGN_BIT,
+    E4M3_MAX,
+    E4M3_MIN_SUBNORMAL,
+    E8M0_BIAS,
+    E8M0_MAX_EXP,
+    E8M0_MIN_EXP,
+    NVFP4_GLOBAL_DENOM,
+    MXScaleRule,
+    e2m1_magnitude_code_floor,
+    e2m1_magnitude_code_rne,
+    e2m1_magnitude_of_code,
+    e2m1_step_above,
+    e2m1_to_float,
+    e4m3_to_float,
+    e8m0_to_float,
+)
+
+
+def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
+    """Global scale in the decode direction, g = amax / (6 * 448), float32, same shape.
+
+    A zero amax (an all-zero row or tensor) gives g = 1.0; so does an amax so small
+    (< ~3.8e-42) that g underflows to zero, whose elements then all round to zero.
+    """
+    g = amax.to(torch.float32) / NVFP4_GLOBAL_DENOM
+    return torch.where(g == 0, torch.ones_like(g), g)
+
+
+def nvfp4_block_scales(block_amax: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """E4M3 block scales s = e4m3(clamp(block_amax / (6 g), 2**-9, 448)); all-zero blocks get 1.0.
+
+    Args:
+        block_amax: float32 [M, B].
+        g: float32 [M, 1] or 0-d.
+    Returns:
+        float8_e4m3fn [M, B].
+    """
+    t = 6.0 * g
+    s = (block_amax / t).clamp(E4M3_MIN_SUBNORMAL, E4M3_MAX).to(torch.float8_e4m3fn)
+    return torch.where(block_amax == 0, torch.ones_like(s), s)
+
+
+def mxfp4_block_exponents(block_amax: torch.Tensor, rule: MXScaleRule) -> torch.Tensor:
+    """Unbiased power-of-two exponent of each MXFP4 block scale, int32, same shape.
+
+    FLOOR: floor(log2(amax)) - 2. CEIL: ceil(log2(amax / 6)). Both read the exponent from
+    the FP32 bits (exact, no log2), clamp to E8M0's [-127, 127], and give 0 (scale 1) for
+    an all-zero block.
+    """
+    if rule is MXScaleRule.FLOOR:
+        a = block_amax
+    else:
+        a = block_amax / E2M1_MAX
+    bits = a.view(torch.int32)
+    exp_field = (bits >> 23) & 0xFF
+    mantissa = bits & 0x7FFFFF
+    if rule is MXScaleRule.FLOOR:
+        # A subnormal amax has floor(log2) <= -127, which clamps to -127 below anyway.
+        e = torch.where(exp_field == 0, E8M0_MIN_EXP + 2, exp_field - 127) - 2
+    else:
+        e_normal = exp_field - 127 + (mantissa != 0).int()
+        # Subnormal a: ceil(log2 a) is -126 above 2**-127 (bits 0x400000), else <= -127.
+        e_sub = torch.where(bits > 0x400000, -126, E8M0_MIN_EXP)
+        e = torch.where(exp_field == 0, e_sub, e_normal)
+    e = e.clamp(E8M0_MIN_EXP, E8M0_MAX_EXP)
+    return torch.where(block_amax == 0, torch.zeros_like(e), e).to(torch.int32)
+
+
+def round_scaled_to_e2m1(
+    v: torch.Tensor, stochastic: bool = False, index: torch.Tensor | None = None, key: int = 0
+) -> torch.Tensor:
+    """Round scaled float32 values to unpacked E2M1 codes, saturating at +-6.
+
+    RNE by default. Stochastic: with lo <= |v| < hi the neighbouring magnitudes, round up
+    when u < (|v| - lo) / (hi - lo), u the counter-based uniform of the element's flat
+    index; every step is exact (the grid steps are powers of two), so E[value] = v.
+
+    Args:
+        v: float32 [...].
+        index: int64 flat element indices, same shape as v (stochastic only).
+    Returns:
+        uint8 codes 0..15, same shape. Negative values keep the sign bit at magnitude 0.
+    """
+    a = v.abs().clamp(max=E2M1_MAX)
+    if stochastic:
+        lo = e2m1_magnitude_code_floor(a)
+        frac = (a - e2m1_magnitude_of_code(lo)) / e2m1_step_above(lo)
+        u = rng.uniform_from_counter(index, key)
+        mag = lo + (u < frac).int()
+    else:
+        mag = e2m1_magnitude_code_rne(a)
+    return mag.to(torch.uint8) | (torch.signbit(v).to(torch.uint8) * E2M1_SIGN_BIT)
+
+
+def _element_index(m: int, k: int, device: torch.device) -> torch.Tensor:
+    rows = torch.arange(m, device=device, dtype=torch.int64).unsqueeze(1) * k
+    return rows + torch.arange(k, device=device, dtype=torch.int64)
+
+
+def nvfp4_quantize_reference(
+    x_MK: torch.Tensor, g: torch.Tensor, stochastic: bool = False, key: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4 codes and block scales of 2-D rows given their global scale(s).
+
+    Args:
+        x_MK: float32/bfloat16/float16 [M, K], K a multiple of 16, finite.
+        g: float32 global scale, 0-d or [M, 1] (from `nvfp4_global_scale`).
+    Returns:
+        (codes_MK uint8 [M, K] unpacked, s_MB float8_e4m3fn [M, K/16]).
+    """
+    m, k = x_MK.shape
+    x_MBb = x_MK.to(torch.float32).reshape(m, k // 16, 16)
+    s_MB = nvfp4_block_scales(x_MBb.abs().amax(-1), g)
+    u_MB = e4m3_to_float(s_MB) * g
+    v = x_MBb / u_MB.unsqueeze(-1)
+    index = _element_index(m, k, x_MK.device).reshape(m, k // 16, 16) if stochastic else None
+    codes = round_scaled_to_e2m1(v, stochastic, index, key)
+    return codes.reshape(m, k), s_MB
+
+
+def mxfp4_quantize_reference(
+    x_MK: torch.Tensor, rule: MXScaleRule = MXScaleRule.FLOOR, stochastic: bool = False, key: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 codes and E8M0 block scales of 2-D rows.
+
+    Args:
+        x_MK: float32/bfloat16/float16 [M, K], K a multiple of 32, finite.
+    Returns:
+        (codes_MK uint8 [M, K] unpacked, scale bytes uint8 [M, K/32]).
+    """
+    m, k = x_MK.shape
+    x_MBb = x_MK.to(torch.float32).reshape(m, k // 32, 32)
+    e_MB = mxfp4_block_exponents(x_MBb.abs().amax(-1), rule)
+    scale_bytes = (e_MB + E8M0_BIAS).to(torch.uint8)
+    v = x_MBb / e8m0_to_float(scale_bytes).unsqueeze(-1)
+    index = _element_index(m, k, x_MK.device).reshape(m, k // 32, 32) if stochastic else None
+    codes = round_scaled_to_e2m1(v, stochastic, index, key)
+    return codes.reshape(m, k), scale_bytes
+
+
+def nvfp4_dequantize_reference(codes_MK: torch.Tensor, s_MB: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """value = (e2m1(code) * float(s)) * g, float32 [M, K]. Multiplication order is fixed."""
+    m, k = codes_MK.shape
+    vals = e2m1_to_float(codes_MK).reshape(m, k // 16, 16)
+    scaled = vals * e4m3_to_float(s_MB).unsqueeze(-1)
+    g_b = g.unsqueeze(-1) if g.dim() else g
+    return (scaled * g_b).reshape(m, k)
+
+
+def mxfp4_dequantize_reference(codes_MK: torch.Tensor, scale_bytes_MB: torch.Tensor) -> torch.Tensor:
+    """value = e2m1(code) * 2**(byte - 127), float32 [M, K] (exact)."""
+    m, k = codes_MK.shape
+    vals = e2m1_to_float(codes_MK).reshape(m, k // 32, 32)
+    return (vals * e8m0_to_float(scale_bytes_MB).unsqueeze(-1)).reshape(m, k)

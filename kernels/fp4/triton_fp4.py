@@ -1,0 +1,287 @@
+"""Triton kernels for FP4 quantize / dequantize, bit-identical to `reference.py`.
+
+Each kernel repeats the reference's FP32 steps in the same order. Triton's default FP32
+division is approximate, so every division is `tl.div_rn`; FMA contraction is switched off
+at launch (`enable_fp_fusion=False`) so no product is fused into a following add. The
+E4M3 rounding is done with integer and exact float operations instead of an fp8 cast, so
+the same code runs under TRITON_INTERPRET=1 on the CPU (what CI tests) and on the GPU.
+
+One program handles a [BLOCK_M, BLOCK_K] tile of rows and loops over K. Per-row scaling
+needs the row amax first: a single-chunk row keeps its tile in registers, longer rows are
+read twice (the second read mostly hits L2).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .formats import Format, MXScaleRule
+from .reference import nvfp4_global_scale
+
+# Tile of roughly this many elements per program; rows longer than MAX_BLOCK_K loop.
+TILE_ELEMENTS = 8192
+MAX_BLOCK_K = 8192
+
+
+@triton.jit
+def _hash32(x):
+    # lowbias32 on uint32 (see rng.py); multiplication wraps mod 2**32.
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _uniform(index, key):
+    lo = (index & 0xFFFFFFFF).to(tl.uint32)
+    hi = (index >> 32).to(tl.uint32)
+    r = _hash32(lo ^ _hash32(hi ^ key))
+    return (r >> 8).to(tl.float32) * (1.0 / 16777216.0)
+
+
+@triton.jit
+def _e2m1_codes(v, index, key, STOCHASTIC: tl.constexpr):
+    """Unpacked E2M1 codes (uint8) of scaled float32 values, as reference.round_scaled_to_e2m1."""
+    a = tl.minimum(tl.abs(v), 6.0)
+    if STOCHASTIC:
+        lo = (
+            (a >= 0.5).to(tl.int32) + (a >= 1.0).to(tl.int32) + (a >= 1.5).to(tl.int32)
+            + (a >= 2.0).to(tl.int32) + (a >= 3.0).to(tl.int32) + (a >= 4.0).to(tl.int32)
+            + (a >= 6.0).to(tl.int32)
+        )
+        lo_val = tl.where(lo < 4, lo.to(tl.float32) * 0.5,
+                          tl.where(lo == 4, 2.0, tl.where(lo == 5, 3.0, tl.where(lo == 6, 4.0, 6.0))))
+        step = tl.where(lo < 4, 0.5, tl.where(lo < 6, 1.0, 2.0))
+        frac = tl.div_rn(a - lo_val, step)
+        mag = lo + (_uniform(index, key) < frac).to(tl.int32)
+    else:
+        mag = (
+            (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+            + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
+            + (a > 5.0).to(tl.int32)
+        )
+    sign = (v.to(tl.int32, bitcast=True) < 0).to(tl.int32) * 8
+    return (mag | sign).to(tl.uint8)
+
+
+@triton.jit
+def _e4m3_round(v):
+    """RNE of positive float32 v in [2**-9, 448] to E4M3: (value as float32, byte as int32)."""
+    bits = v.to(tl.int32, bitcast=True)
+    exp = (bits >> 23) & 0xFF
+    # Quantum 2**(e-3) for normal E4M3 (3 mantissa bits), 2**-9 for its subnormals. Adding
+    # C = quantum * 2**23 leaves exactly the bits above the quantum; the add rounds RNE.
+    q_exp = tl.maximum(exp - 127 - 3, -9)
+    c = ((q_exp + 23 + 127) << 23).to(tl.float32, bitcast=True)
+    r = (v + c) - c
+    r_bits = r.to(tl.int32, bitcast=True)
+    r_exp = (r_bits >> 23) & 0xFF
+    normal_byte = ((r_exp - 127 + 7) << 3) | ((r_bits >> 20) & 7)
+    sub_byte = (r * 512.0).to(tl.int32)
+    return r, tl.where(r < 0.015625, sub_byte, normal_byte)
+
+
+@triton.jit
+def _mx_exponent(block_amax, CEIL_RULE: tl.constexpr):
+    """Unbiased E8M0 exponent of each block, as reference.mxfp4_block_exponents."""
+    if CEIL_RULE:
+        a = tl.div_rn(block_amax, 6.0)
+    else:
+        a = block_amax
+    bits = a.to(tl.int32, bitcast=True)
+    exp_field = (bits >> 23) & 0xFF
+    if CEIL_RULE:
+        e_normal = exp_field - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+        e_sub = tl.where(bits > 0x400000, -126, -127)
+        e = tl.where(exp_field == 0, e_sub, e_normal)
+    else:
+        e = tl.where(exp_field == 0, -125, exp_field - 127) - 2
+    e = tl.minimum(tl.maximum(e, -127), 127)
+    return tl.where(block_amax == 0, 0, e)
+
+
+@triton.jit
+def _pow2(e):
+    """2.0**e as float32 for integer e in [-127, 127] (2**-127 is the subnormal 0x400000)."""
+    normal = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    return tl.where(e == -127, tl.full(e.shape, 0x400000, tl.int32).to(tl.float32, bitcast=True), normal)
+
+
+@triton.jit(do_not_specialize=["M", "K", "key"])
+def _quantize_kernel(
+    x_ptr, codes_ptr, scales_ptr, g_ptr, bad_ptr, M, K, key,
+    IS_MX: tl.constexpr, ROW_SCALE: tl.constexpr, STOCHASTIC: tl.constexpr, CEIL_RULE: tl.constexpr,
+    BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K_CHUNKS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    cols = tl.arange(0, BLOCK_K)
+    key = key.to(tl.uint32)
+
+    if not IS_MX:
+        if ROW_SCALE:
+            # Pass 1: row amax, with NaN mapped to inf so the row's g becomes non-finite.
+            amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for kc in range(NUM_K_CHUNKS):
+                offs = rows[:, None] * K + (kc * BLOCK_K + cols)[None, :]
+                mask = row_mask[:, None] & ((kc * BLOCK_K + cols) < K)[None, :]
+                xa = tl.abs(tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32))
+                xa = tl.where(xa == xa, xa, float("inf"))
+                amax = tl.maximum(amax, tl.max(xa, axis=1))
+            g = tl.div_rn(amax, 2688.0)
+            g = tl.where(g == 0, 1.0, g)
+            tl.store(g_ptr + rows, g, mask=row_mask)
+            g = g[:, None]
+        else:
+            g = tl.load(g_ptr)
+        t = 6.0 * g
+
+    bad = tl.zeros([BLOCK_M], dtype=tl.int32)
+    for kc in range(NUM_K_CHUNKS):
+        k_idx = kc * BLOCK_K + cols
+        offs = rows[:, None] * K + k_idx[None, :]
+        mask = row_mask[:, None] & (k_idx < K)[None, :]
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        xa = tl.abs(x)
+        bad = tl.maximum(bad, tl.max(((x != x) | (xa == float("inf"))).to(tl.int32), axis=1))
+
+        x3 = tl.reshape(x, [BLOCK_M, BLOCK_K // BS, BS])
+        block_amax = tl.max(tl.reshape(xa, [BLOCK_M, BLOCK_K // BS, BS]), axis=2)
+        if IS_MX:
+            e = _mx_exponent(block_amax, CEIL_RULE)
+            u = _pow2(e)
+            scale_byte = e + 127
+        else:
+            s = tl.minimum(tl.maximum(tl.div_rn(block_amax, t), 0.001953125), 448.0)
+            s, scale_byte = _e4m3_round(s)
+            zero_block = block_amax == 0
+            s = tl.where(zero_block, 1.0, s)
+            scale_byte = tl.where(zero_block, 0x38, scale_byte)  # 0x38 is 1.0 in E4M3
+            u = s * g
+        v = tl.div_rn(x3, u[:, :, None])
+        index = tl.reshape(offs, [BLOCK_M, BLOCK_K // BS, BS])
+        codes = tl.reshape(_e2m1_codes(v, index, key, STOCHASTIC), [BLOCK_M, BLOCK_K // 2, 2])
+        even, odd = tl.split(codes)
+        packed = even | (odd << 4)
+
+        half = kc * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+        tl.store(codes_ptr + rows[:, None] * (K // 2) + half[None, :], packed,
+                 mask=row_mask[:, None] & (half < K // 2)[None, :])
+        blk = kc * (BLOCK_K // BS) + tl.arange(0, BLOCK_K // BS)
+        tl.store(scales_ptr + rows[:, None] * (K // BS) + blk[None, :], scale_byte.to(tl.uint8),
+                 mask=row_mask[:, None] & (blk < K // BS)[None, :])
+    tl.store(bad_ptr + rows, bad.to(tl.uint8), mask=row_mask)
+
+
+@triton.jit(do_not_specialize=["M", "K"])
+def _dequantize_kernel(
+    codes_ptr, scales_ptr, g_ptr, out_ptr, M, K,
+    IS_MX: tl.constexpr, ROW_SCALE: tl.constexpr,
+    BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K_CHUNKS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    if not IS_MX:
+        if ROW_SCALE:
+            g = tl.load(g_ptr + rows, mask=row_mask, other=1.0)[:, None, None]
+        else:
+            g = tl.load(g_ptr)
+    for kc in range(NUM_K_CHUNKS):
+        half = kc * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+        packed = tl.load(codes_ptr + rows[:, None] * (K // 2) + half[None, :],
+                         mask=row_mask[:, None] & (half < K // 2)[None, :], other=0)
+        codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_M, BLOCK_K // BS, BS]).to(tl.int32)
+        mag = codes & 7
+        val = tl.where(mag < 4, mag.to(tl.float32) * 0.5,
+                       tl.where(mag == 4, 2.0, tl.where(mag == 5, 3.0, tl.where(mag == 6, 4.0, 6.0))))
+        val = tl.where(codes >= 8, -val, val)
+        blk = kc * (BLOCK_K // BS) + tl.arange(0, BLOCK_K // BS)
+        sb = tl.load(scales_ptr + rows[:, None] * (K // BS) + blk[None, :],
+                     mask=row_mask[:, None] & (blk < K // BS)[None, :], other=0).to(tl.int32)
+        if IS_MX:
+            out = val * _pow2(sb - 127)[:, :, None]
+        else:
+            s = tl.where(sb >= 8, (((sb >> 3) - 7 + 127) << 23 | ((sb & 7) << 20)).to(tl.float32, bitcast=True),
+                         (sb & 7).to(tl.float32) * 0.001953125)
+            out = (val * s[:, :, None]) * g
+        k_idx = kc * BLOCK_K + tl.arange(0, BLOCK_K)
+        tl.store(out_ptr + rows[:, None] * K + k_idx[None, :],
+                 tl.reshape(out, [BLOCK_M, BLOCK_K]).to(out_ptr.dtype.element_ty),
+                 mask=row_mask[:, None] & (k_idx < K)[None, :])
+
+
+def _tiling(m: int, k: int, bs: int) -> tuple[int, int, int, int]:
+    block_k = max(bs, min(triton.next_power_of_2(k), MAX_BLOCK_K))
+    block_m = max(1, min(TILE_ELEMENTS // block_k, triton.next_power_of_2(m)))
+    num_warps = 8 if block_m * block_k >= 4096 else 4
+    return block_m, block_k, triton.cdiv(k, block_k), num_warps
+
+
+def quantize_rows_triton(
+    x_MK: torch.Tensor,
+    fmt: Format,
+    row_scale: bool,
+    stochastic: bool,
+    key: int,
+    global_amax: torch.Tensor | None,
+    mx_rule: MXScaleRule,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Quantize contiguous 2-D rows with the Triton kernel.
+
+    Args:
+        x_MK: float32/bfloat16/float16 [M, K], contiguous.
+        global_amax: tensor-scaled NVFP4 only: the amax the global scale is computed from.
+    Returns:
+        (packed codes uint8 [M, K/2], block scale bytes uint8 [M, K/bs],
+         global scale float32 ([M] for rows, 0-d for tensor, None for MXFP4),
+         non-finite flag uint8 [M]).
+    """
+    m, k = x_MK.shape
+    bs = fmt.block_size
+    dev = x_MK.device
+    codes = torch.empty((m, k // 2), dtype=torch.uint8, device=dev)
+    scales = torch.empty((m, k // bs), dtype=torch.uint8, device=dev)
+    bad = torch.empty((m,), dtype=torch.uint8, device=dev)
+    is_mx = fmt is Format.MXFP4
+    if is_mx:
+        g = None
+    elif row_scale:
+        g = torch.empty((m,), dtype=torch.float32, device=dev)
+    else:
+        g = nvfp4_global_scale(global_amax)
+    block_m, block_k, chunks, num_warps = _tiling(m, k, bs)
+    _quantize_kernel[(triton.cdiv(m, block_m),)](
+        x_MK, codes, scales, codes if g is None else g, bad, m, k, key,
+        IS_MX=is_mx, ROW_SCALE=row_scale and not is_mx, STOCHASTIC=stochastic,
+        CEIL_RULE=mx_rule is MXScaleRule.CEIL, BS=bs, BLOCK_M=block_m, BLOCK_K=block_k,
+        NUM_K_CHUNKS=chunks, num_warps=num_warps, enable_fp_fusion=False,
+    )
+    return codes, scales, g, bad
+
+
+def dequantize_rows_triton(
+    codes: torch.Tensor, scale_bytes: torch.Tensor, g: torch.Tensor | None, fmt: Format, dtype: torch.dtype
+) -> torch.Tensor:
+    """Dequantize packed rows: codes uint8 [M, K/2], scale bytes uint8 [M, K/bs], g 0-d or [M].
+
+    Returns `dtype` [M, K], equal to the reference's float32 values cast to `dtype`.
+    """
+    m, k = codes.shape[0], codes.shape[1] * 2
+    bs = fmt.block_size
+    out = torch.empty((m, k), dtype=dtype, device=codes.device)
+    block_m, block_k, chunks, num_warps = _tiling(m, k, bs)
+    is_mx = fmt is Format.MXFP4
+    _dequantize_kernel[(triton.cdiv(m, block_m),)](
+        codes, scale_bytes, codes if g is None else g, out, m, k,
+        IS_MX=is_mx, ROW_SCALE=g is not None and g.dim() > 0,
+        BS=bs, BLOCK_M=block_m, BLOCK_K=block_k, NUM_K_CHUNKS=chunks,
+        num_warps=num_warps, enable_fp_fusion=False,
+    )
+    return out
+

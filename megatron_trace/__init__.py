@@ -1,0 +1,1 @@
+"""TRACE trainer side: guidance, Megatron-core integration, RL loop (built up issue by issue)."""
