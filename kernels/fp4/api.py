@@ -185,23 +185,33 @@ def dequantize(q: QTensor, dtype: torch.dtype = torch.float32, *, backend: str =
     return out.reshape(q.shape)
 
 
-def block_saturation_bound(q: QTensor) -> torch.Tensor:
-    """Largest magnitude each block represents without clipping, 6 * scale (* g): float32 [..., B]."""
+# E2M1 would round magnitudes up to 7 (the midpoint to the next binade's 8) down to 6
+# even without saturation; only beyond it does the clamp change the result.
+CLIP_THRESHOLD = 7.0
+
+
+def block_clip_bound(q: QTensor) -> torch.Tensor:
+    """Per block, the magnitude above which saturation (not rounding) sets the value.
+
+    7 * block_scale (* g), float32 [..., B]. Dynamic scales keep every element below it (the
+    E4M3 rounding of a scale moves the block max to at most ~6.4 in scaled units), so only
+    scales given from outside (`global_amax`, guidance) clip.
+    """
     r = q.rows()
     if q.fmt is Format.MXFP4:
         u = e8m0_to_float(r.block_scales)
     else:
         u = e4m3_to_float(r.block_scales) * r.global_scale
-    return (6.0 * u).reshape(*q.shape[:-1], -1)
+    return (CLIP_THRESHOLD * u).reshape(*q.shape[:-1], -1)
 
 
 class _FakeQuantizeSTE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
         q = quantize(x, **kwargs)
-        bound = block_saturation_bound(q)
+        bound = block_clip_bound(q)
         xb = x.detach().float().reshape(*bound.shape, q.block_size)
-        ctx.save_for_backward((xb.abs() <= bound.unsqueeze(-1)).reshape(x.shape))
+        ctx.save_for_backward((xb.abs() < bound.unsqueeze(-1)).reshape(x.shape))
         return dequantize(q, x.dtype, backend=kwargs.get("backend", "auto"))
 
     @staticmethod
@@ -214,8 +224,9 @@ def fake_quantize(x: torch.Tensor, fmt: str | Format = "nvfp4", scale: str | Non
                   rounding: str = "rne", seed: int | None = None, **kwargs) -> torch.Tensor:
     """quantize then dequantize back to x.dtype, with a straight-through backward.
 
-    The gradient passes unchanged where |x| is within its block's representable range
-    (6 * block scale * g) and is zero where the element saturated. Arguments as `quantize`.
+    The gradient passes unchanged where the element was rounded and is zero where it was
+    clipped: |x| >= 7 * block scale * g, beyond the rounding range of the largest code 6
+    (see `block_clip_bound`). Arguments as `quantize`.
 
     Returns:
         tensor of x's shape and dtype.

@@ -111,6 +111,17 @@ def _pow2(e):
     return tl.where(e == -127, tl.full(e.shape, 0x400000, tl.int32).to(tl.float32, bitcast=True), normal)
 
 
+@triton.jit
+def _bf16_rne(x):
+    """float32 -> bfloat16, round to nearest even, by integer ops (finite x).
+
+    Spelled out because Triton's interpreter truncates in `.to(tl.bfloat16)`.
+    """
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
 @triton.jit(do_not_specialize=["M", "K", "key"])
 def _quantize_kernel(
     x_ptr, codes_ptr, scales_ptr, g_ptr, bad_ptr, M, K, key,
@@ -200,7 +211,8 @@ def _dequantize_kernel(
         mag = codes & 7
         val = tl.where(mag < 4, mag.to(tl.float32) * 0.5,
                        tl.where(mag == 4, 2.0, tl.where(mag == 5, 3.0, tl.where(mag == 6, 4.0, 6.0))))
-        val = tl.where(codes >= 8, -val, val)
+        # Sign by bit, so code 8 decodes to -0.0 (the interpreter's `-x` gives +0.0).
+        val = (val.to(tl.int32, bitcast=True) | ((codes & 8) << 28)).to(tl.float32, bitcast=True)
         blk = kc * (BLOCK_K // BS) + tl.arange(0, BLOCK_K // BS)
         sb = tl.load(scales_ptr + rows[:, None] * (K // BS) + blk[None, :],
                      mask=row_mask[:, None] & (blk < K // BS)[None, :], other=0).to(tl.int32)
@@ -210,9 +222,13 @@ def _dequantize_kernel(
             s = tl.where(sb >= 8, (((sb >> 3) - 7 + 127) << 23 | ((sb & 7) << 20)).to(tl.float32, bitcast=True),
                          (sb & 7).to(tl.float32) * 0.001953125)
             out = (val * s[:, :, None]) * g
+        out = tl.reshape(out, [BLOCK_M, BLOCK_K])
+        if out_ptr.dtype.element_ty == tl.bfloat16:
+            out = _bf16_rne(out)
+        else:
+            out = out.to(out_ptr.dtype.element_ty)
         k_idx = kc * BLOCK_K + tl.arange(0, BLOCK_K)
-        tl.store(out_ptr + rows[:, None] * K + k_idx[None, :],
-                 tl.reshape(out, [BLOCK_M, BLOCK_K]).to(out_ptr.dtype.element_ty),
+        tl.store(out_ptr + rows[:, None] * K + k_idx[None, :], out,
                  mask=row_mask[:, None] & (k_idx < K)[None, :])
 
 

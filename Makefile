@@ -1,0 +1,35 @@
+# Two commands set up everything on a fresh machine:
+#   make demo   runs the main job on its embedded default
+#   make test   runs the test suite
+# Each creates (or reuses) the virtual environment .venv and installs what it needs,
+# torch==2.13.0 first (a CPU build where one is on disk; PyPI's CUDA build elsewhere).
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install --quiet --disable-pip-version-check
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: demo test clean
+
+$(VENV)/.torch:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) $(TORCH_SPEC)
+	touch $@
+
+$(VENV)/.base: $(VENV)/.torch setup.cfg pyproject.toml
+	$(PIP) -e .
+	touch $@
+
+$(VENV)/.test: $(VENV)/.base
+	$(PIP) -e '.[test]'
+	touch $@
+
+demo: $(VENV)/.base
+	$(PY) bench/fp4_quantize.py
+
+test: $(VENV)/.test
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,179 @@
+"""FP4 quantizer self-check and throughput, on whatever device is present.
+
+Self-check: the Triton kernels (on CUDA, or under TRITON_INTERPRET=1 on the CPU) against
+the torch reference, bit for bit, for every format and mode.
+
+Throughput: quantize and dequantize of bf16 tensors, as achieved bytes/s (bf16 read once,
+codes and scales written once; the reverse for dequantize) over the device-copy bandwidth
+measured in the same run, beside the torch reference and torchao's NVFP4 quantizer.
+
+    python bench/fp4_quantize.py                      # self-check + table for this device
+    python bench/fp4_quantize.py --record             # also write bench/results/fp4_quantize_*.{md,json}
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():  # must precede the kernels' definition
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from tqdm import tqdm  # noqa: E402
+
+from trace_kernels.fp4 import dequantize, quantize  # noqa: E402
+
+CASES = [("nvfp4", "row"), ("nvfp4", "tensor"), ("mxfp4", None)]
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def self_check(device: str) -> list[str]:
+    """Triton vs torch reference on one tensor per case; returns failure descriptions."""
+    shape = (2048, 4096) if device == "cuda" else (64, 512)
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(shape, generator=g) * torch.exp(0.8 * torch.randn(1, shape[1], generator=g))).bfloat16().to(device)
+    failures = []
+    for fmt, scale in CASES:
+        for rounding in ("rne", "stochastic"):
+            seed = 7 if rounding == "stochastic" else None
+            a = quantize(x, fmt, scale, rounding, seed, backend="torch")
+            b = quantize(x, fmt, scale, rounding, seed, backend="triton")
+            same = torch.equal(a.codes, b.codes) and torch.equal(
+                a.block_scales.view(torch.uint8), b.block_scales.view(torch.uint8))
+            if a.global_scale is not None:
+                same = same and torch.equal(a.global_scale, b.global_scale)
+            da = dequantize(a, torch.bfloat16, backend="torch")
+            db = dequantize(a, torch.bfloat16, backend="triton")
+            same = same and torch.equal(da.view(torch.int16), db.view(torch.int16))
+            if not same:
+                failures.append(f"{fmt}/{scale}/{rounding}")
+    return failures
+
+
+def time_fn(fn, device: str) -> float:
+    """Median seconds per call."""
+    if device == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") / 1e3
+    fn()
+    samples = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def copy_bandwidth(device: str) -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    n = 1 << 30 if device == "cuda" else 1 << 26
+    src = torch.empty(n, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    return 2 * n / time_fn(lambda: dst.copy_(src), device)
+
+
+def torchao_quantizer():
+    try:
+        from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize, per_tensor_amax_to_scale
+    except Exception:  # noqa: BLE001 - optional comparison; any import failure means "not available"
+        return None
+
+    def run(x):
+        return nvfp4_quantize(x, per_tensor_scale=per_tensor_amax_to_scale(x.abs().amax()))
+
+    return run
+
+
+def quantized_bytes(m: int, k: int, fmt: str, scale: str | None) -> int:
+    bs = 16 if fmt == "nvfp4" else 32
+    g = {"row": 4 * m, "tensor": 4}.get(scale, 0)
+    return m * k // 2 + m * k // bs + g
+
+
+def run(sizes: list[tuple[int, int]], device: str) -> tuple[float, list[dict]]:
+    bw = copy_bandwidth(device)
+    ao = torchao_quantizer()
+    rows = []
+    jobs = [(m, k, fmt, scale) for m, k in sizes for fmt, scale in CASES]
+    for m, k, fmt, scale in tqdm(jobs, desc="fp4 bench", file=sys.stderr):
+        x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        qbytes = quantized_bytes(m, k, fmt, scale)
+        q_bytes, dq_bytes = 2 * m * k + qbytes, qbytes + 2 * m * k
+        row = {"shape": f"{m}x{k}", "fmt": fmt, "scale": scale or "-"}
+        impls = {"torch_ref": "torch"}
+        if device == "cuda":
+            impls["triton"] = "triton"
+        for name, backend in impls.items():
+            t = time_fn(lambda: quantize(x, fmt, scale, backend=backend), device)
+            row[f"quantize_{name}_us"] = t * 1e6
+            row[f"quantize_{name}_frac"] = q_bytes / t / bw
+            q = quantize(x, fmt, scale, backend=backend)
+            t = time_fn(lambda: dequantize(q, torch.bfloat16, backend=backend), device)
+            row[f"dequantize_{name}_us"] = t * 1e6
+            row[f"dequantize_{name}_frac"] = dq_bytes / t / bw
+        if ao is not None and fmt == "nvfp4" and scale == "tensor":
+            t = time_fn(lambda: ao(x), device)
+            row["quantize_torchao_us"] = t * 1e6
+            row["quantize_torchao_frac"] = q_bytes / t / bw
+        rows.append(row)
+    return bw, rows
+
+
+def table(rows: list[dict]) -> str:
+    cols = ["shape", "fmt", "scale"]
+    for key in ("quantize_triton", "quantize_torch_ref", "quantize_torchao", "dequantize_triton", "dequantize_torch_ref"):
+        if any(f"{key}_us" in r for r in rows):
+            cols += [f"{key}_us", f"{key}_frac"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        cells = []
+        for c in cols:
+            v = r.get(c, "")
+            cells.append(f"{v:.3f}" if c.endswith("_frac") and v != "" else f"{v:.1f}" if isinstance(v, float) else str(v))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default=None, help="comma list of MxK (default: by device)")
+    ap.add_argument("--record", action="store_true", help="write the table under bench/results/")
+    args = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    default = "1024x1024,4096x4096,8192x8192" if device == "cuda" else "256x1024,1024x1024,2048x2048"
+    sizes = [tuple(int(v) for v in s.split("x")) for s in (args.sizes or default).split(",")]
+
+    failures = self_check(device)
+    print(f"self-check on {name}: " + ("PASS (Triton == torch reference, bit for bit)" if not failures else f"FAIL {failures}"))
+    bw, rows = run(sizes, device)
+    date = datetime.date.today().isoformat()
+    header = (f"# FP4 quantize / dequantize throughput\n\n{date}, {name}, torch {torch.__version__}. "
+              f"Measured copy bandwidth (read + write): {bw / 1e12:.3f} TB/s. `_frac` = achieved bytes/s "
+              f"over it (bf16 in, packed codes + scales out, counted once).\n\n"
+              f"Command: `python bench/fp4_quantize.py --record{' --sizes ' + args.sizes if args.sizes else ''}`\n")
+    text = header + "\n" + table(rows) + "\n"
+    print(text)
+    if args.record:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        tag = f"fp4_quantize_{date}_{'h200' if 'H200' in name else device}"
+        (RESULTS / f"{tag}.md").write_text(text)
+        (RESULTS / f"{tag}.json").write_text(json.dumps(
+            {"date": date, "device": name, "copy_bytes_per_s": bw, "rows": rows}, indent=1))
+        print(f"wrote {RESULTS / tag}.md/.json")
+    if failures:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

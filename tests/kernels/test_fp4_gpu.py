@@ -1,0 +1,54 @@
+"""The Triton kernels on a real GPU against the torch reference on the CPU, on large tensors.
+
+Needs CUDA: run on the GPU machine (bench/results/ records the runs); CI has no GPU and runs
+the same kernels under the interpreter in test_fp4_quantize.py.
+"""
+
+import pytest
+import torch
+
+from trace_kernels.fp4 import dequantize, quantize
+
+from .helpers import assert_bitwise_equal, assert_same_qtensor, heavy_tailed
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+CASES = [("nvfp4", "tensor"), ("nvfp4", "row"), ("mxfp4", None)]
+
+
+def extreme_rows(m, k, seed):
+    """Heavy tails plus rows and blocks spanning float32's range, zeros and subnormal scales."""
+    x = heavy_tailed(m, k, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    x *= torch.exp2(torch.randint(-60, 60, (m, 1), generator=g).float())
+    x[::97] = 0.0
+    x[1::13, :64] *= 2.0**-24
+    return x
+
+
+@pytest.mark.parametrize("fmt, scale", CASES)
+@pytest.mark.parametrize("rounding", ["rne", "stochastic"])
+@pytest.mark.parametrize("shape, dtype", [((4096, 8192), torch.bfloat16), ((3000, 5120), torch.float32), ((64, 65536), torch.bfloat16)])
+def test_gpu_kernel_equals_cpu_reference(fmt, scale, rounding, shape, dtype):
+    x = extreme_rows(*shape, seed=shape[0]).to(dtype)
+    seed = 1234 if rounding == "stochastic" else None
+    ref = quantize(x, fmt, scale, rounding, seed, backend="torch")
+    gpu = quantize(x.cuda(), fmt, scale, rounding, seed, backend="triton").to("cpu")
+    assert_same_qtensor(ref, gpu)
+    assert_bitwise_equal(dequantize(ref, dtype, backend="torch"), dequantize(gpu.to("cuda"), dtype, backend="triton").cpu())
+
+
+def test_gpu_reference_path_equals_cpu_reference():
+    """The torch reference itself gives the same bytes on the GPU as on the CPU."""
+    x = extreme_rows(1024, 4096, seed=5).bfloat16()
+    for fmt, scale in CASES:
+        assert_same_qtensor(quantize(x, fmt, scale, backend="torch"),
+                            quantize(x.cuda(), fmt, scale, backend="torch").to("cpu"))
+
+
+def test_gpu_rejects_nonfinite():
+    x = torch.randn(256, 1024, device="cuda")
+    x[100, 7] = float("nan")
+    for fmt, scale in CASES:
+        with pytest.raises(ValueError, match="NaN or Inf"):
+            quantize(x, fmt, scale)
