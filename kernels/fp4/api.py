@@ -122,6 +122,8 @@ def quantize(
             raise ValueError("global_amax applies only to nvfp4 with scale='tensor'")
         if global_amax.dim() != 0 or not torch.isfinite(global_amax) or global_amax < 0:
             raise ValueError(f"global_amax must be a finite non-negative 0-d tensor, got {global_amax}")
+        # On x's device: a CPU 0-d divisor would be a CUDA scalar, divided by reciprocal.
+        global_amax = global_amax.to(x.device, torch.float32)
 
     lead, k = x.shape[:-1], x.shape[-1]
     x_MK = x.reshape(-1, k).contiguous()

@@ -126,13 +126,21 @@ def e4m3_to_float(scales: torch.Tensor) -> torch.Tensor:
 def e8m0_to_float(scales: torch.Tensor) -> torch.Tensor:
     """E8M0 scale bytes (uint8, 0..254; 255 is NaN) to float32 powers of two, same shape.
 
-    Exact for every byte, the subnormal-range 2**-127 included (computed as two exact
-    multiplications so that no intermediate underflows).
+    Built from the float32 bit pattern (exponent field = byte), so it is exact on every
+    device; byte 0 is 2**-127, the float32 subnormal 0x00400000.
     """
     if scales.dtype != torch.uint8:
         raise ValueError(f"E8M0 scales must be uint8, got {scales.dtype}")
-    e = scales.to(torch.int32) - E8M0_BIAS
-    half = torch.div(e, 2, rounding_mode="floor")
-    two = torch.tensor(2.0, device=scales.device)
-    out = torch.pow(two, half.float()) * torch.pow(two, (e - half).float())
-    return torch.where(scales == 255, torch.tensor(float("nan"), device=scales.device), out)
+    b = scales.to(torch.int32)
+    bits = torch.where(b == 0, 0x00400000, b << 23)
+    bits = torch.where(b == 255, 0x7FC00000, bits)
+    return bits.view(torch.float32)
+
+
+def div_exact(a: torch.Tensor, divisor: float) -> torch.Tensor:
+    """a / divisor as an IEEE division on every device.
+
+    PyTorch's CUDA kernels turn division by a Python scalar into multiplication by its
+    reciprocal, which can differ in the last bit; dividing by a same-device tensor does not.
+    """
+    return a / torch.full_like(a, divisor)

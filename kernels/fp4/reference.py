@@ -27,6 +27,7 @@ from .formats import (
     e2m1_magnitude_code_rne,
     e2m1_magnitude_of_code,
     e2m1_step_above,
+    div_exact,
     e2m1_to_float,
     e4m3_to_float,
     e8m0_to_float,
@@ -39,7 +40,7 @@ def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
     A zero amax (an all-zero row or tensor) gives g = 1.0; so does an amax so small
     (< ~3.8e-42) that g underflows to zero, whose elements then all round to zero.
     """
-    g = amax.to(torch.float32) / NVFP4_GLOBAL_DENOM
+    g = div_exact(amax.to(torch.float32), NVFP4_GLOBAL_DENOM)
     return torch.where(g == 0, torch.ones_like(g), g)
 
 
@@ -67,7 +68,7 @@ def mxfp4_block_exponents(block_amax: torch.Tensor, rule: MXScaleRule) -> torch.
     if rule is MXScaleRule.FLOOR:
         a = block_amax
     else:
-        a = block_amax / E2M1_MAX
+        a = div_exact(block_amax, E2M1_MAX)
     bits = a.view(torch.int32)
     exp_field = (bits >> 23) & 0xFF
     mantissa = bits & 0x7FFFFF

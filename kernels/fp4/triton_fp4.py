@@ -6,9 +6,11 @@ at launch (`enable_fp_fusion=False`) so no product is fused into a following add
 E4M3 rounding is done with integer and exact float operations instead of an fp8 cast, so
 the same code runs under TRITON_INTERPRET=1 on the CPU (what CI tests) and on the GPU.
 
-One program handles a [BLOCK_M, BLOCK_K] tile of rows and loops over K. Per-row scaling
-needs the row amax first: a single-chunk row keeps its tile in registers, longer rows are
-read twice (the second read mostly hits L2).
+The tensor is viewed as NB = M*K/bs consecutive blocks; a program takes a [BLOCK_B, bs]
+tile of them (contiguous in memory, so loads are wide and coalesced) and never needs to
+know where rows start, except to find a block's global scale. Per-row scaling computes the
+row amax in the same program when a program holds one whole row (G_ROW_AMAX); longer rows
+get their amax from a torch reduction first and use the per-row path (G_ROW).
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ import triton.language as tl
 from .formats import Format, MXScaleRule
 from .reference import nvfp4_global_scale
 
-# Tile of roughly this many elements per program; rows longer than MAX_BLOCK_K loop.
-TILE_ELEMENTS = 8192
-MAX_BLOCK_K = 8192
+# How the kernel finds each block's global scale.
+G_NONE, G_TENSOR, G_ROW, G_ROW_AMAX = 0, 1, 2, 3
+# Elements per program for the flat tiles; rows up to MAX_ROW_ELEMENTS get one program each.
+TILE_ELEMENTS = 4096
+MAX_ROW_ELEMENTS = 16384
 
 
 @triton.jit
@@ -111,6 +115,59 @@ def _pow2(e):
     return tl.where(e == -127, tl.full(e.shape, 0x400000, tl.int32).to(tl.float32, bitcast=True), normal)
 
 
+@triton.jit(do_not_specialize=["NB", "BPR", "key"])
+def _quantize_kernel(
+    x_ptr, codes_ptr, scales_ptr, g_ptr, bad_ptr, NB, BPR, key,
+    IS_MX: tl.constexpr, G_MODE: tl.constexpr, STOCHASTIC: tl.constexpr, CEIL_RULE: tl.constexpr,
+    BS: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    """Quantize NB blocks of BS elements; BPR blocks per row. One [BLOCK_B, BS] tile per program."""
+    pid = tl.program_id(0).to(tl.int64)
+    key = key.to(tl.uint32)
+    if G_MODE == 3:  # G_ROW_AMAX: this program is row `pid`
+        b_idx = pid * BPR + tl.arange(0, BLOCK_B)
+        b_mask = tl.arange(0, BLOCK_B) < BPR
+    else:
+        b_idx = pid * BLOCK_B + tl.arange(0, BLOCK_B)
+        b_mask = b_idx < NB
+    j = tl.arange(0, BS)
+    offs = b_idx[:, None] * BS + j[None, :]
+    mask = b_mask[:, None]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    xa = tl.abs(x)
+    bad = tl.max(tl.max(((x != x) | (xa == float("inf"))).to(tl.int32), axis=1), axis=0)
+    tl.store(bad_ptr + pid, bad.to(tl.uint8))
+    block_amax = tl.max(xa, axis=1)
+
+    if IS_MX:
+        e = _mx_exponent(block_amax, CEIL_RULE)
+        u = _pow2(e)
+        scale_byte = e + 127
+    else:
+        if G_MODE == 1:
+            g = tl.load(g_ptr)
+        elif G_MODE == 2:
+            g = tl.load(g_ptr + b_idx // BPR, mask=b_mask, other=1.0)
+        else:
+            row_amax = tl.max(tl.where(block_amax == block_amax, block_amax, float("inf")), axis=0)
+            g = tl.div_rn(row_amax, 2688.0)
+            g = tl.where(g == 0, 1.0, g)
+            tl.store(g_ptr + pid, g)
+        t = 6.0 * g
+        s = tl.minimum(tl.maximum(tl.div_rn(block_amax, t), 0.001953125), 448.0)
+        s, scale_byte = _e4m3_round(s)
+        zero_block = block_amax == 0
+        s = tl.where(zero_block, 1.0, s)
+        scale_byte = tl.where(zero_block, 0x38, scale_byte)  # 0x38 is 1.0 in E4M3
+        u = s * g
+    v = tl.div_rn(x, u[:, None])
+    codes = _e2m1_codes(v, offs, key, STOCHASTIC)
+    even, odd = tl.split(tl.reshape(codes, [BLOCK_B, BS // 2, 2]))
+    jh = tl.arange(0, BS // 2)
+    tl.store(codes_ptr + b_idx[:, None] * (BS // 2) + jh[None, :], even | (odd << 4), mask=mask)
+    tl.store(scales_ptr + b_idx, scale_byte.to(tl.uint8), mask=b_mask)
+
+
 @triton.jit
 def _bf16_rne(x):
     """float32 -> bfloat16, round to nearest even, by integer ops (finite x).
@@ -122,121 +179,45 @@ def _bf16_rne(x):
     return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
-@triton.jit(do_not_specialize=["M", "K", "key"])
-def _quantize_kernel(
-    x_ptr, codes_ptr, scales_ptr, g_ptr, bad_ptr, M, K, key,
-    IS_MX: tl.constexpr, ROW_SCALE: tl.constexpr, STOCHASTIC: tl.constexpr, CEIL_RULE: tl.constexpr,
-    BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K_CHUNKS: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < M
-    cols = tl.arange(0, BLOCK_K)
-    key = key.to(tl.uint32)
-
-    if not IS_MX:
-        if ROW_SCALE:
-            # Pass 1: row amax, with NaN mapped to inf so the row's g becomes non-finite.
-            amax = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for kc in range(NUM_K_CHUNKS):
-                offs = rows[:, None] * K + (kc * BLOCK_K + cols)[None, :]
-                mask = row_mask[:, None] & ((kc * BLOCK_K + cols) < K)[None, :]
-                xa = tl.abs(tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32))
-                xa = tl.where(xa == xa, xa, float("inf"))
-                amax = tl.maximum(amax, tl.max(xa, axis=1))
-            g = tl.div_rn(amax, 2688.0)
-            g = tl.where(g == 0, 1.0, g)
-            tl.store(g_ptr + rows, g, mask=row_mask)
-            g = g[:, None]
-        else:
-            g = tl.load(g_ptr)
-        t = 6.0 * g
-
-    bad = tl.zeros([BLOCK_M], dtype=tl.int32)
-    for kc in range(NUM_K_CHUNKS):
-        k_idx = kc * BLOCK_K + cols
-        offs = rows[:, None] * K + k_idx[None, :]
-        mask = row_mask[:, None] & (k_idx < K)[None, :]
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        xa = tl.abs(x)
-        bad = tl.maximum(bad, tl.max(((x != x) | (xa == float("inf"))).to(tl.int32), axis=1))
-
-        x3 = tl.reshape(x, [BLOCK_M, BLOCK_K // BS, BS])
-        block_amax = tl.max(tl.reshape(xa, [BLOCK_M, BLOCK_K // BS, BS]), axis=2)
-        if IS_MX:
-            e = _mx_exponent(block_amax, CEIL_RULE)
-            u = _pow2(e)
-            scale_byte = e + 127
-        else:
-            s = tl.minimum(tl.maximum(tl.div_rn(block_amax, t), 0.001953125), 448.0)
-            s, scale_byte = _e4m3_round(s)
-            zero_block = block_amax == 0
-            s = tl.where(zero_block, 1.0, s)
-            scale_byte = tl.where(zero_block, 0x38, scale_byte)  # 0x38 is 1.0 in E4M3
-            u = s * g
-        v = tl.div_rn(x3, u[:, :, None])
-        index = tl.reshape(offs, [BLOCK_M, BLOCK_K // BS, BS])
-        codes = tl.reshape(_e2m1_codes(v, index, key, STOCHASTIC), [BLOCK_M, BLOCK_K // 2, 2])
-        even, odd = tl.split(codes)
-        packed = even | (odd << 4)
-
-        half = kc * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
-        tl.store(codes_ptr + rows[:, None] * (K // 2) + half[None, :], packed,
-                 mask=row_mask[:, None] & (half < K // 2)[None, :])
-        blk = kc * (BLOCK_K // BS) + tl.arange(0, BLOCK_K // BS)
-        tl.store(scales_ptr + rows[:, None] * (K // BS) + blk[None, :], scale_byte.to(tl.uint8),
-                 mask=row_mask[:, None] & (blk < K // BS)[None, :])
-    tl.store(bad_ptr + rows, bad.to(tl.uint8), mask=row_mask)
-
-
-@triton.jit(do_not_specialize=["M", "K"])
+@triton.jit(do_not_specialize=["NB", "BPR"])
 def _dequantize_kernel(
-    codes_ptr, scales_ptr, g_ptr, out_ptr, M, K,
-    IS_MX: tl.constexpr, ROW_SCALE: tl.constexpr,
-    BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K_CHUNKS: tl.constexpr,
+    codes_ptr, scales_ptr, g_ptr, out_ptr, NB, BPR,
+    IS_MX: tl.constexpr, G_MODE: tl.constexpr, BS: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < M
-    if not IS_MX:
-        if ROW_SCALE:
-            g = tl.load(g_ptr + rows, mask=row_mask, other=1.0)[:, None, None]
-        else:
+    """value = (e2m1(code) * scale) * g for NB blocks, one [BLOCK_B, BS] tile per program."""
+    pid = tl.program_id(0).to(tl.int64)
+    b_idx = pid * BLOCK_B + tl.arange(0, BLOCK_B)
+    b_mask = b_idx < NB
+    jh = tl.arange(0, BS // 2)
+    packed = tl.load(codes_ptr + b_idx[:, None] * (BS // 2) + jh[None, :], mask=b_mask[:, None], other=0)
+    codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_B, BS]).to(tl.int32)
+    mag = codes & 7
+    val = tl.where(mag < 4, mag.to(tl.float32) * 0.5,
+                   tl.where(mag == 4, 2.0, tl.where(mag == 5, 3.0, tl.where(mag == 6, 4.0, 6.0))))
+    # Sign by bit, so code 8 decodes to -0.0 (the interpreter's `-x` gives +0.0).
+    val = (val.to(tl.int32, bitcast=True) | ((codes & 8) << 28)).to(tl.float32, bitcast=True)
+    sb = tl.load(scales_ptr + b_idx, mask=b_mask, other=0).to(tl.int32)
+    if IS_MX:
+        out = val * _pow2(sb - 127)[:, None]
+    else:
+        s = tl.where(sb >= 8, (((sb >> 3) - 7 + 127) << 23 | ((sb & 7) << 20)).to(tl.float32, bitcast=True),
+                     (sb & 7).to(tl.float32) * 0.001953125)
+        if G_MODE == 1:
             g = tl.load(g_ptr)
-    for kc in range(NUM_K_CHUNKS):
-        half = kc * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
-        packed = tl.load(codes_ptr + rows[:, None] * (K // 2) + half[None, :],
-                         mask=row_mask[:, None] & (half < K // 2)[None, :], other=0)
-        codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_M, BLOCK_K // BS, BS]).to(tl.int32)
-        mag = codes & 7
-        val = tl.where(mag < 4, mag.to(tl.float32) * 0.5,
-                       tl.where(mag == 4, 2.0, tl.where(mag == 5, 3.0, tl.where(mag == 6, 4.0, 6.0))))
-        # Sign by bit, so code 8 decodes to -0.0 (the interpreter's `-x` gives +0.0).
-        val = (val.to(tl.int32, bitcast=True) | ((codes & 8) << 28)).to(tl.float32, bitcast=True)
-        blk = kc * (BLOCK_K // BS) + tl.arange(0, BLOCK_K // BS)
-        sb = tl.load(scales_ptr + rows[:, None] * (K // BS) + blk[None, :],
-                     mask=row_mask[:, None] & (blk < K // BS)[None, :], other=0).to(tl.int32)
-        if IS_MX:
-            out = val * _pow2(sb - 127)[:, :, None]
         else:
-            s = tl.where(sb >= 8, (((sb >> 3) - 7 + 127) << 23 | ((sb & 7) << 20)).to(tl.float32, bitcast=True),
-                         (sb & 7).to(tl.float32) * 0.001953125)
-            out = (val * s[:, :, None]) * g
-        out = tl.reshape(out, [BLOCK_M, BLOCK_K])
-        if out_ptr.dtype.element_ty == tl.bfloat16:
-            out = _bf16_rne(out)
-        else:
-            out = out.to(out_ptr.dtype.element_ty)
-        k_idx = kc * BLOCK_K + tl.arange(0, BLOCK_K)
-        tl.store(out_ptr + rows[:, None] * K + k_idx[None, :], out,
-                 mask=row_mask[:, None] & (k_idx < K)[None, :])
+            g = tl.load(g_ptr + b_idx // BPR, mask=b_mask, other=1.0)[:, None]
+        out = (val * s[:, None]) * g
+    if out_ptr.dtype.element_ty == tl.bfloat16:
+        out = _bf16_rne(out)
+    else:
+        out = out.to(out_ptr.dtype.element_ty)
+    j = tl.arange(0, BS)
+    tl.store(out_ptr + b_idx[:, None] * BS + j[None, :], out, mask=b_mask[:, None])
 
 
-def _tiling(m: int, k: int, bs: int) -> tuple[int, int, int, int]:
-    block_k = max(bs, min(triton.next_power_of_2(k), MAX_BLOCK_K))
-    block_m = max(1, min(TILE_ELEMENTS // block_k, triton.next_power_of_2(m)))
-    num_warps = 8 if block_m * block_k >= 4096 else 4
-    return block_m, block_k, triton.cdiv(k, block_k), num_warps
+def _flat_grid(nb: int, bs: int) -> tuple[int, int]:
+    block_b = max(1, min(TILE_ELEMENTS // bs, triton.next_power_of_2(nb)))
+    return block_b, triton.cdiv(nb, block_b)
 
 
 def quantize_rows_triton(
@@ -256,27 +237,34 @@ def quantize_rows_triton(
     Returns:
         (packed codes uint8 [M, K/2], block scale bytes uint8 [M, K/bs],
          global scale float32 ([M] for rows, 0-d for tensor, None for MXFP4),
-         non-finite flag uint8 [M]).
+         non-finite flag uint8 per program).
     """
     m, k = x_MK.shape
     bs = fmt.block_size
+    nb, bpr = m * k // bs, k // bs
     dev = x_MK.device
     codes = torch.empty((m, k // 2), dtype=torch.uint8, device=dev)
-    scales = torch.empty((m, k // bs), dtype=torch.uint8, device=dev)
-    bad = torch.empty((m,), dtype=torch.uint8, device=dev)
-    is_mx = fmt is Format.MXFP4
-    if is_mx:
-        g = None
-    elif row_scale:
-        g = torch.empty((m,), dtype=torch.float32, device=dev)
+    scales = torch.empty((m, bpr), dtype=torch.uint8, device=dev)
+    if fmt is Format.MXFP4:
+        g, g_mode = None, G_NONE
+    elif not row_scale:
+        g, g_mode = nvfp4_global_scale(global_amax.to(dev)), G_TENSOR
+    elif k <= MAX_ROW_ELEMENTS:
+        g, g_mode = torch.empty((m,), dtype=torch.float32, device=dev), G_ROW_AMAX
+    else:  # long rows: amax by a torch reduction (exact), then the per-row path
+        row_amax = torch.linalg.vector_norm(x_MK, float("inf"), dim=-1, dtype=torch.float32)
+        g, g_mode = nvfp4_global_scale(row_amax), G_ROW
+    if g_mode == G_ROW_AMAX:
+        block_b, grid = triton.next_power_of_2(bpr), m
     else:
-        g = nvfp4_global_scale(global_amax)
-    block_m, block_k, chunks, num_warps = _tiling(m, k, bs)
-    _quantize_kernel[(triton.cdiv(m, block_m),)](
-        x_MK, codes, scales, codes if g is None else g, bad, m, k, key,
-        IS_MX=is_mx, ROW_SCALE=row_scale and not is_mx, STOCHASTIC=stochastic,
-        CEIL_RULE=mx_rule is MXScaleRule.CEIL, BS=bs, BLOCK_M=block_m, BLOCK_K=block_k,
-        NUM_K_CHUNKS=chunks, num_warps=num_warps, enable_fp_fusion=False,
+        block_b, grid = _flat_grid(nb, bs)
+    num_warps = 8 if block_b * bs >= 4096 else 4
+    bad = torch.empty((grid,), dtype=torch.uint8, device=dev)
+    _quantize_kernel[(grid,)](
+        x_MK, codes, scales, codes if g is None else g, bad, nb, bpr, key,
+        IS_MX=g_mode == G_NONE, G_MODE=g_mode, STOCHASTIC=stochastic,
+        CEIL_RULE=mx_rule is MXScaleRule.CEIL, BS=bs, BLOCK_B=block_b,
+        num_warps=num_warps, enable_fp_fusion=False,
     )
     return codes, scales, g, bad
 
@@ -290,14 +278,13 @@ def dequantize_rows_triton(
     """
     m, k = codes.shape[0], codes.shape[1] * 2
     bs = fmt.block_size
+    nb = m * k // bs
     out = torch.empty((m, k), dtype=dtype, device=codes.device)
-    block_m, block_k, chunks, num_warps = _tiling(m, k, bs)
-    is_mx = fmt is Format.MXFP4
-    _dequantize_kernel[(triton.cdiv(m, block_m),)](
-        codes, scale_bytes, codes if g is None else g, out, m, k,
-        IS_MX=is_mx, ROW_SCALE=g is not None and g.dim() > 0,
-        BS=bs, BLOCK_M=block_m, BLOCK_K=block_k, NUM_K_CHUNKS=chunks,
-        num_warps=num_warps, enable_fp_fusion=False,
+    block_b, grid = _flat_grid(nb, bs)
+    g_mode = G_NONE if g is None else (G_ROW if g.dim() else G_TENSOR)
+    _dequantize_kernel[(grid,)](
+        codes, scale_bytes, codes if g is None else g, out, nb, k // bs,
+        IS_MX=g_mode == G_NONE, G_MODE=g_mode, BS=bs, BLOCK_B=block_b,
+        num_warps=8 if block_b * bs >= 4096 else 4, enable_fp_fusion=False,
     )
     return out
-

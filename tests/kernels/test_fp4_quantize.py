@@ -314,3 +314,16 @@ def test_nan_and_inf_are_refused(backend, fmt, scale, bad):
     x[1, 17] = bad
     with pytest.raises(ValueError, match="NaN or Inf"):
         quantize_on(backend, x, fmt, scale)
+
+
+@pytest.mark.parametrize("rounding", ["rne", "stochastic"])
+def test_rows_longer_than_one_program_take_the_torch_amax_path(rounding):
+    from trace_kernels.fp4 import triton_fp4
+
+    k = triton_fp4.MAX_ROW_ELEMENTS + 32
+    x = heavy_tailed(2, k, seed=12)
+    seed = 5 if rounding == "stochastic" else None
+    qs = [quantize_on(b, x, "nvfp4", "row", rounding, seed) for b in BACKENDS]
+    assert_same_qtensor(*qs)
+    if rounding == "rne":
+        assert_matches_spec64(x, qs[0], "row")
