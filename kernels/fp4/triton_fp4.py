@@ -15,6 +15,8 @@ get their amax from a torch reduction first and use the per-row path (G_ROW).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -63,13 +65,26 @@ def _e2m1_codes(v, index, key, STOCHASTIC: tl.constexpr):
         frac = tl.div_rn(a - lo_val, step)
         mag = lo + (_uniform(index, key) < frac).to(tl.int32)
     else:
-        mag = (
-            (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-            + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
-            + (a > 5.0).to(tl.int32)
-        )
-    sign = (v.to(tl.int32, bitcast=True) < 0).to(tl.int32) * 8
-    return (mag | sign).to(tl.uint8)
+        mag = _e2m1_magnitude_rne(a)
+    sign = (v.to(tl.uint32, bitcast=True) >> 28) & 8
+    return (mag | sign.to(tl.int32)).to(tl.uint8)
+
+
+@triton.jit
+def _e2m1_magnitude_rne(a):
+    """E2M1 magnitude code (int32 0..7) of a in [0, 6], RNE, with float adds instead of compares.
+
+    The grid step is 0.5 below 2, 1 in [2, 4) and 2 in [4, 6]: p, the power of two at or below
+    max(a, 1), is 1, 2 or 4, and adding C = p * 2**22 (whose ulp is the step) rounds a to the
+    grid, ties to an even multiple of the step, which is the even code. The code is then
+    read from the rounded value's bits: (bits >> 22) - 252 for r >= 1 (exponent and top
+    mantissa bit), 1 for r = 0.5, 0 for r = 0.
+    """
+    p = (tl.maximum(a, 1.0).to(tl.uint32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    c = p * 4194304.0
+    r = (a + c) - c
+    code = (r.to(tl.int32, bitcast=True) >> 22) - 252 + (r < 1.0).to(tl.int32)
+    return tl.maximum(code, 0)
 
 
 @triton.jit
@@ -115,6 +130,11 @@ def _pow2(e):
     return tl.where(e == -127, tl.full(e.shape, 0x400000, tl.int32).to(tl.float32, bitcast=True), normal)
 
 
+@triton.jit
+def _max_propagate_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
 @triton.jit(do_not_specialize=["NB", "BPR", "key"])
 def _quantize_kernel(
     x_ptr, codes_ptr, scales_ptr, g_ptr, bad_ptr, NB, BPR, key,
@@ -134,10 +154,10 @@ def _quantize_kernel(
     offs = b_idx[:, None] * BS + j[None, :]
     mask = b_mask[:, None]
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    xa = tl.abs(x)
-    bad = tl.max(tl.max(((x != x) | (xa == float("inf"))).to(tl.int32), axis=1), axis=0)
+    # NaN-propagating block max: one finiteness test per block, not per element.
+    block_amax = tl.reduce(tl.abs(x), 1, _max_propagate_nan)
+    bad = tl.max((~(block_amax <= 3.4028234663852886e38)).to(tl.int32), axis=0)
     tl.store(bad_ptr + pid, bad.to(tl.uint8))
-    block_amax = tl.max(xa, axis=1)
 
     if IS_MX:
         e = _mx_exponent(block_amax, CEIL_RULE)
@@ -149,7 +169,7 @@ def _quantize_kernel(
         elif G_MODE == 2:
             g = tl.load(g_ptr + b_idx // BPR, mask=b_mask, other=1.0)
         else:
-            row_amax = tl.max(tl.where(block_amax == block_amax, block_amax, float("inf")), axis=0)
+            row_amax = tl.reduce(block_amax, 0, _max_propagate_nan)
             g = tl.div_rn(row_amax, 2688.0)
             g = tl.where(g == 0, 1.0, g)
             tl.store(g_ptr + pid, g)
@@ -172,7 +192,8 @@ def _quantize_kernel(
 def _bf16_rne(x):
     """float32 -> bfloat16, round to nearest even, by integer ops (finite x).
 
-    Spelled out because Triton's interpreter truncates in `.to(tl.bfloat16)`.
+    Used under the interpreter only, whose `.to(tl.bfloat16)` truncates; GPUs round to nearest
+    even in hardware (cvt.rn.bf16.f32), which the GPU tests compare with torch bit for bit.
     """
     bits = x.to(tl.uint32, bitcast=True)
     bits = bits + 0x7FFF + ((bits >> 16) & 1)
@@ -183,6 +204,7 @@ def _bf16_rne(x):
 def _dequantize_kernel(
     codes_ptr, scales_ptr, g_ptr, out_ptr, NB, BPR,
     IS_MX: tl.constexpr, G_MODE: tl.constexpr, BS: tl.constexpr, BLOCK_B: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """value = (e2m1(code) * scale) * g for NB blocks, one [BLOCK_B, BS] tile per program."""
     pid = tl.program_id(0).to(tl.int64)
@@ -191,11 +213,12 @@ def _dequantize_kernel(
     jh = tl.arange(0, BS // 2)
     packed = tl.load(codes_ptr + b_idx[:, None] * (BS // 2) + jh[None, :], mask=b_mask[:, None], other=0)
     codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_B, BS]).to(tl.int32)
+    # Place the code's bits into a float32: magnitudes 2..7 are 2**((m >> 1) - 1) * (1 + (m & 1) / 2),
+    # i.e. exponent field (m >> 1) + 126 and top mantissa bit m & 1; 1 is 0.5 and 0 is 0.
     mag = codes & 7
-    val = tl.where(mag < 4, mag.to(tl.float32) * 0.5,
-                   tl.where(mag == 4, 2.0, tl.where(mag == 5, 3.0, tl.where(mag == 6, 4.0, 6.0))))
-    # Sign by bit, so code 8 decodes to -0.0 (the interpreter's `-x` gives +0.0).
-    val = (val.to(tl.int32, bitcast=True) | ((codes & 8) << 28)).to(tl.float32, bitcast=True)
+    bits = tl.where(mag < 2, mag * 0x3F000000, mag * 0x400000 + 0x3F000000)
+    # Sign by bit, so code 8 decodes to -0.0.
+    val = (bits | ((codes & 8) << 28)).to(tl.float32, bitcast=True)
     sb = tl.load(scales_ptr + b_idx, mask=b_mask, other=0).to(tl.int32)
     if IS_MX:
         out = val * _pow2(sb - 127)[:, None]
@@ -207,12 +230,16 @@ def _dequantize_kernel(
         else:
             g = tl.load(g_ptr + b_idx // BPR, mask=b_mask, other=1.0)[:, None]
         out = (val * s[:, None]) * g
-    if out_ptr.dtype.element_ty == tl.bfloat16:
+    if INTERPRET and out_ptr.dtype.element_ty == tl.bfloat16:
         out = _bf16_rne(out)
     else:
         out = out.to(out_ptr.dtype.element_ty)
     j = tl.arange(0, BS)
     tl.store(out_ptr + b_idx[:, None] * BS + j[None, :], out, mask=b_mask[:, None])
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _flat_grid(nb: int, bs: int) -> tuple[int, int]:
@@ -284,7 +311,7 @@ def dequantize_rows_triton(
     g_mode = G_NONE if g is None else (G_ROW if g.dim() else G_TENSOR)
     _dequantize_kernel[(grid,)](
         codes, scale_bytes, codes if g is None else g, out, nb, k // bs,
-        IS_MX=g_mode == G_NONE, G_MODE=g_mode, BS=bs, BLOCK_B=block_b,
+        IS_MX=g_mode == G_NONE, G_MODE=g_mode, BS=bs, BLOCK_B=block_b, INTERPRET=_interpreting(),
         num_warps=8 if block_b * bs >= 4096 else 4, enable_fp_fusion=False,
     )
     return out

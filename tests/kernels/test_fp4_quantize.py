@@ -327,3 +327,29 @@ def test_rows_longer_than_one_program_take_the_torch_amax_path(rounding):
     assert_same_qtensor(*qs)
     if rounding == "rne":
         assert_matches_spec64(x, qs[0], "row")
+
+
+def test_triton_element_rounding_matches_reference_on_a_dense_sweep():
+    """Every scaled value of a dense sweep (ties and their neighbours included), through both backends."""
+    from .test_fp4_formats import _sweep
+
+    v = torch.from_numpy(_sweep()).clamp(-6.0, 6.0)
+    v = v[: v.numel() // 15 * 15].reshape(-1, 15)
+    x = torch.cat([torch.full((v.shape[0], 1), 6.0), v], dim=1)  # block amax 6 -> scale u = 1
+    qs = [quantize_on(b, x, global_amax=torch.tensor(6.0)) for b in BACKENDS]
+    assert_same_qtensor(*qs)
+    assert float(qs[0].block_scales.float().min()) == 448.0
+    assert np.array_equal(unpack_codes(qs[0].codes)[:, 1:].numpy(), spec64.e2m1_rne(v.numpy()))
+
+
+@pytest.mark.parametrize("fmt, scale", CASES)
+def test_float32_subnormal_inputs(fmt, scale):
+    """Rows whose amax (and so g, or an MX scale of 2**-127) lies in float32's subnormal range."""
+    x = heavy_tailed(4, 64, seed=13)
+    x[0] *= 2.0**-128
+    x[1] *= 2.0**-140
+    x[2, :32] *= 2.0**-135
+    qs = [quantize_on(b, x, fmt, scale) for b in BACKENDS]
+    assert_same_qtensor(*qs)
+    assert_matches_spec64(x, qs[0], scale)
+    assert_bitwise_equal(dequantize_on("torch", qs[0]), dequantize_on("triton", qs[0]))
