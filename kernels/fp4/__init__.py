@@ -4,7 +4,14 @@ Layers, bottom up: `formats` (element and scale codecs), `packing`, `reference` 
 specification), `triton_fp4` (GPU kernels equal to the reference), `qtensor`, `api`.
 """
 
-from .api import block_clip_bound, dequantize, fake_quantize, quantize
+from .api import (
+    block_clip_bound,
+    dequantize,
+    fake_quantize,
+    fake_quantize_guided,
+    quantize,
+    quantize_guided,
+)
 from .formats import (
     E2M1_MAGNITUDES,
     E2M1_MAX,
@@ -22,6 +29,6 @@ from .qtensor import QTensor
 __all__ = [
     "E2M1_MAGNITUDES", "E2M1_MAX", "E4M3_MAX", "Format", "MXScaleRule", "QTensor",
     "block_clip_bound", "dequantize", "e2m1_to_float", "e4m3_to_float", "e8m0_to_float",
-    "fake_quantize", "float_to_e2m1_rne", "pack_bits", "pack_codes", "quantize",
+    "fake_quantize", "fake_quantize_guided", "float_to_e2m1_rne", "quantize_guided", "pack_bits", "pack_codes", "quantize",
     "unpack_bits", "unpack_codes",
 ]

@@ -12,7 +12,7 @@ import torch
 
 from . import reference
 from .formats import Format, MXScaleRule, e4m3_to_float, e8m0_to_float
-from .packing import pack_codes, unpack_codes
+from .packing import pack_codes, unpack_bits, unpack_codes
 from .qtensor import QTensor
 from .rng import seed_key
 
@@ -167,6 +167,65 @@ def quantize(
     )
 
 
+def _check_guidance_shapes(x: torch.Tensor, global_scale, block_scales, mantissa_bits) -> None:
+    lead, k = tuple(x.shape[:-1]), x.shape[-1]
+    want = {
+        "global_scale": (global_scale, torch.float32, lead + (1,)),
+        "block_scales": (block_scales, torch.float8_e4m3fn, lead + (k // 16,)),
+        "mantissa_bits": (mantissa_bits, torch.uint8, lead + (k // 8,)),
+    }
+    for name, (t, dtype, shape) in want.items():
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != shape:
+            got = (t.dtype, tuple(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"quantize_guided: {name} must be {dtype} {shape} for x of shape {tuple(x.shape)}, got {got}")
+        if t.device != x.device:
+            raise ValueError(f"quantize_guided: {name} is on {t.device}, x on {x.device}")
+
+
+def quantize_guided(
+    x: torch.Tensor,
+    global_scale: torch.Tensor,
+    block_scales: torch.Tensor,
+    mantissa_bits: torch.Tensor,
+    *,
+    backend: str = "auto",
+    check_finite: bool = True,
+) -> QTensor:
+    """NVFP4-quantize the trainer's `x` under the engine's scales and rounding decisions.
+
+    The global and block scales are taken as given (never recomputed); each element gets the
+    E2M1 code nearest to x / (s * g) whose mantissa bit is the engine's; the sign is x's;
+    magnitudes saturate at 6 (DESIGN.md 4.3).
+
+    Args:
+        x: float32/bfloat16/float16 [..., K], K a multiple of 16.
+        global_scale: float32 [..., 1], the engine's row global scales.
+        block_scales: float8_e4m3fn [..., K/16], the engine's block scales.
+        mantissa_bits: uint8 [..., K/8], element 8j+i of a row in bit i of byte j
+            (numpy.packbits(..., bitorder="little")).
+    Returns:
+        QTensor (row-scaled NVFP4) holding the guided codes and the given scales.
+    Raises:
+        ValueError: shapes, dtypes or devices that do not fit x; NaN or Inf in x.
+    """
+    _validate_input(x, Format.NVFP4)
+    _check_guidance_shapes(x, global_scale, block_scales, mantissa_bits)
+    lead, k = x.shape[:-1], x.shape[-1]
+    x_MK = x.reshape(-1, k).contiguous()
+    g_M1 = global_scale.reshape(-1, 1).contiguous()
+    s_MB = block_scales.reshape(-1, k // 16).contiguous()
+    bits_MP = mantissa_bits.reshape(-1, k // 8).contiguous()
+    if _use_triton(x, backend):
+        packed, bad = triton_fp4.quantize_guided_rows_triton(x_MK, g_M1.reshape(-1), s_MB.view(torch.uint8), bits_MP)
+        if check_finite and bool(bad.any()):
+            _raise_nonfinite("detected by the Triton kernel")
+    else:
+        if check_finite and not bool(torch.isfinite(x_MK).all()):
+            _raise_nonfinite("detected before quantization")
+        packed = pack_codes(reference.nvfp4_quantize_guided_reference(x_MK, g_M1, s_MB, unpack_bits(bits_MP)))
+    return QTensor(packed.reshape(*lead, k // 2), block_scales, global_scale, Format.NVFP4, torch.Size(x.shape))
+
+
 def dequantize(q: QTensor, dtype: torch.dtype = torch.float32, *, backend: str = "auto") -> torch.Tensor:
     """Values of a QTensor: e2m1(code) * block_scale (* global_scale), in that order.
 
@@ -212,18 +271,20 @@ def block_clip_bound(q: QTensor) -> torch.Tensor:
 
 
 class _FakeQuantizeSTE(torch.autograd.Function):
+    """quantize_fn(x) -> QTensor, then dequantize; gradient passes where x was not clipped."""
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
-        q = quantize(x, **kwargs)
+    def forward(ctx, x: torch.Tensor, quantize_fn, backend: str) -> torch.Tensor:
+        q = quantize_fn(x.detach())
         bound = block_clip_bound(q)
         xb = x.detach().float().reshape(*bound.shape, q.block_size)
         ctx.save_for_backward((xb.abs() < bound.unsqueeze(-1)).reshape(x.shape))
-        return dequantize(q, x.dtype, backend=kwargs.get("backend", "auto"))
+        return dequantize(q, x.dtype, backend=backend)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (inside,) = ctx.saved_tensors
-        return grad * inside, None
+        return grad * inside, None, None
 
 
 def fake_quantize(x: torch.Tensor, fmt: str | Format = "nvfp4", scale: str | None = None,
@@ -237,5 +298,18 @@ def fake_quantize(x: torch.Tensor, fmt: str | Format = "nvfp4", scale: str | Non
     Returns:
         tensor of x's shape and dtype.
     """
-    kwargs.update(fmt=fmt, scale=scale, rounding=rounding, seed=seed)
-    return _FakeQuantizeSTE.apply(x, kwargs)
+    def quantize_fn(t):
+        return quantize(t, fmt, scale, rounding, seed, **kwargs)
+
+    return _FakeQuantizeSTE.apply(x, quantize_fn, kwargs.get("backend", "auto"))
+
+
+def fake_quantize_guided(x: torch.Tensor, global_scale: torch.Tensor, block_scales: torch.Tensor,
+                         mantissa_bits: torch.Tensor, **kwargs) -> torch.Tensor:
+    """`quantize_guided` then dequantize to x.dtype, with the straight-through backward of
+    `fake_quantize` (zero gradient where x clipped under the given scales). Shapes as
+    `quantize_guided`; returns x's shape and dtype."""
+    def quantize_fn(t):
+        return quantize_guided(t, global_scale, block_scales, mantissa_bits, **kwargs)
+
+    return _FakeQuantizeSTE.apply(x, quantize_fn, kwargs.get("backend", "auto"))

@@ -110,6 +110,48 @@ def round_scaled_to_e2m1(
     return mag.to(torch.uint8) | (torch.signbit(v).to(torch.uint8) * E2M1_SIGN_BIT)
 
 
+def round_guided_to_e2m1(v: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """Guided rounding (DESIGN.md 4.3): the E2M1 code nearest to v whose mantissa bit is `bits`.
+
+    With lo the largest magnitude code not above |v|: if lo's mantissa bit (lo & 1) matches,
+    lo; otherwise its upper neighbour when |v| lies strictly above lo's magnitude (or lo is
+    0), else its lower neighbour (|v| exactly on the grid, where the lower step is never
+    larger than the upper one, or |v| saturated at 6). Consecutive magnitudes alternate their
+    mantissa bit, so whenever the engine's code is one of v's two neighbours this returns it
+    exactly. The sign comes from v.
+
+    Args:
+        v: float32 scaled values [...].
+        bits: uint8/bool mantissa bits (0/1), same shape.
+    Returns:
+        uint8 codes 0..15, same shape.
+    """
+    a = v.abs().clamp(max=E2M1_MAX)
+    lo = e2m1_magnitude_code_floor(a)
+    up = ((a > e2m1_magnitude_of_code(lo)) & (lo < 7)) | (lo == 0)
+    mag = torch.where((lo & 1) == bits.to(torch.int32), lo, torch.where(up, lo + 1, lo - 1))
+    return mag.to(torch.uint8) | (torch.signbit(v).to(torch.uint8) * E2M1_SIGN_BIT)
+
+
+def nvfp4_quantize_guided_reference(
+    x_MK: torch.Tensor, g_M1: torch.Tensor, s_MB: torch.Tensor, bits_MK: torch.Tensor
+) -> torch.Tensor:
+    """NVFP4 codes of rows under given scales and mantissa bits (guided rounding).
+
+    Args:
+        x_MK: float32/bfloat16/float16 [M, K], the trainer's values.
+        g_M1: float32 [M, 1] row global scales, taken as given (the engine's).
+        s_MB: float8_e4m3fn [M, K/16] block scales, taken as given.
+        bits_MK: uint8 [M, K] unpacked mantissa bits (0/1).
+    Returns:
+        codes_MK uint8 [M, K] unpacked.
+    """
+    m, k = x_MK.shape
+    u_MB = e4m3_to_float(s_MB) * g_M1
+    v = x_MK.to(torch.float32).reshape(m, k // 16, 16) / u_MB.unsqueeze(-1)
+    return round_guided_to_e2m1(v, bits_MK.reshape(m, k // 16, 16)).reshape(m, k)
+
+
 def _element_index(m: int, k: int, device: torch.device) -> torch.Tensor:
     rows = torch.arange(m, device=device, dtype=torch.int64).unsqueeze(1) * k
     return rows + torch.arange(k, device=device, dtype=torch.int64)

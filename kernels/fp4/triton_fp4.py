@@ -71,6 +71,37 @@ def _e2m1_codes(v, index, key, STOCHASTIC: tl.constexpr):
 
 
 @triton.jit
+def _e2m1_guided_codes(v, bits):
+    """Guided E2M1 codes (uint8), as reference.round_guided_to_e2m1."""
+    a = tl.minimum(tl.abs(v), 6.0)
+    lo = (
+        (a >= 0.5).to(tl.int32) + (a >= 1.0).to(tl.int32) + (a >= 1.5).to(tl.int32)
+        + (a >= 2.0).to(tl.int32) + (a >= 3.0).to(tl.int32) + (a >= 4.0).to(tl.int32)
+        + (a >= 6.0).to(tl.int32)
+    )
+    up = ((a > _e2m1_value(lo)) & (lo < 7)) | (lo == 0)
+    mag = tl.where((lo & 1) == bits, lo, tl.where(up, lo + 1, lo - 1))
+    sign = (v.to(tl.uint32, bitcast=True) >> 28) & 8
+    return (mag | sign.to(tl.int32)).to(tl.uint8)
+
+
+@triton.jit
+def _e2m1_value(mag):
+    """float32 magnitude of codes 0..7 (int32) by placing bits: codes 2..7 are
+    2**((m >> 1) - 1) * (1 + (m & 1) / 2), exponent field (m >> 1) + 126 and top mantissa
+    bit m & 1; code 1 is 0.5 and 0 is 0."""
+    bits = tl.where(mag < 2, mag * 0x3F000000, mag * 0x400000 + 0x3F000000)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_value(sb):
+    """float32 value of E4M3 scale bytes (int32, positive codes 0..126)."""
+    normal = (((sb >> 3) - 7 + 127) << 23 | ((sb & 7) << 20)).to(tl.float32, bitcast=True)
+    return tl.where(sb >= 8, normal, (sb & 7).to(tl.float32) * 0.001953125)
+
+
+@triton.jit
 def _e2m1_magnitude_rne(a):
     """E2M1 magnitude code (int32 0..7) of a in [0, 6], RNE, with float adds instead of compares.
 
@@ -137,11 +168,15 @@ def _max_propagate_nan(a, b):
 
 @triton.jit(do_not_specialize=["NB", "BPR", "key"])
 def _quantize_kernel(
-    x_ptr, codes_ptr, scales_ptr, g_ptr, bad_ptr, NB, BPR, key,
+    x_ptr, codes_ptr, scales_ptr, g_ptr, bad_ptr, bits_ptr, NB, BPR, key,
     IS_MX: tl.constexpr, G_MODE: tl.constexpr, STOCHASTIC: tl.constexpr, CEIL_RULE: tl.constexpr,
-    BS: tl.constexpr, BLOCK_B: tl.constexpr,
+    GUIDED: tl.constexpr, BS: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
-    """Quantize NB blocks of BS elements; BPR blocks per row. One [BLOCK_B, BS] tile per program."""
+    """Quantize NB blocks of BS elements; BPR blocks per row. One [BLOCK_B, BS] tile per program.
+
+    GUIDED (NVFP4, G_ROW): block scales are read from scales_ptr instead of computed, and each
+    element takes the code nearest to it whose mantissa bit is the one in bits_ptr.
+    """
     pid = tl.program_id(0).to(tl.int64)
     key = key.to(tl.uint32)
     if G_MODE == 3:  # G_ROW_AMAX: this program is row `pid`
@@ -173,19 +208,28 @@ def _quantize_kernel(
             g = tl.div_rn(row_amax, 2688.0)
             g = tl.where(g == 0, 1.0, g)
             tl.store(g_ptr + pid, g)
-        t = 6.0 * g
-        s = tl.minimum(tl.maximum(tl.div_rn(block_amax, t), 0.001953125), 448.0)
-        s, scale_byte = _e4m3_round(s)
-        zero_block = block_amax == 0
-        s = tl.where(zero_block, 1.0, s)
-        scale_byte = tl.where(zero_block, 0x38, scale_byte)  # 0x38 is 1.0 in E4M3
+        if GUIDED:
+            s = _e4m3_value(tl.load(scales_ptr + b_idx, mask=b_mask, other=0x38).to(tl.int32))
+        else:
+            t = 6.0 * g
+            s = tl.minimum(tl.maximum(tl.div_rn(block_amax, t), 0.001953125), 448.0)
+            s, scale_byte = _e4m3_round(s)
+            zero_block = block_amax == 0
+            s = tl.where(zero_block, 1.0, s)
+            scale_byte = tl.where(zero_block, 0x38, scale_byte)  # 0x38 is 1.0 in E4M3
         u = s * g
     v = tl.div_rn(x, u[:, None])
-    codes = _e2m1_codes(v, offs, key, STOCHASTIC)
+    if GUIDED:
+        # Element i of a row's bits lives in bit i % 8 of byte i // 8 (little-endian bit order).
+        byte = tl.load(bits_ptr + (offs >> 3), mask=mask, other=0).to(tl.int32)
+        codes = _e2m1_guided_codes(v, (byte >> (offs & 7).to(tl.int32)) & 1)
+    else:
+        codes = _e2m1_codes(v, offs, key, STOCHASTIC)
     even, odd = tl.split(tl.reshape(codes, [BLOCK_B, BS // 2, 2]))
     jh = tl.arange(0, BS // 2)
     tl.store(codes_ptr + b_idx[:, None] * (BS // 2) + jh[None, :], even | (odd << 4), mask=mask)
-    tl.store(scales_ptr + b_idx, scale_byte.to(tl.uint8), mask=b_mask)
+    if not GUIDED:
+        tl.store(scales_ptr + b_idx, scale_byte.to(tl.uint8), mask=b_mask)
 
 
 @triton.jit
@@ -213,18 +257,13 @@ def _dequantize_kernel(
     jh = tl.arange(0, BS // 2)
     packed = tl.load(codes_ptr + b_idx[:, None] * (BS // 2) + jh[None, :], mask=b_mask[:, None], other=0)
     codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_B, BS]).to(tl.int32)
-    # Place the code's bits into a float32: magnitudes 2..7 are 2**((m >> 1) - 1) * (1 + (m & 1) / 2),
-    # i.e. exponent field (m >> 1) + 126 and top mantissa bit m & 1; 1 is 0.5 and 0 is 0.
-    mag = codes & 7
-    bits = tl.where(mag < 2, mag * 0x3F000000, mag * 0x400000 + 0x3F000000)
     # Sign by bit, so code 8 decodes to -0.0.
-    val = (bits | ((codes & 8) << 28)).to(tl.float32, bitcast=True)
+    val = (_e2m1_value(codes & 7).to(tl.int32, bitcast=True) | ((codes & 8) << 28)).to(tl.float32, bitcast=True)
     sb = tl.load(scales_ptr + b_idx, mask=b_mask, other=0).to(tl.int32)
     if IS_MX:
         out = val * _pow2(sb - 127)[:, None]
     else:
-        s = tl.where(sb >= 8, (((sb >> 3) - 7 + 127) << 23 | ((sb & 7) << 20)).to(tl.float32, bitcast=True),
-                     (sb & 7).to(tl.float32) * 0.001953125)
+        s = _e4m3_value(sb)
         if G_MODE == 1:
             g = tl.load(g_ptr)
         else:
@@ -288,12 +327,36 @@ def quantize_rows_triton(
     num_warps = 8 if block_b * bs >= 4096 else 4
     bad = torch.empty((grid,), dtype=torch.uint8, device=dev)
     _quantize_kernel[(grid,)](
-        x_MK, codes, scales, codes if g is None else g, bad, nb, bpr, key,
+        x_MK, codes, scales, codes if g is None else g, bad, codes, nb, bpr, key,
         IS_MX=g_mode == G_NONE, G_MODE=g_mode, STOCHASTIC=stochastic,
-        CEIL_RULE=mx_rule is MXScaleRule.CEIL, BS=bs, BLOCK_B=block_b,
+        CEIL_RULE=mx_rule is MXScaleRule.CEIL, GUIDED=False, BS=bs, BLOCK_B=block_b,
         num_warps=num_warps, enable_fp_fusion=False,
     )
     return codes, scales, g, bad
+
+
+def quantize_guided_rows_triton(
+    x_MK: torch.Tensor, g_M: torch.Tensor, scale_bytes_MB: torch.Tensor, bits_packed: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Guided NVFP4 codes of contiguous rows; as reference.nvfp4_quantize_guided_reference.
+
+    Args:
+        x_MK: float32/bfloat16/float16 [M, K]; g_M: float32 [M]; scale_bytes_MB: uint8 [M, K/16];
+        bits_packed: uint8 [M, K/8], element i of a row in bit i % 8 of byte i // 8.
+    Returns:
+        (packed codes uint8 [M, K/2], non-finite flag uint8 per program).
+    """
+    m, k = x_MK.shape
+    nb = m * k // 16
+    codes = torch.empty((m, k // 2), dtype=torch.uint8, device=x_MK.device)
+    block_b, grid = _flat_grid(nb, 16)
+    bad = torch.empty((grid,), dtype=torch.uint8, device=x_MK.device)
+    _quantize_kernel[(grid,)](
+        x_MK, codes, scale_bytes_MB, g_M, bad, bits_packed, nb, k // 16, 0,
+        IS_MX=False, G_MODE=G_ROW, STOCHASTIC=False, CEIL_RULE=False, GUIDED=True,
+        BS=16, BLOCK_B=block_b, num_warps=8 if block_b * 16 >= 4096 else 4, enable_fp_fusion=False,
+    )
+    return codes, bad
 
 
 def dequantize_rows_triton(
