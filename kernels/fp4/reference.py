@@ -58,6 +58,29 @@ def nvfp4_block_scales(block_amax: torch.Tensor, g: torch.Tensor) -> torch.Tenso
     return torch.where(block_amax == 0, torch.ones_like(s), s)
 
 
+def nvfp4_block_scales_guided(block_amax: torch.Tensor, g: torch.Tensor, lsb: torch.Tensor) -> torch.Tensor:
+    """Block scales chosen like guided elements: the E4M3 value nearest to block_amax / (6 g)
+    (clamped to [2**-9, 448]) whose code's last bit is `lsb`.
+
+    Consecutive positive E4M3 codes alternate their last bit, so whenever the engine's scale
+    is a neighbour of the trainer's pre-rounding value this returns it. All-zero blocks get 1.0.
+
+    Args:
+        block_amax: float32 [M, B]; g: float32 [M, 1] or 0-d; lsb: 0/1 integers [M, B].
+    Returns:
+        float8_e4m3fn [M, B].
+    """
+    r = (block_amax / (6.0 * g)).clamp(E4M3_MIN_SUBNORMAL, E4M3_MAX)
+    near = r.to(torch.float8_e4m3fn)
+    b = near.view(torch.uint8).to(torch.int32)
+    lo = torch.where(near.float() > r, b - 1, b)
+    lo_val = lo.to(torch.uint8).view(torch.float8_e4m3fn).float()
+    up = ((r > lo_val) & (lo < 0x7E)) | (lo == 1)  # code 1 (2**-9) is the floor of the clamp
+    code = torch.where((lo & 1) == lsb.to(torch.int32), lo, torch.where(up, lo + 1, lo - 1))
+    s = code.to(torch.uint8).view(torch.float8_e4m3fn)
+    return torch.where(block_amax == 0, torch.ones_like(s), s)
+
+
 def mxfp4_block_exponents(block_amax: torch.Tensor, rule: MXScaleRule) -> torch.Tensor:
     """Unbiased power-of-two exponent of each MXFP4 block scale, int32, same shape.
 

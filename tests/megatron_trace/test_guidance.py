@@ -1,0 +1,263 @@
+"""Guidance capture, reconstruction, sparse coding, the batch container and its misuse errors."""
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_trace.guidance import (
+    DEFAULT_TAU,
+    Coding,
+    FlipStats,
+    GroupGuidance,
+    GuidanceBatch,
+    GuidanceFormatError,
+    LayerPolicy,
+    SampleGuidance,
+    calibrate_tau,
+    capture,
+    code_flips,
+    decode_positions,
+    encode_positions,
+    guided_inputs,
+)
+from trace_kernels.fp4 import quantize, quantize_guided, unpack_codes
+
+META = dict(model_id="tiny-moe", policy="all")
+
+
+def matmul_two_orders(rows, k_in, cols, seed):
+    """Engine and trainer activations: one BF16 matmul, reduced in two different orders."""
+    g = torch.Generator().manual_seed(seed)
+    a = (torch.randn(rows, k_in, generator=g) * torch.exp(0.8 * torch.randn(1, k_in, generator=g))).bfloat16()
+    w = (torch.randn(k_in, cols, generator=g) / k_in**0.5).bfloat16()
+    engine = (a.float() @ w.float()).bfloat16()
+    h = k_in // 3
+    trainer = ((a[:, :h].float() @ w[:h].float()).bfloat16().float() + (a[:, h:].float() @ w[h:].float())).bfloat16()
+    return engine, trainer
+
+
+def record_for(x, coding=Coding.DENSE, sample_id="s0", layer=3, site="fc1", version=7, tau=DEFAULT_TAU,
+               scale_coding="lsb"):
+    q = quantize(x, scale="row")
+    kw = {} if coding == Coding.DENSE else {"tau": tau, "scale_coding": scale_coding}
+    rec = capture(x, q, layer=layer, site=site, sample_id=sample_id, weight_version=version, coding=coding, **kw, **META)
+    return rec, q
+
+
+CODINGS = [(Coding.DENSE, None), (Coding.SPARSE, "lsb"), (Coding.SPARSE, "near")]
+
+
+def guided_codes(rec, x_trainer, **expected):
+    return unpack_codes(quantize_guided(x_trainer, *guided_inputs(rec, x_trainer, **expected)).codes)
+
+
+@pytest.mark.parametrize("coding, scale_coding", CODINGS)
+def test_identical_values_reproduce_engine_codes(coding, scale_coding):
+    x, _ = matmul_two_orders(64, 96, 256, seed=0)
+    rec, q = record_for(x, coding, scale_coding=scale_coding)
+    assert torch.equal(guided_codes(rec, x), unpack_codes(q.codes))
+
+
+def test_dense_guidance_removes_every_flip_of_realistic_drift():
+    x_e, x_t = matmul_two_orders(128, 96, 512, seed=1)
+    rec, q = record_for(x_e)
+    engine = unpack_codes(q.codes)
+    plain = unpack_codes(quantize(x_t, scale="row").codes)
+    assert code_flips(engine, plain).float().mean() > 1e-3  # the drift does flip codes
+    assert not code_flips(engine, guided_codes(rec, x_t)).any()
+
+
+@pytest.mark.parametrize("scale_coding", ["lsb", "near"])
+def test_sparse_reproduces_dense_when_drift_is_below_tau(scale_coding):
+    x_e, _ = matmul_two_orders(128, 96, 512, seed=2)
+    g = torch.Generator().manual_seed(3)
+    # Relative drift below half the margins (element tau 2, scale_tau 1 ulp): no unshipped
+    # element or scale can cross a boundary.
+    x_t = x_e.float() * (1 + (torch.rand(x_e.shape, generator=g) * 2 - 1) * 0.45 * 2.0**-8)
+    dense, q = record_for(x_e, Coding.DENSE)
+    sparse, _ = record_for(x_e, Coding.SPARSE, scale_coding=scale_coding)
+    assert torch.equal(guided_codes(sparse, x_t), guided_codes(dense, x_t))
+    assert not code_flips(unpack_codes(q.codes), guided_codes(sparse, x_t)).any()
+    assert sparse.nbytes < dense.nbytes / 3
+
+
+def test_scale_lsbs_recover_engine_scales_under_drift_below_half_an_e4m3_step():
+    from trace_kernels.fp4.reference import nvfp4_block_scales, nvfp4_block_scales_guided
+
+    g = torch.Generator().manual_seed(8)
+    amax_e = torch.exp(torch.randn(64, 256, generator=g) * 3)
+    gs = torch.exp(torch.randn(64, 1, generator=g))
+    s_e = nvfp4_block_scales(amax_e, gs)
+    # E4M3 steps are >= 6.25% relative: a 3% drift keeps the engine's scale a neighbour.
+    amax_t = amax_e * (1 + (torch.rand(amax_e.shape, generator=g) * 2 - 1) * 0.03)
+    lsb = s_e.view(torch.uint8) & 1
+    assert not torch.equal(nvfp4_block_scales(amax_t, gs).view(torch.uint8), s_e.view(torch.uint8))
+    assert torch.equal(nvfp4_block_scales_guided(amax_t, gs, lsb).view(torch.uint8), s_e.view(torch.uint8))
+
+
+def test_sparse_on_realistic_drift_leaves_few_residual_flips():
+    x_e, x_t = matmul_two_orders(256, 96, 1024, seed=4)
+    sparse, q = record_for(x_e, Coding.SPARSE)
+    flips = code_flips(unpack_codes(q.codes), guided_codes(sparse, x_t)).float().mean().item()
+    assert flips < 1e-3
+    assert sparse.bits_per_element < 0.5
+
+
+def test_byte_counts_match_the_formulas():
+    x, _ = matmul_two_orders(48, 64, 320, seed=5)
+    r, k = x.shape
+    dense, _ = record_for(x)
+    assert dense.nbytes == 4 * r + r * k // 16 + r * k // 8
+    near, _ = record_for(x, Coding.SPARSE, scale_coding="near")
+    h, p = near.header, near.payload
+    assert near.nbytes == 4 * r + p["scale_pos"].numel() + h.n_scales + p["elem_pos"].numel() + (h.n_elems + 7) // 8
+    assert p["elem_pos"].numel() >= h.n_elems and p["scale_pos"].numel() >= h.n_scales
+    lsb, _ = record_for(x, Coding.SPARSE, scale_coding="lsb")
+    h, p = lsb.header, lsb.payload
+    assert lsb.nbytes == 4 * r + (r * k // 16 + 7) // 8 + p["elem_pos"].numel() + (h.n_elems + 7) // 8
+
+
+@pytest.mark.parametrize("positions", [[], [0], [5, 6, 300, 301, 100_000], list(range(0, 5000, 255)), [254, 255, 510, 1020]])
+def test_position_codec_round_trips(positions):
+    p = torch.tensor(positions, dtype=torch.int64)
+    stream = encode_positions(p)
+    assert torch.equal(decode_positions(stream, len(positions), 200_000), p)
+
+
+def test_position_codec_refuses_bad_streams():
+    stream = encode_positions(torch.tensor([3, 700]))
+    with pytest.raises(GuidanceFormatError, match="truncated"):
+        decode_positions(stream[:-1], 2, 1000)
+    with pytest.raises(GuidanceFormatError, match="holds 2 positions, header says 3"):
+        decode_positions(stream, 3, 1000)
+    with pytest.raises(GuidanceFormatError, match="outside"):
+        decode_positions(stream, 2, 500)
+    with pytest.raises(GuidanceFormatError, match="strictly increasing"):
+        encode_positions(torch.tensor([4, 4]))
+
+
+def test_layer_policies():
+    assert LayerPolicy.parse("all").select(4) == [0, 1, 2, 3]
+    assert LayerPolicy.parse("none").select(4) == []
+    assert LayerPolicy.parse("deep:2").select(6) == [4, 5]
+    assert LayerPolicy.parse("deep:9").select(3) == [0, 1, 2]
+    assert LayerPolicy.parse("layers:5,1").select(6) == [1, 5]
+    assert LayerPolicy.parse("0,2").select(3) == [0, 2]
+    flip = {0: 0.001, 1: 0.02, 2: 0.005, 3: 0.03}
+    cost = {0: 100.0, 1: 100.0, 2: 100.0, 3: 150.0}
+    assert LayerPolicy.parse("budget:260").select(4, flip, cost) == [1, 3]
+    assert LayerPolicy.parse("budget:0").select(4, flip, cost) == []
+    for bad in ("deep:x", "deep:-1", "budget:", "layers:", "most", "1,-2"):
+        with pytest.raises(ValueError, match="bad guidance layer policy"):
+            LayerPolicy.parse(bad)
+    with pytest.raises(ValueError, match="model has 3"):
+        LayerPolicy.parse("layers:4").select(3)
+    with pytest.raises(ValueError, match="missing for layers"):
+        LayerPolicy.parse("budget:100").select(4, {0: 0.1}, cost)
+
+
+def make_batch(coding=Coding.DENSE, group_size=4, prompt_len=6, seed=10, scale_coding="lsb"):
+    """A GRPO group of `group_size` samples with guidance for one site and routed experts."""
+    torch.manual_seed(seed)
+    batch = GuidanceBatch()
+    x_prompt, _ = matmul_two_orders(prompt_len, 64, 128, seed=seed)
+    prompt_rec, _ = record_for(x_prompt, coding, sample_id="g0", scale_coding=scale_coding)
+    batch.add_group(GroupGuidance("g0", prompt_len, {(3, "fc1"): prompt_rec},
+                                  {3: torch.randint(0, 8, (prompt_len, 2), dtype=torch.int16)}))
+    rows = {}
+    for i in range(group_size):
+        x_resp, _ = matmul_two_orders(5 + i, 64, 128, seed=seed + 1 + i)
+        rec, _ = record_for(x_resp, coding, sample_id=f"s{i}", scale_coding=scale_coding)
+        batch.add_sample(SampleGuidance(f"s{i}", "g0", 5 + i, 7, {(3, "fc1"): rec},
+                                        {3: torch.randint(0, 8, (5 + i, 2), dtype=torch.int16)}))
+        rows[f"s{i}"] = torch.cat([x_prompt, x_resp])
+    return batch, rows
+
+
+@pytest.mark.parametrize("coding, scale_coding", CODINGS)
+def test_batch_applies_prompt_and_response_guidance(coding, scale_coding):
+    batch, rows = make_batch(coding, scale_coding=scale_coding)
+    for sid, x in rows.items():
+        g, s, bits = batch.guided_inputs(sid, 3, "fc1", x)
+        codes = unpack_codes(quantize_guided(x, g, s, bits).codes)
+        assert torch.equal(codes, unpack_codes(quantize(x, scale="row").codes))
+
+
+def test_prompt_guidance_is_stored_once_per_group():
+    one, _ = make_batch(group_size=1)
+    four, _ = make_batch(group_size=4)
+    prompt_bytes = sum(r.nbytes for r in four.groups["g0"].records.values()) + four.groups["g0"].routed_experts[3].nbytes
+    response_bytes = sum(r.nbytes for s in four.samples.values() for r in s.records.values())
+    expert_bytes = sum(t.nbytes for s in four.samples.values() for t in s.routed_experts.values())
+    assert four.nbytes == prompt_bytes + response_bytes + expert_bytes
+    assert four.num_tokens == 4 * 6 + (5 + 6 + 7 + 8)
+    assert four.bytes_per_token() == four.nbytes / four.num_tokens
+    # Four samples cost one prompt, not four: less than four times the one-sample batch.
+    assert four.nbytes < 4 * one.nbytes
+
+
+@pytest.mark.parametrize("coding, scale_coding", CODINGS)
+def test_batch_round_trips_through_bytes_and_tensors(coding, scale_coding):
+    batch, rows = make_batch(coding, scale_coding=scale_coding)
+    for restored in (GuidanceBatch.from_bytes(batch.to_bytes()), GuidanceBatch.from_tensors(batch.to_tensors())):
+        assert restored.nbytes == batch.nbytes
+        for sid, x in rows.items():
+            for a, b in zip(restored.guided_inputs(sid, 3, "fc1", x), batch.guided_inputs(sid, 3, "fc1", x)):
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+            assert torch.equal(restored.samples[sid].routed_experts[3], batch.samples[sid].routed_experts[3])
+        assert torch.equal(restored.groups["g0"].routed_experts[3], batch.groups["g0"].routed_experts[3])
+
+
+def test_misuse_is_refused_with_a_named_reason():
+    batch, rows = make_batch()
+    x = rows["s1"]
+    rec = batch.samples["s1"].records[(3, "fc1")]
+    resp = x[6:]
+    with pytest.raises(GuidanceFormatError, match="rows is"):
+        guided_inputs(rec, resp[:-1])
+    with pytest.raises(GuidanceFormatError, match="cols is"):
+        guided_inputs(rec, torch.cat([resp, resp], dim=1))
+    with pytest.raises(GuidanceFormatError, match="sample_id is 's1' in the record but 's2'"):
+        guided_inputs(rec, resp, sample_id="s2")
+    with pytest.raises(GuidanceFormatError, match="weight_version is 7 in the record but 8"):
+        batch.guided_inputs("s1", 3, "fc1", x, weight_version=8)
+    with pytest.raises(GuidanceFormatError, match="no guidance for layer 2"):
+        batch.guided_inputs("s1", 2, "fc1", x)
+    with pytest.raises(GuidanceFormatError, match="no guidance for sample"):
+        batch.guided_inputs("s9", 3, "fc1", x)
+    with pytest.raises(GuidanceFormatError, match="has 12 rows"):
+        batch.guided_inputs("s1", 3, "fc1", x[:-1])
+    data = batch.to_bytes()
+    with pytest.raises(GuidanceFormatError, match="truncated"):
+        GuidanceBatch.from_bytes(data[:-3])
+    corrupt = bytearray(data)
+    corrupt[-5] ^= 0x10
+    with pytest.raises(GuidanceFormatError, match="checksum"):
+        GuidanceBatch.from_bytes(bytes(corrupt))
+    with pytest.raises(GuidanceFormatError, match="bad magic"):
+        GuidanceBatch.from_bytes(b"NOTTRACE" + data[8:])
+    sizes, header, payload = batch.to_tensors()
+    text = bytes(header.numpy().tobytes()).decode()
+    for old, new, match in (('"format_version": 1, "crc32"', '"format_version": 9, "crc32"', "version 9"),
+                            ('"coding": "dense"', '"coding": "zstd"', "unknown guidance coding")):
+        bad = torch.from_numpy(np.frombuffer(text.replace(old, new, 1).encode(), dtype=np.uint8).copy())
+        with pytest.raises(GuidanceFormatError, match=match):
+            GuidanceBatch.from_tensors([torch.tensor([bad.numel(), payload.numel()]), bad, payload])
+
+
+def test_flip_stats_and_tau_calibration():
+    x_e, x_t = matmul_two_orders(256, 96, 512, seed=30)
+    q_e = quantize(x_e, scale="row")
+    stats = FlipStats()
+    rec, _ = record_for(x_e)
+    guided = quantize_guided(x_t, *guided_inputs(rec, x_t))
+    stats.add(3, "fc1", q_e, quantize(x_t, scale="row"), guided)
+    rates = stats.rates()[(3, "fc1")]
+    assert rates["flip_rate"] > 1e-3 and rates["residual_flip_rate"] == 0.0
+    assert stats.by_layer()[3] == rates["flip_rate"]
+    cal = calibrate_tau(x_e, x_t, q_e, target_escape_rate=1e-4)
+    assert 0 < cal["tau"] <= 16 and cal["escape_rate"] <= 1e-4 and cal["kept_rate"] < 0.2
+    # The calibrated margin, used for sparse coding, meets the residual target on this drift.
+    sparse, _ = record_for(x_e, Coding.SPARSE, tau=cal["tau"], scale_coding="lsb")
+    residual = code_flips(unpack_codes(q_e.codes), guided_codes(sparse, x_t)).float().mean().item()
+    assert residual <= cal["escape_rate"]  # with scale LSBs only unshipped elements can flip
