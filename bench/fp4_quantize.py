@@ -30,7 +30,7 @@ if not torch.cuda.is_available():  # must precede the kernels' definition
 
 from tqdm import tqdm  # noqa: E402
 
-from trace_kernels.fp4 import dequantize, quantize  # noqa: E402
+from trace_kernels.fp4 import dequantize, pack_bits, quantize, quantize_guided, unpack_codes  # noqa: E402
 
 CASES = [("nvfp4", "row"), ("nvfp4", "tensor"), ("mxfp4", None)]
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -125,6 +125,12 @@ def run(sizes: list[tuple[int, int]], device: str) -> tuple[float, list[dict]]:
             t = time_fn(lambda: dequantize(q, torch.bfloat16, backend=backend), device)
             row[f"dequantize_{name}_us"] = t * 1e6
             row[f"dequantize_{name}_frac"] = dq_bytes / t / bw
+        if fmt == "nvfp4" and scale == "row" and "triton" in impls:  # guided rounding beside plain
+            q = quantize(x, fmt, scale)
+            args = (q.global_scale, q.block_scales, pack_bits(unpack_codes(q.codes) & 1))
+            t = time_fn(lambda: quantize_guided(x, *args, check_finite=False), device)
+            row["guided_triton_us"] = t * 1e6
+            row["guided_over_plain"] = t * 1e6 / row["quantize_triton_us"]
         if ao is not None and fmt == "nvfp4" and scale == "tensor":
             t = time_fn(lambda: ao(x), device)
             row["quantize_torchao_us"] = t * 1e6
@@ -135,6 +141,8 @@ def run(sizes: list[tuple[int, int]], device: str) -> tuple[float, list[dict]]:
 
 def table(rows: list[dict]) -> str:
     cols = ["shape", "fmt", "scale"]
+    if any("guided_triton_us" in r for r in rows):
+        cols += ["guided_triton_us", "guided_over_plain"]
     for key in ("quantize_triton", "quantize_triton_checked", "quantize_torch_ref", "quantize_torchao", "dequantize_triton", "dequantize_torch_ref"):
         if any(f"{key}_us" in r for r in rows):
             cols += [f"{key}_us", f"{key}_frac"]
@@ -143,7 +151,8 @@ def table(rows: list[dict]) -> str:
         cells = []
         for c in cols:
             v = r.get(c, "")
-            cells.append(f"{v:.3f}" if c.endswith("_frac") and v != "" else f"{v:.1f}" if isinstance(v, float) else str(v))
+            precise = (c.endswith("_frac") or c.endswith("_over_plain")) and v != ""
+            cells.append(f"{v:.3f}" if precise else f"{v:.1f}" if isinstance(v, float) else str(v))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

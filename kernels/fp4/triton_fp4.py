@@ -74,12 +74,11 @@ def _e2m1_codes(v, index, key, STOCHASTIC: tl.constexpr):
 def _e2m1_guided_codes(v, bits):
     """Guided E2M1 codes (uint8), as reference.round_guided_to_e2m1."""
     a = tl.minimum(tl.abs(v), 6.0)
-    lo = (
-        (a >= 0.5).to(tl.int32) + (a >= 1.0).to(tl.int32) + (a >= 1.5).to(tl.int32)
-        + (a >= 2.0).to(tl.int32) + (a >= 3.0).to(tl.int32) + (a >= 4.0).to(tl.int32)
-        + (a >= 6.0).to(tl.int32)
-    )
-    up = ((a > _e2m1_value(lo)) & (lo < 7)) | (lo == 0)
+    # Floor code: the nearest code, one lower when it lies above a.
+    near = _e2m1_magnitude_rne(a)
+    near_val = _e2m1_value(near)
+    lo = near - (near_val > a).to(tl.int32)
+    up = (((a > near_val) | (near_val > a)) & (lo < 7)) | (lo == 0)
     mag = tl.where((lo & 1) == bits, lo, tl.where(up, lo + 1, lo - 1))
     sign = (v.to(tl.uint32, bitcast=True) >> 28) & 8
     return (mag | sign.to(tl.int32)).to(tl.uint8)
@@ -220,9 +219,11 @@ def _quantize_kernel(
         u = s * g
     v = tl.div_rn(x, u[:, None])
     if GUIDED:
-        # Element i of a row's bits lives in bit i % 8 of byte i // 8 (little-endian bit order).
-        byte = tl.load(bits_ptr + (offs >> 3), mask=mask, other=0).to(tl.int32)
-        codes = _e2m1_guided_codes(v, (byte >> (offs & 7).to(tl.int32)) & 1)
+        # A block's 16 bits are its two bytes (element i in bit i % 8 of byte i // 8): load
+        # them once per block as a 16-bit word, then shift per element.
+        two = tl.load(bits_ptr + b_idx[:, None] * 2 + tl.arange(0, 2)[None, :], mask=mask, other=0).to(tl.int32)
+        word = tl.sum(two << (8 * tl.arange(0, 2))[None, :], axis=1)
+        codes = _e2m1_guided_codes(v, (word[:, None] >> j[None, :]) & 1)
     else:
         codes = _e2m1_codes(v, offs, key, STOCHASTIC)
     even, odd = tl.split(tl.reshape(codes, [BLOCK_B, BS // 2, 2]))

@@ -55,3 +55,17 @@ def test_gpu_rejects_nonfinite():
     for fmt, scale in CASES:
         with pytest.raises(ValueError, match="NaN or Inf"):
             quantize(x, fmt, scale)
+
+
+@pytest.mark.parametrize("shape, dtype", [((4096, 8192), torch.bfloat16), ((3000, 5120), torch.float32)])
+def test_gpu_guided_kernel_equals_cpu_reference(shape, dtype):
+    from trace_kernels.fp4 import pack_bits, quantize_guided, unpack_codes
+
+    x_e = extreme_rows(*shape, seed=7).to(dtype)
+    q_e = quantize(x_e, scale="row", backend="torch")
+    bits = pack_bits(unpack_codes(q_e.codes) & 1)
+    drift = 1 + (torch.rand(shape, generator=torch.Generator().manual_seed(8)) - 0.5) * 2**-6
+    x_t = (x_e.float() * drift).to(dtype)
+    ref = quantize_guided(x_t, q_e.global_scale, q_e.block_scales, bits, backend="torch")
+    gpu = quantize_guided(x_t.cuda(), q_e.global_scale.cuda(), q_e.block_scales.cuda(), bits.cuda(), backend="triton")
+    assert_same_qtensor(ref, gpu.to("cpu"))
