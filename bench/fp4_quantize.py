@@ -29,7 +29,6 @@ if not torch.cuda.is_available():  # must precede the kernels' definition
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tqdm import tqdm  # noqa: E402
-
 from trace_kernels.fp4 import dequantize, pack_bits, quantize, quantize_guided, unpack_codes  # noqa: E402
 
 CASES = [("nvfp4", "row"), ("nvfp4", "tensor"), ("mxfp4", None)]

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
+from trace_kernels.fp4 import quantize, quantize_guided, unpack_codes
 
 from megatron_trace.guidance import Coding, calibrate_tau, capture, code_flips, guided_inputs
-from trace_kernels.fp4 import quantize, quantize_guided, unpack_codes
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -59,8 +59,7 @@ def _e2m1_codes(v, index, key, STOCHASTIC: tl.constexpr):
             + (a >= 2.0).to(tl.int32) + (a >= 3.0).to(tl.int32) + (a >= 4.0).to(tl.int32)
             + (a >= 6.0).to(tl.int32)
         )
-        lo_val = tl.where(lo < 4, lo.to(tl.float32) * 0.5,
-                          tl.where(lo == 4, 2.0, tl.where(lo == 5, 3.0, tl.where(lo == 6, 4.0, 6.0))))
+        lo_val = _e2m1_value(lo)
         step = tl.where(lo < 4, 0.5, tl.where(lo < 6, 1.0, 2.0))
         frac = tl.div_rn(a - lo_val, step)
         mag = lo + (_uniform(index, key) < frac).to(tl.int32)

@@ -11,7 +11,6 @@ and mantissa bits from its own round-to-nearest codes under those scales.
 from __future__ import annotations
 
 import torch
-
 from trace_kernels.fp4 import QTensor, e4m3_to_float, pack_bits, unpack_bits, unpack_codes
 from trace_kernels.fp4.reference import nvfp4_block_scales, nvfp4_block_scales_guided, round_scaled_to_e2m1
 

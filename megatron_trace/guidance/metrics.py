@@ -6,7 +6,6 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
-
 from trace_kernels.fp4 import QTensor, unpack_codes
 from trace_kernels.fp4.reference import round_scaled_to_e2m1
 

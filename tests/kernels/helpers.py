@@ -1,7 +1,6 @@
 """Helpers shared by the FP4 kernel tests."""
 
 import torch
-
 from trace_kernels.fp4 import dequantize, quantize
 
 BACKENDS = ("torch", "triton")

@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 import torch
 from torchao.prototype.mx_formats.kernels import f32_to_f4_unpacked, pack_uint4
-
 from trace_kernels.fp4 import (
     E2M1_MAGNITUDES,
     e2m1_to_float,
@@ -14,10 +13,10 @@ from trace_kernels.fp4 import (
     float_to_e2m1_rne,
     pack_bits,
     pack_codes,
+    rng,
     unpack_bits,
     unpack_codes,
 )
-from trace_kernels.fp4 import rng
 
 from . import spec64
 

@@ -6,7 +6,6 @@ the same kernels under the interpreter in test_fp4_quantize.py.
 
 import pytest
 import torch
-
 from trace_kernels.fp4 import dequantize, quantize
 
 from .helpers import assert_bitwise_equal, assert_same_qtensor, heavy_tailed

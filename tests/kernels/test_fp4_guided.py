@@ -4,7 +4,6 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-
 from trace_kernels.fp4 import (
     E2M1_MAGNITUDES,
     dequantize,

@@ -10,7 +10,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from trace_kernels.fp4 import dequantize, fake_quantize, quantize, unpack_codes
 
 from . import spec64
@@ -22,6 +21,7 @@ from .helpers import (
     heavy_tailed,
     quantize_on,
 )
+
 
 def assert_matches_spec64(x, q, scale):
     xf = x.reshape(-1, x.shape[-1]).float().numpy()

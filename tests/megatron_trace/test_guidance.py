@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+from trace_kernels.fp4 import quantize, quantize_guided, unpack_codes
 
 from megatron_trace.guidance import (
     DEFAULT_TAU,
@@ -20,7 +21,6 @@ from megatron_trace.guidance import (
     encode_positions,
     guided_inputs,
 )
-from trace_kernels.fp4 import quantize, quantize_guided, unpack_codes
 
 META = dict(model_id="tiny-moe", policy="all")
 
