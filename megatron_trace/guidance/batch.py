@@ -28,6 +28,13 @@ MAGIC = b"TRACEGD\x01"
 SiteKey = tuple[int, str]  # (layer, site)
 
 
+def _check_experts(experts: dict[int, torch.Tensor], tokens: int, owner: str) -> None:
+    for layer, ids in experts.items():
+        if ids.dim() != 2 or ids.shape[0] != tokens or ids.dtype.is_floating_point:
+            raise GuidanceFormatError(f"routed experts of layer {layer} for the {owner} must be integer "
+                                      f"[{tokens}, top_k], got {ids.dtype} {tuple(ids.shape)}")
+
+
 @dataclass
 class GroupGuidance:
     """A GRPO group's prompt: its length, per-site prompt records and routed experts."""
@@ -58,6 +65,7 @@ class GuidanceBatch:
     def add_group(self, group: GroupGuidance) -> None:
         if group.group_id in self.groups:
             raise GuidanceFormatError(f"group {group.group_id!r} is already in the batch")
+        _check_experts(group.routed_experts, group.prompt_len, f"group {group.group_id!r} prompt")
         self.groups[group.group_id] = group
 
     def add_sample(self, sample: SampleGuidance) -> None:
@@ -65,6 +73,7 @@ class GuidanceBatch:
             raise GuidanceFormatError(f"sample {sample.sample_id!r} names unknown group {sample.group_id!r}")
         if sample.sample_id in self.samples:
             raise GuidanceFormatError(f"sample {sample.sample_id!r} is already in the batch")
+        _check_experts(sample.routed_experts, sample.response_len, f"sample {sample.sample_id!r} response")
         self.samples[sample.sample_id] = sample
 
     # -- applying -------------------------------------------------------------------------

@@ -261,3 +261,56 @@ def test_flip_stats_and_tau_calibration():
     sparse, _ = record_for(x_e, Coding.SPARSE, tau=cal["tau"], scale_coding="lsb")
     residual = code_flips(unpack_codes(q_e.codes), guided_codes(sparse, x_t)).float().mean().item()
     assert residual <= cal["escape_rate"]  # with scale LSBs only unshipped elements can flip
+
+
+def test_routed_experts_must_cover_every_token():
+    batch, _ = make_batch()
+    with pytest.raises(GuidanceFormatError, match=r"routed experts of layer 3 for the sample 's9' response must be integer \[4, top_k\]"):
+        batch.add_sample(SampleGuidance("s9", "g0", 4, 7, {}, {3: torch.zeros(5, 2, dtype=torch.int16)}))
+
+
+def _receive_over_gloo(rank, world, port, out):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        if rank == 0:
+            batch, _ = make_batch(Coding.SPARSE)
+            for t in batch.to_tensors():
+                dist.send(t, dst=1)
+        else:
+            sizes = torch.empty(2, dtype=torch.int64)
+            dist.recv(sizes, src=0)
+            header = torch.empty(int(sizes[0]), dtype=torch.uint8)
+            payload = torch.empty(int(sizes[1]), dtype=torch.uint8)
+            dist.recv(header, src=0)
+            dist.recv(payload, src=0)
+            out.put(GuidanceBatch.from_tensors([sizes, header, payload]).to_bytes())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_batch_travels_between_processes_over_gloo():
+    """The NCCL path's CPU twin: a real two-process gloo group sends and rebuilds a batch."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_receive_over_gloo, args=(r, 2, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    received = out.get(timeout=120)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    batch, rows = make_batch(Coding.SPARSE)
+    assert received == batch.to_bytes()
+    restored = GuidanceBatch.from_bytes(received)
+    g, s, bits = restored.guided_inputs("s2", 3, "fc1", rows["s2"])
+    assert torch.equal(unpack_codes(quantize_guided(rows["s2"], g, s, bits).codes),
+                       unpack_codes(quantize(rows["s2"], scale="row").codes))
