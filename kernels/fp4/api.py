@@ -124,7 +124,9 @@ def quantize(
     if global_amax is not None:
         if fmt is not Format.NVFP4 or row_scale:
             raise ValueError("global_amax applies only to nvfp4 with scale='tensor'")
-        if global_amax.dim() != 0 or not torch.isfinite(global_amax) or global_amax < 0:
+        if global_amax.dim() != 0:
+            raise ValueError(f"global_amax must be a 0-d tensor, got shape {tuple(global_amax.shape)}")
+        if check_finite and not bool(torch.isfinite(global_amax) & (global_amax >= 0)):
             raise ValueError(f"global_amax must be a finite non-negative 0-d tensor, got {global_amax}")
         # On x's device: a CPU 0-d divisor would be a CUDA scalar, divided by reciprocal.
         global_amax = global_amax.to(x.device, torch.float32)
@@ -182,6 +184,17 @@ def _check_guidance_shapes(x: torch.Tensor, global_scale, block_scales, mantissa
             raise ValueError(f"quantize_guided: {name} is on {t.device}, x on {x.device}")
 
 
+def _check_guidance_values(global_scale: torch.Tensor, block_scales: torch.Tensor) -> None:
+    # Scales the quantizer can produce: g finite and positive, E4M3 bytes 1..0x7E (positive,
+    # non-zero, not NaN). Anything else would be misapplied, differently by each backend.
+    sb = block_scales.view(torch.uint8)
+    g_ok = torch.isfinite(global_scale) & (global_scale > 0)
+    if not bool(g_ok.all() & ((sb >= 1) & (sb <= 0x7E)).all()):
+        what = "global_scale (must be finite and > 0)" if not bool(g_ok.all()) else \
+            "block_scales (must be positive, non-zero, non-NaN E4M3)"
+        raise ValueError(f"quantize_guided: {what} holds values the quantizer never produces")
+
+
 def quantize_guided(
     x: torch.Tensor,
     global_scale: torch.Tensor,
@@ -206,10 +219,13 @@ def quantize_guided(
     Returns:
         QTensor (row-scaled NVFP4) holding the guided codes and the given scales.
     Raises:
-        ValueError: shapes, dtypes or devices that do not fit x; NaN or Inf in x.
+        ValueError: shapes, dtypes or devices that do not fit x; NaN or Inf in x; scales the
+            quantizer never produces (with check_finite, which costs one host sync on the GPU).
     """
     _validate_input(x, Format.NVFP4)
     _check_guidance_shapes(x, global_scale, block_scales, mantissa_bits)
+    if check_finite:
+        _check_guidance_values(global_scale, block_scales)
     lead, k = x.shape[:-1], x.shape[-1]
     x_MK = x.reshape(-1, k).contiguous()
     g_M1 = global_scale.reshape(-1, 1).contiguous()

@@ -25,6 +25,8 @@ NVFP4_GLOBAL_DENOM = E2M1_MAX * E4M3_MAX
 # Magnitudes of E2M1 codes 0..7; bit 3 is the sign.
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_SIGN_BIT = 8
+# Midpoints between neighbouring magnitudes: where round-to-nearest changes code.
+E2M1_ROUNDING_BOUNDARIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
 class Format(str, enum.Enum):

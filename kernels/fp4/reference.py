@@ -44,6 +44,24 @@ def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(g == 0, torch.ones_like(g), g)
 
 
+def nvfp4_block_scale_unrounded(block_amax: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """block_amax / (6 g) in float32, before clamping and E4M3 rounding. [M, B]."""
+    return block_amax / (6.0 * g)
+
+
+def nvfp4_block_amax(x_MK: torch.Tensor) -> torch.Tensor:
+    """Per-block amax of NVFP4 rows: float32 [M, K/16]."""
+    m, k = x_MK.shape
+    return x_MK.to(torch.float32).reshape(m, k // 16, 16).abs().amax(-1)
+
+
+def nvfp4_scaled_values(x_MK: torch.Tensor, g: torch.Tensor, s_MB: torch.Tensor) -> torch.Tensor:
+    """x / (float(s) * g) in float32, the value each element's code rounds: [M, K]."""
+    m, k = x_MK.shape
+    u_MB = e4m3_to_float(s_MB) * g
+    return (x_MK.to(torch.float32).reshape(m, k // 16, 16) / u_MB.unsqueeze(-1)).reshape(m, k)
+
+
 def nvfp4_block_scales(block_amax: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """E4M3 block scales s = e4m3(clamp(block_amax / (6 g), 2**-9, 448)); all-zero blocks get 1.0.
 
@@ -53,8 +71,8 @@ def nvfp4_block_scales(block_amax: torch.Tensor, g: torch.Tensor) -> torch.Tenso
     Returns:
         float8_e4m3fn [M, B].
     """
-    t = 6.0 * g
-    s = (block_amax / t).clamp(E4M3_MIN_SUBNORMAL, E4M3_MAX).to(torch.float8_e4m3fn)
+    r = nvfp4_block_scale_unrounded(block_amax, g)
+    s = r.clamp(E4M3_MIN_SUBNORMAL, E4M3_MAX).to(torch.float8_e4m3fn)
     return torch.where(block_amax == 0, torch.ones_like(s), s)
 
 
@@ -70,7 +88,7 @@ def nvfp4_block_scales_guided(block_amax: torch.Tensor, g: torch.Tensor, lsb: to
     Returns:
         float8_e4m3fn [M, B].
     """
-    r = (block_amax / (6.0 * g)).clamp(E4M3_MIN_SUBNORMAL, E4M3_MAX)
+    r = nvfp4_block_scale_unrounded(block_amax, g).clamp(E4M3_MIN_SUBNORMAL, E4M3_MAX)
     near = r.to(torch.float8_e4m3fn)
     b = near.view(torch.uint8).to(torch.int32)
     lo = torch.where(near.float() > r, b - 1, b)
@@ -169,10 +187,7 @@ def nvfp4_quantize_guided_reference(
     Returns:
         codes_MK uint8 [M, K] unpacked.
     """
-    m, k = x_MK.shape
-    u_MB = e4m3_to_float(s_MB) * g_M1
-    v = x_MK.to(torch.float32).reshape(m, k // 16, 16) / u_MB.unsqueeze(-1)
-    return round_guided_to_e2m1(v, bits_MK.reshape(m, k // 16, 16)).reshape(m, k)
+    return round_guided_to_e2m1(nvfp4_scaled_values(x_MK, g_M1, s_MB), bits_MK)
 
 
 def _element_index(m: int, k: int, device: torch.device) -> torch.Tensor:
@@ -192,13 +207,10 @@ def nvfp4_quantize_reference(
         (codes_MK uint8 [M, K] unpacked, s_MB float8_e4m3fn [M, K/16]).
     """
     m, k = x_MK.shape
-    x_MBb = x_MK.to(torch.float32).reshape(m, k // 16, 16)
-    s_MB = nvfp4_block_scales(x_MBb.abs().amax(-1), g)
-    u_MB = e4m3_to_float(s_MB) * g
-    v = x_MBb / u_MB.unsqueeze(-1)
-    index = _element_index(m, k, x_MK.device).reshape(m, k // 16, 16) if stochastic else None
-    codes = round_scaled_to_e2m1(v, stochastic, index, key)
-    return codes.reshape(m, k), s_MB
+    s_MB = nvfp4_block_scales(nvfp4_block_amax(x_MK), g)
+    v = nvfp4_scaled_values(x_MK, g, s_MB)
+    index = _element_index(m, k, x_MK.device) if stochastic else None
+    return round_scaled_to_e2m1(v, stochastic, index, key), s_MB
 
 
 def mxfp4_quantize_reference(

@@ -11,39 +11,38 @@ and mantissa bits from its own round-to-nearest codes under those scales.
 from __future__ import annotations
 
 import torch
-from trace_kernels.fp4 import QTensor, e4m3_to_float, pack_bits, unpack_bits, unpack_codes
-from trace_kernels.fp4.reference import nvfp4_block_scales, nvfp4_block_scales_guided, round_scaled_to_e2m1
+from trace_kernels.fp4 import QTensor, pack_bits, unpack_bits, unpack_codes
+from trace_kernels.fp4.formats import E2M1_ROUNDING_BOUNDARIES
+from trace_kernels.fp4.reference import (
+    nvfp4_block_amax,
+    nvfp4_block_scale_unrounded,
+    nvfp4_block_scales,
+    nvfp4_block_scales_guided,
+    nvfp4_scaled_values,
+    round_scaled_to_e2m1,
+)
 
 from .codec import GuidanceFormatError, decode_positions, encode_positions
 from .record import Coding, GuidanceRecord, RecordHeader
 
-# E2M1 rounding boundaries in scaled units (midpoints between neighbouring magnitudes).
-E2M1_BOUNDARIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 BF16_ULP = 2.0**-8  # relative spacing of bfloat16 values (8 significant bits)
 DEFAULT_TAU = 2.0  # element margin in BF16 ulps of the element's magnitude (notes/guidance-calibration.md)
 DEFAULT_SCALE_TAU = 1.0  # block-scale margin in BF16 ulps of the pre-rounding scale (bench/guidance_bytes.py)
 MAGNITUDE_FLOOR = 0.25  # margins of tiny elements are measured against this magnitude
 
 
-def scaled_values(x_RK: torch.Tensor, g_R1: torch.Tensor, s_RB: torch.Tensor) -> torch.Tensor:
-    """x / (float(s) * g) in float32, exactly as the quantizer computes it. [R, K]."""
-    r, k = x_RK.shape
-    u = e4m3_to_float(s_RB) * g_R1
-    return (x_RK.float().reshape(r, k // 16, 16) / u.unsqueeze(-1)).reshape(r, k)
-
-
 def boundary_distance_ulps(v: torch.Tensor) -> torch.Tensor:
     """Distance of scaled values to the nearest E2M1 rounding boundary, in BF16 ulps of |v|
     (magnitudes below 0.25 count as 0.25). float32, same shape."""
     a = v.abs()
-    bounds = torch.tensor(E2M1_BOUNDARIES, device=a.device)
+    bounds = torch.tensor(E2M1_ROUNDING_BOUNDARIES, device=a.device)
     return (a.unsqueeze(-1) - bounds).abs().amin(-1) / (BF16_ULP * a.clamp(min=MAGNITUDE_FLOOR))
 
 
 def scale_margin_mask(block_amax_RB: torch.Tensor, g_R1: torch.Tensor, tau: float) -> torch.Tensor:
     """Block scales whose pre-rounding value lies within tau BF16 ulps of an E4M3 rounding
     boundary (or whose block is all zero, where any drift changes the scale). bool [R, B]."""
-    r = block_amax_RB / (6.0 * g_R1)
+    r = nvfp4_block_scale_unrounded(block_amax_RB, g_R1)
     s = nvfp4_block_scales(block_amax_RB, g_R1)
     b = s.view(torch.uint8).to(torch.int32)
     up = (b + 1).clamp(max=0x7E).to(torch.uint8).view(torch.float8_e4m3fn).float()
@@ -93,20 +92,20 @@ def capture(
         payload["bits"] = pack_bits(unpack_codes(q.codes) & 1).cpu()
         return GuidanceRecord(RecordHeader(**header), payload)
 
-    elem_idx = (boundary_distance_ulps(scaled_values(x_RK, g_R1, q.block_scales)) < tau).reshape(-1).nonzero().reshape(-1)
+    elem_idx = (boundary_distance_ulps(nvfp4_scaled_values(x_RK, g_R1, q.block_scales)) < tau).reshape(-1).nonzero().reshape(-1)
     payload |= {"elem_pos": encode_positions(elem_idx),
                 "elem_bits": pack_padded_bits(unpack_codes(q.codes).reshape(-1)[elem_idx] & 1).cpu()}
     scale_bytes = q.block_scales.view(torch.uint8).reshape(-1)
     if scale_coding == "lsb":
         payload["scale_bits"] = pack_padded_bits(scale_bytes & 1).cpu()
-        scale_idx = scale_bytes
+        n_scales = scale_bytes.numel()
     else:
-        block_amax = x_RK.float().reshape(rows, cols // 16, 16).abs().amax(-1)
-        scale_idx = scale_margin_mask(block_amax, g_R1, scale_tau).reshape(-1).nonzero().reshape(-1)
+        scale_idx = scale_margin_mask(nvfp4_block_amax(x_RK), g_R1, scale_tau).reshape(-1).nonzero().reshape(-1)
         payload |= {"scale_pos": encode_positions(scale_idx), "scale_val": scale_bytes[scale_idx].cpu()}
+        n_scales = scale_idx.numel()
     return GuidanceRecord(RecordHeader(**header, tau=tau, scale_coding=scale_coding,
                                        scale_tau=scale_tau if scale_coding == "near" else None,
-                                       n_scales=scale_idx.numel(), n_elems=elem_idx.numel()), payload)
+                                       n_scales=n_scales, n_elems=elem_idx.numel()), payload)
 
 
 def pack_padded_bits(bits: torch.Tensor) -> torch.Tensor:
@@ -136,7 +135,7 @@ def guided_inputs(record: GuidanceRecord, x_RK: torch.Tensor, **expected) -> tup
         return g_R1, p["scales"].view(torch.float8_e4m3fn), p["bits"]
 
     h = record.header
-    block_amax = x_RK.float().reshape(rows, cols // 16, 16).abs().amax(-1)
+    block_amax = nvfp4_block_amax(x_RK)
     n_blocks = rows * cols // 16
     if h.scale_coding == "lsb":
         lsb = unpack_bits(p["scale_bits"])[:n_blocks].reshape(rows, cols // 16)
@@ -145,7 +144,7 @@ def guided_inputs(record: GuidanceRecord, x_RK: torch.Tensor, **expected) -> tup
         flat = nvfp4_block_scales(block_amax, g_R1).view(torch.uint8).reshape(-1).clone()
         flat[decode_positions(record.payload["scale_pos"], h.n_scales, n_blocks).to(dev)] = p["scale_val"]
         scales = flat.view(torch.float8_e4m3fn).reshape(rows, cols // 16)
-    own_bits = (round_scaled_to_e2m1(scaled_values(x_RK, g_R1, scales)) & 1).reshape(-1)
+    own_bits = (round_scaled_to_e2m1(nvfp4_scaled_values(x_RK, g_R1, scales)) & 1).reshape(-1)
     elem_idx = decode_positions(record.payload["elem_pos"], h.n_elems, rows * cols).to(dev)
     own_bits[elem_idx] = unpack_bits(p["elem_bits"])[: h.n_elems]
     return g_R1, scales, pack_bits(own_bits.reshape(rows, cols))

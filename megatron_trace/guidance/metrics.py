@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 from trace_kernels.fp4 import QTensor, unpack_codes
-from trace_kernels.fp4.reference import round_scaled_to_e2m1
+from trace_kernels.fp4.reference import nvfp4_scaled_values, round_scaled_to_e2m1
 
-from .capture import boundary_distance_ulps, scaled_values
+from .capture import boundary_distance_ulps
 
 
 def code_flips(engine_codes: torch.Tensor, trainer_codes: torch.Tensor) -> torch.Tensor:
@@ -20,11 +20,6 @@ def code_flips(engine_codes: torch.Tensor, trainer_codes: torch.Tensor) -> torch
     e = torch.where(engine_codes == 8, 0, engine_codes)
     t = torch.where(trainer_codes == 8, 0, trainer_codes)
     return e != t
-
-
-def flip_rate(engine: QTensor, trainer: QTensor) -> float:
-    """Share of elements whose trainer code differs from the engine's."""
-    return code_flips(unpack_codes(engine.codes), unpack_codes(trainer.codes)).float().mean().item()
 
 
 @dataclass
@@ -72,8 +67,8 @@ def calibrate_tau(x_engine: torch.Tensor, x_trainer: torch.Tensor, q_engine: QTe
     """
     candidates = candidates or [0.25, 0.5, 1, 1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64]
     g, s = q_engine.global_scale, q_engine.block_scales
-    v_e = scaled_values(x_engine, g, s)
-    flips = code_flips(unpack_codes(q_engine.codes), round_scaled_to_e2m1(scaled_values(x_trainer, g, s)))
+    v_e = nvfp4_scaled_values(x_engine, g, s)
+    flips = code_flips(unpack_codes(q_engine.codes), round_scaled_to_e2m1(nvfp4_scaled_values(x_trainer, g, s)))
     dist = boundary_distance_ulps(v_e)
     n = flips.numel()
     for tau in candidates:

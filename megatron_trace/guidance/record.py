@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import zlib
 from dataclasses import dataclass
 
 import torch
@@ -124,13 +123,6 @@ class GuidanceRecord:
     def bits_per_element(self) -> float:
         n = self.header.rows * self.header.cols
         return 8 * self.nbytes / n if n else 0.0
-
-    def checksum(self) -> int:
-        """CRC-32 over the payload bytes in key order."""
-        crc = 0
-        for key in payload_keys(self.header.coding, self.header.scale_coding):
-            crc = zlib.crc32(self.payload[key].contiguous().cpu().view(torch.uint8).numpy().tobytes(), crc)
-        return crc
 
     def check_fits(self, *, rows: int, cols: int, sample_id: str | None = None,
                    weight_version: int | None = None, layer: int | None = None, site: str | None = None) -> None:

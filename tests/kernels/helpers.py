@@ -1,7 +1,8 @@
 """Helpers shared by the FP4 kernel tests."""
 
+import numpy as np
 import torch
-from trace_kernels.fp4 import dequantize, quantize
+from trace_kernels.fp4 import E2M1_MAGNITUDES, dequantize, quantize
 
 BACKENDS = ("torch", "triton")
 HAS_CUDA = torch.cuda.is_available()
@@ -46,3 +47,12 @@ def assert_bitwise_equal(a, b):
     assert a.dtype == b.dtype and a.shape == b.shape
     ints = {4: torch.int32, 2: torch.int16}[a.element_size()]
     assert torch.equal(a.view(ints), b.view(ints))
+
+
+def e2m1_sweep():
+    """Dense float32 values in [-6.5, 6.5]: a 2**-10 grid, every tie point and its neighbours."""
+    grid = np.arange(-6.5, 6.5, 2.0**-10, dtype=np.float32)
+    mags = np.array(E2M1_MAGNITUDES, dtype=np.float32)
+    ties = ((mags[1:] + mags[:-1]) / 2).astype(np.float32)
+    near = np.concatenate([ties, np.nextafter(ties, 0), np.nextafter(ties, 10)])
+    return np.concatenate([grid, near, -near, [0.0, -0.0, 6.0, -6.0]]).astype(np.float32)

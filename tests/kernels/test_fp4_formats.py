@@ -6,7 +6,6 @@ import pytest
 import torch
 from torchao.prototype.mx_formats.kernels import f32_to_f4_unpacked, pack_uint4
 from trace_kernels.fp4 import (
-    E2M1_MAGNITUDES,
     e2m1_to_float,
     e4m3_to_float,
     e8m0_to_float,
@@ -19,6 +18,7 @@ from trace_kernels.fp4 import (
 )
 
 from . import spec64
+from .helpers import e2m1_sweep
 
 
 def test_every_e2m1_code_matches_ml_dtypes():
@@ -29,17 +29,8 @@ def test_every_e2m1_code_matches_ml_dtypes():
     assert np.array_equal(np.signbit(got), np.signbit(want))  # code 8 is -0.0
 
 
-def _sweep():
-    """Dense float32 values in [-6.5, 6.5]: a 2**-10 grid, every tie point and its neighbours."""
-    grid = np.arange(-6.5, 6.5, 2.0**-10, dtype=np.float32)
-    mags = np.array(E2M1_MAGNITUDES, dtype=np.float32)
-    ties = ((mags[1:] + mags[:-1]) / 2).astype(np.float32)
-    near = np.concatenate([ties, np.nextafter(ties, 0), np.nextafter(ties, 10)])
-    return np.concatenate([grid, near, -near, [0.0, -0.0, 6.0, -6.0]]).astype(np.float32)
-
-
 def test_e2m1_rne_matches_ml_dtypes_including_ties_and_saturation():
-    v = _sweep()
+    v = e2m1_sweep()
     got = float_to_e2m1_rne(torch.from_numpy(v)).numpy()
     want = v.astype(ml_dtypes.float4_e2m1fn).view(np.uint8)
     # ml_dtypes drops the sign of values that round to zero; the spec keeps it (code 8).
@@ -48,12 +39,12 @@ def test_e2m1_rne_matches_ml_dtypes_including_ties_and_saturation():
 
 
 def test_e2m1_rne_matches_torchao():
-    v = torch.from_numpy(_sweep()).clamp(-6, 6)
+    v = torch.from_numpy(e2m1_sweep()).clamp(-6, 6)
     assert torch.equal(float_to_e2m1_rne(v), f32_to_f4_unpacked(v))
 
 
 def test_e2m1_rne_matches_float64_grid_search():
-    v = _sweep()
+    v = e2m1_sweep()
     assert np.array_equal(float_to_e2m1_rne(torch.from_numpy(v)).numpy(), spec64.e2m1_rne(v))
 
 

@@ -15,7 +15,7 @@ from trace_kernels.fp4 import (
 )
 
 from . import spec64
-from .helpers import BACKENDS, assert_same_qtensor, heavy_tailed, triton_device
+from .helpers import BACKENDS, assert_same_qtensor, e2m1_sweep, heavy_tailed, triton_device
 
 
 def guided_on(backend, x, g, s, bits):
@@ -94,9 +94,7 @@ def test_large_drift_never_moves_more_than_one_step_from_the_trainer_value(backe
 
 
 def test_triton_guided_matches_reference_on_random_bits_and_ties():
-    from .test_fp4_formats import _sweep
-
-    v = torch.from_numpy(_sweep()).clamp(-7.0, 7.0)
+    v = torch.from_numpy(e2m1_sweep()).clamp(-7.0, 7.0)
     v = v[: v.numel() // 16 * 16].reshape(-1, 16)
     m = v.shape[0]
     g = torch.full((m, 1), 1.0 / 448)
@@ -148,3 +146,22 @@ def test_guidance_that_does_not_fit_is_refused(change, match):
     g, s, bits, _ = engine_guidance(x)
     with pytest.raises(ValueError, match=match):
         quantize_guided(x, *change(g, s, bits))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "spoil, match",
+    [
+        (lambda g, s: (g * 0, s), "global_scale"),
+        (lambda g, s: (g * float("inf"), s), "global_scale"),
+        (lambda g, s: (g, torch.full_like(s.view(torch.uint8), 0x7F).view(torch.float8_e4m3fn)), "block_scales"),
+        (lambda g, s: (g, (s.view(torch.uint8) | 0x80).view(torch.float8_e4m3fn)), "block_scales"),
+        (lambda g, s: (g, torch.zeros_like(s.view(torch.uint8)).view(torch.float8_e4m3fn)), "block_scales"),
+    ],
+)
+def test_scales_the_quantizer_never_produces_are_refused(backend, spoil, match):
+    x = heavy_tailed(4, 64, seed=28)
+    g, s, bits, _ = engine_guidance(x)
+    g, s = spoil(g, s)
+    with pytest.raises(ValueError, match=match):
+        guided_on(backend, x, g, s, bits)

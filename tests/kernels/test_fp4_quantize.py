@@ -18,6 +18,7 @@ from .helpers import (
     assert_bitwise_equal,
     assert_same_qtensor,
     dequantize_on,
+    e2m1_sweep,
     heavy_tailed,
     quantize_on,
 )
@@ -331,9 +332,7 @@ def test_rows_longer_than_one_program_take_the_torch_amax_path(rounding):
 
 def test_triton_element_rounding_matches_reference_on_a_dense_sweep():
     """Every scaled value of a dense sweep (ties and their neighbours included), through both backends."""
-    from .test_fp4_formats import _sweep
-
-    v = torch.from_numpy(_sweep()).clamp(-6.0, 6.0)
+    v = torch.from_numpy(e2m1_sweep()).clamp(-6.0, 6.0)
     v = v[: v.numel() // 15 * 15].reshape(-1, 15)
     x = torch.cat([torch.full((v.shape[0], 1), 6.0), v], dim=1)  # block amax 6 -> scale u = 1
     qs = [quantize_on(b, x, global_amax=torch.tensor(6.0)) for b in BACKENDS]
