@@ -27,8 +27,24 @@ from .packing import pack_bits, pack_codes, unpack_bits, unpack_codes
 from .qtensor import QTensor
 
 __all__ = [
-    "E2M1_MAGNITUDES", "E2M1_MAX", "E4M3_MAX", "Format", "MXScaleRule", "QTensor",
-    "block_clip_bound", "dequantize", "e2m1_to_float", "e4m3_to_float", "e8m0_to_float",
-    "fake_quantize", "fake_quantize_guided", "float_to_e2m1_rne", "quantize_guided", "pack_bits", "pack_codes", "quantize",
-    "unpack_bits", "unpack_codes",
+    "E2M1_MAGNITUDES",
+    "E2M1_MAX",
+    "E4M3_MAX",
+    "Format",
+    "MXScaleRule",
+    "QTensor",
+    "block_clip_bound",
+    "dequantize",
+    "e2m1_to_float",
+    "e4m3_to_float",
+    "e8m0_to_float",
+    "fake_quantize",
+    "fake_quantize_guided",
+    "float_to_e2m1_rne",
+    "pack_bits",
+    "pack_codes",
+    "quantize",
+    "quantize_guided",
+    "unpack_bits",
+    "unpack_codes",
 ]

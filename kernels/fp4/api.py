@@ -88,9 +88,10 @@ def quantize(
         rounding: "rne" or "stochastic" (counter-based: same seed and input, same codes on
             any device). Block scales always round to nearest.
         seed: stochastic rounding seed; None draws one from torch's default generator.
-        global_amax: tensor-scaled NVFP4 only: a float32 0-d amax to derive g from, for
-            example one all-reduced over tensor- and expert-parallel shards so that every
-            shard quantizes with the g of the whole logical tensor. Elements above it saturate.
+        global_amax: NVFP4 only: the amax to derive g from instead of x's own, for example
+            one all-reduced over tensor- and expert-parallel shards so that every shard
+            quantizes with the g of the whole logical tensor (or row). A 0-d tensor with
+            scale="tensor"; [..., 1] (one per row) with scale="row". Elements above it saturate.
         mx_scale_rule: MXFP4 block scale rule, "floor" (OCP) or "ceil" (never saturates).
         backend: "auto" (Triton on CUDA tensors, torch elsewhere), "torch" or "triton".
         check_finite: refuse NaN/Inf. On the GPU this costs one host synchronisation per
@@ -122,12 +123,14 @@ def quantize(
     mx_rule = MXScaleRule(mx_scale_rule)
     row_scale = fmt is Format.NVFP4 and scale == "row"
     if global_amax is not None:
-        if fmt is not Format.NVFP4 or row_scale:
-            raise ValueError("global_amax applies only to nvfp4 with scale='tensor'")
-        if global_amax.dim() != 0:
-            raise ValueError(f"global_amax must be a 0-d tensor, got shape {tuple(global_amax.shape)}")
-        if check_finite and not bool(torch.isfinite(global_amax) & (global_amax >= 0)):
-            raise ValueError(f"global_amax must be a finite non-negative 0-d tensor, got {global_amax}")
+        if fmt is not Format.NVFP4:
+            raise ValueError("global_amax applies only to nvfp4")
+        want = tuple(x.shape[:-1]) + (1,) if row_scale else ()
+        if tuple(global_amax.shape) != want:
+            raise ValueError(f"global_amax must have shape {want} for scale={scale!r} and x of shape "
+                             f"{tuple(x.shape)}, got {tuple(global_amax.shape)}")
+        if check_finite and not bool((torch.isfinite(global_amax) & (global_amax >= 0)).all()):
+            raise ValueError("global_amax must be a finite non-negative amax")
         # On x's device: a CPU 0-d divisor would be a CUDA scalar, divided by reciprocal.
         global_amax = global_amax.to(x.device, torch.float32)
 
@@ -139,8 +142,9 @@ def quantize(
         if need_amax:
             lo, hi = torch.aminmax(x_MK)
             global_amax = torch.maximum(-lo, hi).float()
+        row_amax = global_amax.reshape(-1) if row_scale and global_amax is not None else None
         packed, scale_bytes, g, bad = triton_fp4.quantize_rows_triton(
-            x_MK, fmt, row_scale, stochastic, key, global_amax, mx_rule
+            x_MK, fmt, row_scale, stochastic, key, None if row_scale else global_amax, mx_rule, row_amax=row_amax
         )
         if check_finite and bool(bad.any()):
             _raise_nonfinite("detected by the Triton kernel")
@@ -152,8 +156,10 @@ def quantize(
             g = None
             codes, block_scales = reference.mxfp4_quantize_reference(x_MK, mx_rule, stochastic, key)
         else:
-            amax = x_MK.abs().amax(-1, keepdim=True) if row_scale else (
-                global_amax if global_amax is not None else x_MK.abs().amax())
+            if global_amax is not None:
+                amax = global_amax.reshape(-1, 1) if row_scale else global_amax
+            else:
+                amax = x_MK.abs().amax(-1, keepdim=True) if row_scale else x_MK.abs().amax()
             g = reference.nvfp4_global_scale(amax)
             codes, block_scales = reference.nvfp4_quantize_reference(x_MK, g, stochastic, key)
         packed = pack_codes(codes)

@@ -72,11 +72,11 @@ class QTensor:
         n = self.codes.numel() + self.block_scales.numel()
         return n + (4 * self.global_scale.numel() if self.global_scale is not None else 0)
 
-    def to(self, device: torch.device | str) -> "QTensor":
+    def to(self, device: torch.device | str) -> QTensor:
         g = None if self.global_scale is None else self.global_scale.to(device)
         return QTensor(self.codes.to(device), self.block_scales.to(device), g, self.fmt, self.shape)
 
-    def rows(self) -> "QTensor":
+    def rows(self) -> QTensor:
         """The same data viewed as 2-D rows: codes [M, K/2], scales [M, B], global [M, 1] or ()."""
         k = self.shape[-1]
         g = self.global_scale

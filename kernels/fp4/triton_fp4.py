@@ -294,12 +294,15 @@ def quantize_rows_triton(
     key: int,
     global_amax: torch.Tensor | None,
     mx_rule: MXScaleRule,
+    row_amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Quantize contiguous 2-D rows with the Triton kernel.
 
     Args:
         x_MK: float32/bfloat16/float16 [M, K], contiguous.
         global_amax: tensor-scaled NVFP4 only: the amax the global scale is computed from.
+        row_amax: row-scaled NVFP4 only, optional: float32 [M], each row's amax (for rows
+            sharded across ranks, the all-reduced amax of the whole row).
     Returns:
         (packed codes uint8 [M, K/2], block scale bytes uint8 [M, K/bs],
          global scale float32 ([M] for rows, 0-d for tensor, None for MXFP4),
@@ -315,6 +318,8 @@ def quantize_rows_triton(
         g, g_mode = None, G_NONE
     elif not row_scale:
         g, g_mode = nvfp4_global_scale(global_amax.to(dev)), G_TENSOR
+    elif row_amax is not None:
+        g, g_mode = nvfp4_global_scale(row_amax.to(dev, torch.float32)), G_ROW
     elif k <= MAX_ROW_ELEMENTS:
         g, g_mode = torch.empty((m,), dtype=torch.float32, device=dev), G_ROW_AMAX
     else:  # long rows: amax by a torch reduction (exact), then the per-row path

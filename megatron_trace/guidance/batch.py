@@ -169,7 +169,7 @@ class GuidanceBatch:
         return [torch.tensor([header.numel(), payload.numel()], dtype=torch.int64), header, payload]
 
     @classmethod
-    def from_tensors(cls, tensors: list[torch.Tensor]) -> "GuidanceBatch":
+    def from_tensors(cls, tensors: list[torch.Tensor]) -> GuidanceBatch:
         if len(tensors) != 3:
             raise GuidanceFormatError(f"a guidance batch travels as 3 tensors, got {len(tensors)}")
         sizes, header, payload = (t.cpu() for t in tensors)
@@ -187,7 +187,7 @@ class GuidanceBatch:
         return MAGIC + struct.pack("<QQ", header.numel(), payload.numel()) + header.numpy().tobytes() + payload.numpy().tobytes()
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> "GuidanceBatch":
+    def from_bytes(cls, data: bytes) -> GuidanceBatch:
         if data[:len(MAGIC)] != MAGIC:
             raise GuidanceFormatError("not a TRACE guidance stream (bad magic) or an unknown container version")
         off = len(MAGIC) + 16
@@ -202,7 +202,7 @@ class GuidanceBatch:
         return cls.from_tensors([sizes, header, payload])
 
     @classmethod
-    def _from_parts(cls, meta: dict, payload: bytes) -> "GuidanceBatch":
+    def _from_parts(cls, meta: dict, payload: bytes) -> GuidanceBatch:
         if meta.get("format_version") != FORMAT_VERSION:
             raise GuidanceFormatError(f"guidance format version {meta.get('format_version')!r} is not supported "
                                       f"(this build reads {FORMAT_VERSION})")

@@ -11,19 +11,18 @@ and mantissa bits from its own round-to-nearest codes under those scales.
 from __future__ import annotations
 
 import torch
-from trace_kernels.fp4 import QTensor, pack_bits, unpack_bits, unpack_codes
+from trace_kernels.fp4 import QTensor, pack_bits, unpack_codes
 from trace_kernels.fp4.formats import E2M1_ROUNDING_BOUNDARIES
 from trace_kernels.fp4.reference import (
     nvfp4_block_amax,
     nvfp4_block_scale_unrounded,
     nvfp4_block_scales,
-    nvfp4_block_scales_guided,
     nvfp4_scaled_values,
-    round_scaled_to_e2m1,
 )
 
-from .codec import GuidanceFormatError, decode_positions, encode_positions
+from .codec import GuidanceFormatError, encode_positions
 from .record import Coding, GuidanceRecord, RecordHeader
+from .rows import RowGuidance
 
 BF16_ULP = 2.0**-8  # relative spacing of bfloat16 values (8 significant bits)
 DEFAULT_TAU = 2.0  # element margin in BF16 ulps of the element's magnitude (notes/guidance-calibration.md)
@@ -128,23 +127,4 @@ def guided_inputs(record: GuidanceRecord, x_RK: torch.Tensor, **expected) -> tup
     """
     rows, cols = x_RK.shape
     record.check_fits(rows=rows, cols=cols, **expected)
-    dev = x_RK.device
-    p = {k: v.to(dev) for k, v in record.payload.items()}
-    g_R1 = p["g"].reshape(rows, 1)
-    if record.header.coding is Coding.DENSE:
-        return g_R1, p["scales"].view(torch.float8_e4m3fn), p["bits"]
-
-    h = record.header
-    block_amax = nvfp4_block_amax(x_RK)
-    n_blocks = rows * cols // 16
-    if h.scale_coding == "lsb":
-        lsb = unpack_bits(p["scale_bits"])[:n_blocks].reshape(rows, cols // 16)
-        scales = nvfp4_block_scales_guided(block_amax, g_R1, lsb)
-    else:
-        flat = nvfp4_block_scales(block_amax, g_R1).view(torch.uint8).reshape(-1).clone()
-        flat[decode_positions(record.payload["scale_pos"], h.n_scales, n_blocks).to(dev)] = p["scale_val"]
-        scales = flat.view(torch.float8_e4m3fn).reshape(rows, cols // 16)
-    own_bits = (round_scaled_to_e2m1(nvfp4_scaled_values(x_RK, g_R1, scales)) & 1).reshape(-1)
-    elem_idx = decode_positions(record.payload["elem_pos"], h.n_elems, rows * cols).to(dev)
-    own_bits[elem_idx] = unpack_bits(p["elem_bits"])[: h.n_elems]
-    return g_R1, scales, pack_bits(own_bits.reshape(rows, cols))
+    return RowGuidance.from_record(record).resolve(x_RK)

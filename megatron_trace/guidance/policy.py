@@ -20,7 +20,7 @@ class LayerPolicy:
     budget_bytes_per_token: float = 0.0
 
     @classmethod
-    def parse(cls, spec: str) -> "LayerPolicy":
+    def parse(cls, spec: str) -> LayerPolicy:
         spec = spec.strip()
         try:
             if spec in ("all", "none"):
@@ -35,7 +35,7 @@ class LayerPolicy:
                 if b < 0:
                     raise ValueError
                 return cls("budget", budget_bytes_per_token=b)
-            body = spec[7:] if spec.startswith("layers:") else spec
+            body = spec.removeprefix("layers:")
             layers = tuple(sorted({int(v) for v in body.split(",") if v.strip()}))
             if not layers or min(layers) < 0:
                 raise ValueError

@@ -35,7 +35,7 @@ class Coding(str, enum.Enum):
 SCALE_CODINGS = ("lsb", "near")
 
 
-def payload_keys(coding: "Coding", scale_coding: str | None) -> tuple[str, ...]:
+def payload_keys(coding: Coding, scale_coding: str | None) -> tuple[str, ...]:
     """Payload tensors of a record, in wire order."""
     if coding is Coding.DENSE:
         return ("g", "scales", "bits")
@@ -77,7 +77,7 @@ class RecordHeader:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "RecordHeader":
+    def from_dict(cls, d: dict) -> RecordHeader:
         if d.get("format_version") != FORMAT_VERSION:
             raise GuidanceFormatError(
                 f"guidance format version {d.get('format_version')!r} is not supported (this build reads {FORMAT_VERSION})")

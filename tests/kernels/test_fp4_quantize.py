@@ -298,7 +298,7 @@ def test_fake_quantize_bf16_keeps_dtype_and_gradient_dtype():
         (torch.randn(2, 16), {"scale": "column"}, "unknown scale mode"),
         (torch.randn(2, 16), {"rounding": "up"}, "unknown rounding"),
         (torch.randn(2, 16), {"seed": 3}, "seed is only used"),
-        (torch.randn(2, 16), {"scale": "row", "global_amax": torch.tensor(1.0)}, "global_amax applies only"),
+        (torch.randn(2, 16), {"scale": "row", "global_amax": torch.tensor(1.0)}, "global_amax must have shape"),
         (torch.randn(2, 16), {"global_amax": torch.tensor(float("nan"))}, "finite non-negative"),
     ],
 )

@@ -1,0 +1,194 @@
+"""Guidance as row-aligned tensors: the form the trainer's FP4 sites consume.
+
+A record (record.py) is the wire form of one (sample, layer, site); sparse records hold gap
+streams that only make sense for the whole record. `RowGuidance` decodes a record into dense
+tensors with one row per quantized row, so that a batch of samples can be concatenated, a
+tensor-parallel rank can take its column slice, and expert-parallel dispatch can move each row
+with its token (`to_row_bytes` / `from_row_bytes`). What a sparse record did not ship is marked
+unknown and filled in by `resolve` from the trainer's own values, as `capture.guided_inputs`
+describes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from trace_kernels.fp4 import pack_bits, unpack_bits
+from trace_kernels.fp4.reference import (
+    nvfp4_block_amax,
+    nvfp4_block_scales,
+    nvfp4_block_scales_guided,
+    nvfp4_scaled_values,
+    round_scaled_to_e2m1,
+)
+
+from .codec import GuidanceFormatError, decode_positions
+from .record import Coding, GuidanceRecord
+
+
+def _unpacked_mask(positions: torch.Tensor, numel: int) -> torch.Tensor:
+    mask = torch.zeros(numel, dtype=torch.bool)
+    mask[positions] = True
+    return mask
+
+
+@dataclass(frozen=True)
+class RowGuidance:
+    """Guidance for R rows of K elements (row-scaled NVFP4, blocks of 16).
+
+    g: float32 [R, 1], the engine's row global scales (always shipped).
+    scales: uint8 [R, K/16], E4M3 block-scale bytes; with `scale_lsb` only bit 0 is meaningful
+        (the trainer rounds its own scale to the neighbour with that last bit).
+    scale_known: bool [R, K/16] or None (all known); where False the trainer's own scale is used.
+    bits: uint8 [R, K/8], mantissa bits, element 8j+i of a row in bit i of byte j.
+    bit_known: uint8 [R, K/8] packed like `bits`, or None (all known); where a bit is 0 the
+        trainer's own round-to-nearest bit is used.
+    row_ids: int64 [R] or None: each row's index in the micro-batch's site rows (kept through
+        selection and dispatch, for metrics that compare with the engine row by row).
+    """
+
+    g: torch.Tensor
+    scales: torch.Tensor
+    bits: torch.Tensor
+    scale_lsb: bool = False
+    scale_known: torch.Tensor | None = None
+    bit_known: torch.Tensor | None = None
+    row_ids: torch.Tensor | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return self.g.shape[0]
+
+    @property
+    def num_cols(self) -> int:
+        return self.bits.shape[1] * 8
+
+    @property
+    def kind(self) -> tuple[bool, bool, bool, bool]:
+        """What the rows carry; rows of different kinds cannot be concatenated."""
+        return (self.scale_lsb, self.scale_known is not None, self.bit_known is not None, self.row_ids is not None)
+
+    # -- building ------------------------------------------------------------------------
+    @classmethod
+    def from_record(cls, record: GuidanceRecord) -> RowGuidance:
+        """Decode a record's payload into rows (on the payload's device, the CPU)."""
+        h, p = record.header, record.payload
+        rows, cols = h.rows, h.cols
+        g = p["g"].reshape(rows, 1).float()
+        if h.coding is Coding.DENSE:
+            return cls(g, p["scales"].reshape(rows, cols // 16), p["bits"].reshape(rows, cols // 8))
+        n_blocks = rows * cols // 16
+        if h.scale_coding == "lsb":
+            scales = unpack_bits(p["scale_bits"])[:n_blocks].reshape(rows, cols // 16)
+            scale_known, scale_lsb = None, True
+        else:
+            pos = decode_positions(p["scale_pos"], h.n_scales, n_blocks)
+            flat = torch.zeros(n_blocks, dtype=torch.uint8)
+            flat[pos] = p["scale_val"]
+            scales, scale_lsb = flat.reshape(rows, cols // 16), False
+            scale_known = _unpacked_mask(pos, n_blocks).reshape(rows, cols // 16)
+        pos = decode_positions(p["elem_pos"], h.n_elems, rows * cols)
+        bits = torch.zeros(rows * cols, dtype=torch.uint8)
+        bits[pos] = unpack_bits(p["elem_bits"])[: h.n_elems]
+        known = _unpacked_mask(pos, rows * cols).to(torch.uint8)
+        return cls(g, scales, pack_bits(bits.reshape(rows, cols)), scale_lsb, scale_known,
+                   pack_bits(known.reshape(rows, cols)))
+
+    @classmethod
+    def cat(cls, parts: list[RowGuidance]) -> RowGuidance:
+        """Rows of several parts, in order. All parts must be of one kind and width."""
+        if not parts:
+            raise GuidanceFormatError("RowGuidance.cat needs at least one part")
+        first = parts[0]
+        for p in parts[1:]:
+            if p.kind != first.kind or p.num_cols != first.num_cols:
+                raise GuidanceFormatError(f"cannot concatenate guidance rows of kind {p.kind} x {p.num_cols} "
+                                          f"with {first.kind} x {first.num_cols} (mixed codings or widths)")
+
+        def cat_field(name):
+            ts = [getattr(p, name) for p in parts]
+            return None if ts[0] is None else torch.cat(ts)
+
+        return cls(cat_field("g"), cat_field("scales"), cat_field("bits"), first.scale_lsb,
+                   cat_field("scale_known"), cat_field("bit_known"), cat_field("row_ids"))
+
+    def with_row_ids(self) -> "RowGuidance":
+        """The same rows, numbered 0..R-1."""
+        return replace(self, row_ids=torch.arange(self.num_rows, device=self.g.device))
+
+    # -- selecting -----------------------------------------------------------------------
+    def _map(self, fn) -> RowGuidance:
+        return replace(self, **{name: None if (t := getattr(self, name)) is None else fn(name, t)
+                                for name in ("g", "scales", "bits", "scale_known", "bit_known", "row_ids")})
+
+    def to(self, device) -> RowGuidance:
+        return self._map(lambda _, t: t.to(device, non_blocking=True))
+
+    def select_rows(self, index: torch.Tensor | slice) -> RowGuidance:
+        """Rows by index (an int64 tensor, possibly repeating rows) or slice."""
+        return self._map(lambda _, t: t[index])
+
+    def select_cols(self, start: int, end: int) -> RowGuidance:
+        """Columns [start, end) of every row (a tensor-parallel shard); g stays the whole row's."""
+        if start % 16 or end % 16 or not 0 <= start < end <= self.num_cols:
+            raise GuidanceFormatError(f"column slice [{start}, {end}) of {self.num_cols}-wide guidance rows "
+                                      "must be non-empty and on 16-element block boundaries")
+        per_col = {"scales": 16, "scale_known": 16, "bits": 8, "bit_known": 8}
+        return self._map(lambda name, t: t if name not in per_col else t[:, start // per_col[name]: end // per_col[name]])
+
+    # -- applying ------------------------------------------------------------------------
+    def resolve(self, x_RK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`quantize_guided`'s (g [R, 1], block scales float8_e4m3fn [R, K/16], bits uint8 [R, K/8])
+        for the trainer's rows x_RK [R, K], on x's device."""
+        if tuple(x_RK.shape) != (self.num_rows, self.num_cols):
+            raise GuidanceFormatError(f"guidance for {self.num_rows} x {self.num_cols} rows applied to "
+                                      f"a tensor of shape {tuple(x_RK.shape)}")
+        rg = self.to(x_RK.device)
+        if rg.scale_lsb:
+            scales = nvfp4_block_scales_guided(nvfp4_block_amax(x_RK), rg.g, rg.scales & 1)
+        elif rg.scale_known is None:
+            scales = rg.scales.view(torch.float8_e4m3fn)
+        else:
+            own = nvfp4_block_scales(nvfp4_block_amax(x_RK), rg.g).view(torch.uint8)
+            scales = torch.where(rg.scale_known, rg.scales, own).view(torch.float8_e4m3fn)
+        if rg.bit_known is None:
+            return rg.g, scales, rg.bits
+        own_bits = pack_bits(round_scaled_to_e2m1(nvfp4_scaled_values(x_RK, rg.g, scales)) & 1)
+        return rg.g, scales, (rg.bits & rg.bit_known) | (own_bits & ~rg.bit_known)
+
+    # -- moving with tokens ----------------------------------------------------------------
+    def to_row_bytes(self) -> torch.Tensor:
+        """uint8 [R, row_nbytes]: each row's guidance as bytes, to travel with its token."""
+        fields = [self.g.contiguous().view(torch.uint8), self.scales]
+        if self.scale_known is not None:
+            fields.append(self.scale_known.to(torch.uint8))
+        fields.append(self.bits)
+        if self.bit_known is not None:
+            fields.append(self.bit_known)
+        if self.row_ids is not None:
+            fields.append(self.row_ids.reshape(-1, 1).contiguous().view(torch.uint8))
+        return torch.cat(fields, dim=1)
+
+    @staticmethod
+    def row_nbytes(cols: int, kind: tuple[bool, bool, bool, bool]) -> int:
+        _, has_scale_known, has_bit_known, has_ids = kind
+        return 4 + cols // 16 * (1 + has_scale_known) + cols // 8 * (1 + has_bit_known) + 8 * has_ids
+
+    @classmethod
+    def from_row_bytes(cls, data_RN: torch.Tensor, cols: int, kind: tuple[bool, bool, bool, bool]) -> RowGuidance:
+        """Inverse of `to_row_bytes` for rows of `cols` elements of the given `kind`."""
+        scale_lsb, has_scale_known, has_bit_known, has_ids = kind
+        if data_RN.dim() != 2 or data_RN.shape[1] != cls.row_nbytes(cols, kind):
+            raise GuidanceFormatError(f"guidance row bytes of shape {tuple(data_RN.shape)} do not hold "
+                                      f"{cols}-wide rows of kind {kind}")
+        widths = ([4, cols // 16] + [cols // 16] * has_scale_known + [cols // 8] + [cols // 8] * has_bit_known
+                  + [8] * has_ids)
+        parts = list(torch.split(data_RN, widths, dim=1))
+        g = parts.pop(0).contiguous().view(torch.float32)
+        scales = parts.pop(0)
+        scale_known = parts.pop(0).bool() if has_scale_known else None
+        bits = parts.pop(0)
+        bit_known = parts.pop(0) if has_bit_known else None
+        row_ids = parts.pop(0).contiguous().view(torch.int64).reshape(-1) if has_ids else None
+        return cls(g, scales, bits, scale_lsb, scale_known, bit_known, row_ids)

@@ -1,0 +1,143 @@
+"""Which guidance the FP4 sites of the model see during a forward (and its recomputation).
+
+The training step hands the model one `MicroBatchGuidance` per micro-batch: for each guided
+(layer, site) the rows of the whole micro-batch in its token order ([S, B] flattened with S
+outermost, so a packed batch is simply its tokens in order), and the engine's routed experts
+per MoE layer. Each site takes the rows it processes (its sequence-parallel shard, its
+tensor-parallel heads or columns, the tokens the expert dispatcher brought to its experts).
+
+Activation follows autograd, not program order: pipeline schedules interleave the forward of
+one micro-batch with the backward of another, and activation recomputation re-runs a layer
+during backward. The model activates its micro-batch's guidance when its forward starts and
+again when its backward starts (`ActivateOnBackward` sits on the model's output), so a
+recomputed layer sees the same guidance as the first run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..guidance.batch import GuidanceBatch
+from ..guidance.codec import GuidanceFormatError
+from ..guidance.rows import RowGuidance
+
+ROWS_PER_TOKEN = {"qkv": "1", "proj": "1", "fc1": "1", "fc2": "top_k", "k": "kv_heads", "v": "kv_heads"}
+
+
+@dataclass
+class MicroBatchGuidance:
+    """Guidance of one micro-batch of `num_tokens` tokens.
+
+    sites: (layer, site) -> RowGuidance with num_tokens * rows_per_token rows, layer 0-based;
+        rows per token: 1 for qkv, proj, fc1; top_k for fc2 ((token, slot) order, slots in
+        the engine's routed-expert order); KV heads for k and v ((token, head) order).
+    routed_experts: layer -> int64 [num_tokens, top_k], the engine's expert choices, replayed
+        by the trainer's routers.
+    """
+
+    num_tokens: int
+    sites: dict[tuple[int, str], RowGuidance] = field(default_factory=dict)
+    routed_experts: dict[int, torch.Tensor] = field(default_factory=dict)
+    # set during the MoE forward: layer -> (fc1 rows, fc2 rows, rows per local expert)
+    expert_rows: dict[int, tuple[RowGuidance | None, RowGuidance | None, list[int]]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for layer, ids in self.routed_experts.items():
+            if ids.dim() != 2 or ids.shape[0] != self.num_tokens or ids.dtype.is_floating_point:
+                raise GuidanceFormatError(f"routed experts of layer {layer} must be integer [{self.num_tokens}, top_k], "
+                                          f"got {ids.dtype} {tuple(ids.shape)}")
+        for (layer, site), rg in self.sites.items():
+            if site not in ROWS_PER_TOKEN:
+                raise GuidanceFormatError(f"unknown FP4 site {site!r} (layer {layer}); sites are {list(ROWS_PER_TOKEN)}")
+            if rg.num_rows % self.num_tokens:
+                raise GuidanceFormatError(f"layer {layer} site {site}: {rg.num_rows} guidance rows do not divide "
+                                          f"into {self.num_tokens} tokens")
+
+    def site(self, layer: int, site: str) -> RowGuidance | None:
+        return self.sites.get((layer, site))
+
+    def to(self, device) -> "MicroBatchGuidance":
+        return MicroBatchGuidance(self.num_tokens, {k: v.to(device) for k, v in self.sites.items()},
+                                  {k: v.to(device) for k, v in self.routed_experts.items()})
+
+    def for_layers(self, layers) -> "MicroBatchGuidance":
+        """Only the given (0-based) layers: what one pipeline stage needs."""
+        keep = set(layers)
+        return MicroBatchGuidance(self.num_tokens, {k: v for k, v in self.sites.items() if k[0] in keep},
+                                  {k: v for k, v in self.routed_experts.items() if k in keep})
+
+    @classmethod
+    def from_batch(cls, batch: GuidanceBatch, sample_ids: list[str], *, layers=None,
+                   weight_version: int | None = None) -> "MicroBatchGuidance":
+        """Concatenate samples (prompt rows, then response rows, sample after sample) in the
+        order they are packed into the micro-batch.
+
+        Args:
+            sample_ids: the samples of the micro-batch, in packing order.
+            layers: keep only these 0-based layers (a pipeline stage's); None keeps all.
+            weight_version: the trainer's expected weight version (checked per record).
+        Raises:
+            GuidanceFormatError: a sample or record is missing, or does not fit.
+        """
+        keep = None if layers is None else set(layers)
+        per_site: dict[tuple[int, str], list[RowGuidance]] = {}
+        experts: dict[int, list[torch.Tensor]] = {}
+        num_tokens = 0
+        for sid in sample_ids:
+            sample = batch.samples.get(sid)
+            if sample is None:
+                raise GuidanceFormatError(f"no guidance for sample {sid!r} in this batch")
+            group = batch.groups[sample.group_id]
+            version = sample.weight_version if weight_version is None else weight_version
+            keys = {k for k in (*group.records, *sample.records) if keep is None or k[0] in keep}
+            if num_tokens and set(per_site) != keys:
+                raise GuidanceFormatError(f"sample {sid!r} guides sites {sorted(keys)}, the samples before it "
+                                          f"{sorted(per_site)}: every sample of a micro-batch needs the same sites")
+            for key in sorted(keys):
+                for owner, rec in ((group.group_id, group.records.get(key)), (sid, sample.records.get(key))):
+                    if rec is None:
+                        raise GuidanceFormatError(f"no guidance for layer {key[0]} site {key[1]} in {owner!r}")
+                    if rec.header.sample_id != owner or rec.header.weight_version != version:
+                        raise GuidanceFormatError(
+                            f"record for layer {key[0]} site {key[1]} belongs to {rec.header.sample_id!r} at weight "
+                            f"version {rec.header.weight_version}, used for {owner!r} at version {version}")
+                    per_site.setdefault(key, []).append(RowGuidance.from_record(rec))
+            for layer in set(group.routed_experts) | set(sample.routed_experts):
+                if keep is not None and layer not in keep:
+                    continue
+                if layer not in group.routed_experts or layer not in sample.routed_experts:
+                    raise GuidanceFormatError(f"routed experts of layer {layer} missing for prompt or response of {sid!r}")
+                experts.setdefault(layer, []).extend([group.routed_experts[layer], sample.routed_experts[layer]])
+            num_tokens += group.prompt_len + sample.response_len
+        return cls(num_tokens, {k: RowGuidance.cat(v).with_row_ids() for k, v in per_site.items()},
+                   {k: torch.cat(v).long() for k, v in experts.items()})
+
+
+_active: MicroBatchGuidance | None = None
+
+
+def active() -> MicroBatchGuidance | None:
+    """The guidance of the micro-batch being computed, or None."""
+    return _active
+
+
+def activate(guidance: MicroBatchGuidance | None) -> None:
+    global _active
+    _active = guidance
+
+
+class ActivateOnBackward(torch.autograd.Function):
+    """Identity on the model output whose backward re-activates the micro-batch's guidance,
+    before any layer of that micro-batch is recomputed."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, guidance) -> torch.Tensor:
+        ctx.guidance = guidance
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        activate(ctx.guidance)
+        return grad, None

@@ -1,0 +1,214 @@
+"""Qwen3-MoE-style GPT models in Megatron-core with TRACE's FP4 sites.
+
+`ModelConfig` holds the architecture (presets: tiny test models, Qwen3-30B-A3B, Qwen3-235B-A22B);
+`build_model` builds this rank's pipeline stage under the current Megatron parallel state;
+`set_precision` switches every FP4 site between bf16, fp4 and trace; `TraceGPTModel.forward`
+takes the micro-batch's guidance; `token_logprobs` gives per-token log-probabilities.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state as ps
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.enums import AttnBackend
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from . import context
+from .attention import FP4CoreAttention
+from .linear import _FP4LinearMixin
+from .moe import TraceMoELayer
+from .qat import FP4Site, Precision, Shard
+from .spec import trace_layer_spec
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Qwen3-MoE-style model (field names follow the HF config's meaning)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    moe_intermediate_size: int
+    num_experts: int
+    top_k: int
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 40960
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "head_dim", "moe_intermediate_size"):
+            if getattr(self, name) % 16:
+                raise ValueError(f"ModelConfig.{name}={getattr(self, name)} must be a multiple of 16 (NVFP4 blocks)")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("ModelConfig.num_attention_heads must be a multiple of num_key_value_heads")
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"ModelConfig.top_k={self.top_k} must be in 1..num_experts={self.num_experts}")
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def num_params(self) -> int:
+        h, a = self.hidden_size, self.head_dim
+        attn = h * a * (self.num_attention_heads + 2 * self.num_key_value_heads) + self.num_attention_heads * a * h
+        experts = self.num_experts * 3 * h * self.moe_intermediate_size
+        per_layer = attn + experts + self.num_experts * h + 2 * h + 2 * a
+        return self.num_layers * per_layer + self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=16, moe_intermediate_size=32, num_experts=4, top_k=2, rope_theta=10000.0,
+                        max_position_embeddings=512),
+    "qwen3-30b-a3b": ModelConfig(vocab_size=151936, hidden_size=2048, num_layers=48, num_attention_heads=32,
+                                 num_key_value_heads=4, head_dim=128, moe_intermediate_size=768, num_experts=128,
+                                 top_k=8),
+    "qwen3-235b-a22b": ModelConfig(vocab_size=151936, hidden_size=4096, num_layers=94, num_attention_heads=64,
+                                   num_key_value_heads=4, head_dim=128, moe_intermediate_size=1536, num_experts=128,
+                                   top_k=8),
+}
+
+
+def transformer_config(cfg: ModelConfig, *, dispatcher: str = "alltoall", recompute: str | None = None,
+                       params_dtype: torch.dtype = torch.bfloat16, **overrides) -> TransformerConfig:
+    """Megatron TransformerConfig for `cfg` under the current parallel state.
+
+    dispatcher: "alltoall" or "allgather". recompute: None, "full" (every layer) or "selective"
+    (the MoE layers). Sequence parallelism is on whenever tensor parallelism is.
+    """
+    tp = ps.get_tensor_model_parallel_world_size()
+    if cfg.num_key_value_heads % tp:
+        raise ValueError(f"tensor parallel size {tp} must divide num_key_value_heads={cfg.num_key_value_heads}")
+    rc = {}
+    if recompute == "full":
+        rc = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    elif recompute == "selective":
+        rc = {"recompute_granularity": "selective", "recompute_modules": ["moe"]}
+    elif recompute is not None:
+        raise ValueError(f"recompute must be None, 'full' or 'selective', got {recompute!r}")
+    kw = dict(
+        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_key_value_heads, kv_channels=cfg.head_dim,
+        ffn_hidden_size=cfg.moe_intermediate_size, moe_ffn_hidden_size=cfg.moe_intermediate_size,
+        num_moe_experts=cfg.num_experts, moe_router_topk=cfg.top_k, moe_router_pre_softmax=False,
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_token_dispatcher_type=dispatcher,
+        moe_enable_routing_replay=True, moe_router_dtype="fp32",
+        normalization="RMSNorm", layernorm_epsilon=cfg.rms_norm_eps, qk_layernorm=True,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=False,
+        hidden_dropout=0.0, attention_dropout=0.0, bf16=params_dtype == torch.bfloat16, params_dtype=params_dtype,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
+        sequence_parallel=tp > 1, attention_backend=AttnBackend.local, use_cpu_initialization=True,
+        pipeline_dtype=params_dtype, init_method_std=0.02,
+        gradient_accumulation_fusion=False, **rc,
+    )
+    kw.update(overrides)
+    return TransformerConfig(**kw)
+
+
+class TraceGPTModel(GPTModel):
+    """GPTModel whose forward takes `guidance=` (a MicroBatchGuidance for this stage's layers)."""
+
+    def forward(self, *args, guidance: context.MicroBatchGuidance | None = None, **kwargs):
+        context.activate(guidance)
+        try:
+            out = super().forward(*args, **kwargs)
+        finally:
+            context.activate(None)
+        if guidance is not None and torch.is_grad_enabled() and out.requires_grad:
+            out = context.ActivateOnBackward.apply(out, guidance)
+        return out
+
+
+def build_model(cfg: ModelConfig, precision: Precision | str = Precision.BF16, **config_overrides) -> TraceGPTModel:
+    """This rank's pipeline stage of the model, under the current Megatron parallel state.
+
+    Args:
+        cfg: architecture. precision: "bf16", "fp4" or "trace".
+        config_overrides: passed to `transformer_config` (dispatcher, recompute, params_dtype,
+            or TransformerConfig fields).
+    Returns:
+        TraceGPTModel with every FP4 site attached (see `attach_sites`).
+    """
+    tcfg = transformer_config(cfg, **config_overrides)
+    model = TraceGPTModel(
+        config=tcfg, transformer_layer_spec=trace_layer_spec(), vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.max_position_embeddings, pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=cfg.tie_word_embeddings,
+        position_embedding_type="rope", rotary_base=int(cfg.rope_theta), parallel_output=True,
+    )
+    attach_sites(model)
+    set_precision(model, precision)
+    return model
+
+
+def attach_sites(model: torch.nn.Module) -> None:
+    """Give every FP4 module its site: layer, rows and the groups its shards live on.
+
+    Raises RuntimeError if an FP4-capable module is left without a site, so no layer can
+    silently stay in high precision.
+    """
+    tp_group, etp_group = ps.get_tensor_model_parallel_group(), ps.get_expert_tensor_parallel_group()
+    tp = Shard(ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
+    etp = Shard(ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size())
+    seq = tp if model.config.sequence_parallel else None
+    for layer in model.decoder.layers:
+        li = layer.layer_number - 1
+        attn, moe = layer.self_attention, layer.mlp
+        attn.linear_qkv.fp4_site = FP4Site("qkv", li, weight_group=tp_group, tokens=seq)
+        attn.linear_proj.fp4_site = FP4Site("proj", li, weight_group=tp_group, row_group=tp_group, cols=tp)
+        attn.core_attention.k_site = FP4Site("k", li, heads=tp)
+        attn.core_attention.v_site = FP4Site("v", li, heads=tp)
+        moe.tokens = seq
+        for e, expert in enumerate(moe.experts.local_experts):
+            expert.linear_fc1.fp4_site = FP4Site("fc1", li, weight_group=etp_group, expert=e)
+            expert.linear_fc2.fp4_site = FP4Site("fc2", li, weight_group=etp_group, row_group=etp_group,
+                                                 cols=etp, expert=e)
+    missing = [name for name, m in model.named_modules()
+               if (isinstance(m, _FP4LinearMixin) and m.fp4_site is None)
+               or (isinstance(m, FP4CoreAttention) and m.k_site is None)]
+    if missing:
+        raise RuntimeError(f"FP4 modules without a site (they would stay in BF16): {missing}")
+
+
+def fp4_sites(model: torch.nn.Module) -> list[FP4Site]:
+    """Every FP4 site of the model (the audit's view of the trainer)."""
+    sites = []
+    for m in model.modules():
+        if isinstance(m, _FP4LinearMixin):
+            sites.append(m.fp4_site)
+        elif isinstance(m, FP4CoreAttention):
+            sites += [m.k_site, m.v_site]
+    return sites
+
+
+def set_precision(model: torch.nn.Module, precision: Precision | str) -> None:
+    """Switch every FP4 site (and the MoE layers' guidance dispatch) to `precision`."""
+    precision = Precision(precision)
+    for site in fp4_sites(model):
+        site.precision = precision
+    for m in model.modules():
+        if isinstance(m, TraceMoELayer):
+            m.precision = precision
+
+
+def token_logprobs(model: TraceGPTModel, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                   targets: torch.Tensor, **forward_kwargs) -> torch.Tensor:
+    """log p(targets[b, s] | input_ids[b, :s+1]) under the model, float32 [B, S].
+
+    Uses Megatron's vocab-parallel cross entropy, so it is exact under tensor parallelism
+    without gathering logits. Only on the last pipeline stage (others return their hidden
+    states unchanged, as GPTModel does).
+    """
+    out = model(input_ids, position_ids, None, labels=targets, **forward_kwargs)
+    return -out.float() if ps.is_pipeline_last_stage() else out

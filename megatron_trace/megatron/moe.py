@@ -1,0 +1,177 @@
+"""Megatron's MoE layer with rollout routing replay and expert guidance that follows its tokens.
+
+Routing replay: when the active micro-batch carries the engine's expert ids for this layer,
+the router's native `RouterReplay` is set to replay them (REPLAY_FORWARD, also during
+recomputation); the gate weights are recomputed from the trainer's own router scores at
+those experts.
+
+Guidance of the expert sites: an expert's `fc1` rows are its tokens and its `fc2` rows are
+(token, expert) pairs, wherever the dispatcher sends them (other expert-parallel ranks
+included). So each token's guidance travels with it: before dispatch, every local token gets
+a byte row (its fc1 guidance, the fc2 guidance of its top-k slots and its expert ids), and a
+second dispatcher of the same kind moves those bytes exactly as the first moves the hidden
+states. After dispatch, each row keeps the fc2 slot of the expert it was sent to.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.router_replay import RouterReplayAction
+from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher
+
+from ..guidance.codec import GuidanceFormatError
+from ..guidance.rows import RowGuidance
+from . import context
+from .qat import Precision, Shard
+
+_KIND_BITS = 4  # RowGuidance.kind flags
+
+
+def _kind_code(rg: RowGuidance | None) -> int:
+    return 0 if rg is None else 1 + sum(int(b) << i for i, b in enumerate(rg.kind))
+
+
+def _kind(code: int) -> tuple[bool, bool, bool]:
+    return tuple(bool((code - 1) >> i & 1) for i in range(_KIND_BITS))
+
+
+class TraceMoELayer(MoELayer):
+    """MoELayer (token dispatcher "alltoall" or "allgather") with routing replay and guided
+    expert sites. `precision` and `tokens` (the sequence-parallel token shard) are set by
+    `attach_sites`."""
+
+    precision: Precision = Precision.BF16
+    tokens: Shard | None = None
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.token_dispatcher, (MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher)):
+            raise NotImplementedError(f"TRACE supports the allgather and alltoall token dispatchers, "
+                                      f"not {type(self.token_dispatcher).__name__}")
+        td = self.token_dispatcher
+        # A twin dispatcher: same routing, same communication, carrying guidance bytes.
+        twin = object.__new__(type(td))
+        twin.__dict__.update(td.__dict__)
+        self.guidance_dispatcher = twin
+        self._payload = None
+
+    @property
+    def layer(self) -> int:
+        return self.layer_number - 1
+
+    def _local_token_rows(self, num_tokens: int) -> slice:
+        if self.tokens is None or self.tokens.size == 1:
+            return slice(0, num_tokens)
+        return slice(*self.tokens.span(num_tokens))
+
+    # -- routing replay ---------------------------------------------------------------------
+    def route(self, hidden_states, padding_mask=None):
+        mb = context.active()
+        ids = None if mb is None else mb.routed_experts.get(self.layer)
+        replay = self.router.router_replay
+        if ids is not None:
+            if replay is None:
+                raise GuidanceFormatError("routing replay needs TransformerConfig.moe_enable_routing_replay=True")
+            local = ids[self._local_token_rows(mb.num_tokens)]
+            if local.shape != (hidden_states.shape[0] * hidden_states.shape[1], self.config.moe_router_topk):
+                raise GuidanceFormatError(f"layer {self.layer}: routed experts {tuple(local.shape)} for "
+                                          f"{tuple(hidden_states.shape[:2])} tokens and top-{self.config.moe_router_topk}")
+            if int(local.min()) < 0 or int(local.max()) >= self.config.num_moe_experts:
+                raise GuidanceFormatError(f"layer {self.layer}: routed expert ids outside 0..{self.config.num_moe_experts - 1}")
+            replay.target_topk_idx = local.to(hidden_states.device)
+            replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        elif replay is not None:
+            replay.clear_router_replay_action()
+        return super().route(hidden_states, padding_mask)
+
+    # -- guidance riding with the tokens ----------------------------------------------------
+    def _guidance_payload(self, num_local: int):
+        """(payload uint8 [num_local, P] or None, kind codes) for this rank's tokens."""
+        mb = context.active()
+        fc1 = fc2 = ids = None
+        if self.precision is Precision.TRACE and mb is not None:
+            fc1, fc2 = mb.site(self.layer, "fc1"), mb.site(self.layer, "fc2")
+            ids = mb.routed_experts.get(self.layer)
+        codes = torch.tensor([_kind_code(fc1), _kind_code(fc2)], dtype=torch.int64)
+        # Every rank of the dispatch group must agree, or the twin's collectives would hang.
+        group = self.token_dispatcher.tp_ep_group
+        if dist.get_world_size(group) > 1:
+            lo, hi = codes.clone(), codes.clone()
+            dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+            lo, hi = lo.to(dev), hi.to(dev)
+            dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+            dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+            if not torch.equal(lo, hi):
+                raise GuidanceFormatError(f"layer {self.layer}: ranks of the expert dispatch group disagree about "
+                                          "which expert sites carry guidance (or their coding)")
+        if fc1 is None and fc2 is None:
+            return None, codes
+        if ids is None:
+            raise GuidanceFormatError(f"layer {self.layer}: guided expert sites need the engine's routed experts "
+                                      "(rollout routing replay)")
+        rows = self._local_token_rows(mb.num_tokens)
+        top_k = self.config.moe_router_topk
+        parts = [] if fc1 is None else [fc1.select_rows(rows).to_row_bytes()]
+        if fc2 is not None:
+            token_rows = torch.arange(mb.num_tokens)[rows]
+            slot_rows = (token_rows[:, None] * top_k + torch.arange(top_k)).reshape(-1)
+            parts.append(fc2.select_rows(slot_rows.to(fc2.g.device)).to_row_bytes().reshape(num_local, -1))
+        parts.append(ids[rows].to(torch.int32).contiguous().view(torch.uint8).reshape(num_local, -1).to(parts[0].device))
+        return torch.cat(parts, dim=1), codes
+
+    def preprocess(self, hidden_states, probs, routing_map):
+        num_local = hidden_states.shape[0] * hidden_states.shape[1]
+        payload, codes = self._guidance_payload(num_local)
+        out = super().preprocess(hidden_states, probs, routing_map)
+        self._payload = None
+        if payload is not None:
+            payload = payload.to(hidden_states.device)
+            pre = self.guidance_dispatcher.dispatch_preprocess(payload.view(*hidden_states.shape[:2], -1),
+                                                               routing_map, probs.detach())
+            self._payload = (pre, codes)
+        return out
+
+    def dispatch(self, hidden_states, probs):
+        out = super().dispatch(hidden_states, probs)
+        if self._payload is not None:
+            (payload, payload_probs), codes = self._payload
+            self._payload = (self.guidance_dispatcher.token_dispatch(payload, payload_probs), codes)
+        return out
+
+    def routed_experts_compute(self, hidden_states, probs):
+        mb = context.active()
+        if self._payload is not None:
+            (payload, payload_probs), codes = self._payload
+            self._payload = None
+            rows, counts, _ = self.guidance_dispatcher.dispatch_postprocess(payload, payload_probs)
+            mb.expert_rows[self.layer] = self._expert_rows(rows, counts.tolist(), codes)
+        elif mb is not None:
+            mb.expert_rows.pop(self.layer, None)
+        return super().routed_experts_compute(hidden_states, probs)
+
+    def _expert_rows(self, rows: torch.Tensor, counts: list[int], codes: torch.Tensor):
+        """Split dispatched byte rows into fc1 and fc2 guidance, fc2 at each row's expert slot."""
+        top_k, cfg = self.config.moe_router_topk, self.config
+        code1, code2 = (int(c) for c in codes)
+        fc1 = fc2 = None
+        offset = 0
+        if code1:
+            n1 = RowGuidance.row_nbytes(cfg.hidden_size, _kind(code1))
+            fc1 = RowGuidance.from_row_bytes(rows[:, :n1].contiguous(), cfg.hidden_size, _kind(code1))
+            offset = n1
+        ids = rows[:, rows.shape[1] - 4 * top_k:].contiguous().view(torch.int32).long()
+        if code2:
+            n2 = RowGuidance.row_nbytes(cfg.moe_ffn_hidden_size, _kind(code2))
+            per_slot = rows[:, offset: offset + top_k * n2].reshape(-1, top_k, n2)
+            expert = torch.repeat_interleave(torch.tensor(self.local_expert_indices, device=rows.device),
+                                             torch.tensor(counts, device=rows.device))
+            hit = ids == expert[:, None]
+            if not bool(hit.any(1).all()):
+                raise GuidanceFormatError(f"layer {self.layer}: a token reached an expert the engine did not route it "
+                                          "to; guided fc2 needs rollout routing replay")
+            slot = hit.int().argmax(1)
+            fc2 = RowGuidance.from_row_bytes(per_slot[torch.arange(len(slot), device=rows.device), slot].contiguous(),
+                                             cfg.moe_ffn_hidden_size, _kind(code2))
+        return fc1, fc2, counts

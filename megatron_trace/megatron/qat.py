@@ -1,0 +1,181 @@
+"""FP4 fake quantization at one site of the trainer (DESIGN.md sections 2, 3 and 4.3).
+
+An `FP4Site` is attached to every module that quantizes (the QKV and output projections,
+each expert's fc1 and fc2, core attention's K and V). It knows what its rows are in the
+micro-batch, so that in `trace` mode it can take the engine's guidance for exactly those rows,
+and which process group holds the other column shards of its rows and weights, so that
+sharded and unsharded quantization give the same bytes:
+
+- weights: one global scale over the whole logical tensor, its amax all-reduced (MAX) over the
+  tensor- (or expert-tensor-) parallel group;
+- activations: one global scale per row, the row amax all-reduced over the group whose ranks
+  hold the other columns (row-parallel inputs), or taken from the guidance.
+
+Forward values are FP4 grid values in the input dtype; the backward is straight-through with
+zero gradient where an element was clipped (`trace_kernels.fp4.fake_quantize`).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from trace_kernels.fp4 import QTensor, fake_quantize, fake_quantize_guided, quantize, quantize_guided
+
+from ..guidance.codec import GuidanceFormatError
+from ..guidance.rows import RowGuidance
+from . import context
+
+
+class Precision(str, enum.Enum):
+    """bf16: no FP4. fp4: QAT with round-to-nearest. trace: QAT following the engine's guidance
+    where the micro-batch carries it (round-to-nearest elsewhere)."""
+
+    BF16 = "bf16"
+    FP4 = "fp4"
+    TRACE = "trace"
+
+
+def _all_reduce_max(t: torch.Tensor, group) -> torch.Tensor:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t
+
+
+def fake_quant_weight(w: torch.Tensor, group=None) -> torch.Tensor:
+    """NVFP4 fake quant of a weight shard [out, in] (blocks along `in`), with the global scale
+    of the whole logical tensor whose shards live on `group`. Returns w's shape and dtype."""
+    amax = _all_reduce_max(w.detach().abs().amax().float(), group)
+    return fake_quantize(w, "nvfp4", scale="tensor", global_amax=amax, check_finite=False)
+
+
+def fake_quant_rows(x_RK: torch.Tensor, guidance: RowGuidance | None = None, group=None) -> torch.Tensor:
+    """NVFP4 fake quant of activation rows [R, K] with one global scale per row.
+
+    With `guidance`, the engine's scales and mantissa bits decide the codes; otherwise round to
+    nearest, with each row's amax all-reduced over `group` (the ranks holding the row's other
+    columns). Returns x's shape and dtype.
+    """
+    if guidance is not None:
+        g, s, bits = guidance.resolve(x_RK.detach())
+        return fake_quantize_guided(x_RK, g, s, bits, check_finite=False)
+    amax = _all_reduce_max(x_RK.detach().abs().amax(-1, keepdim=True).float(), group)
+    return fake_quantize(x_RK, "nvfp4", scale="row", global_amax=amax, check_finite=False)
+
+
+# Callables (site, x_RK, trainer QTensor, guidance rows or None) told about every quantized
+# input; flip-rate metrics and tests use them. Computing the QTensor costs a second quantize.
+observers: list = []
+
+
+def _observe(site: "FP4Site", x_RK: torch.Tensor, guidance: RowGuidance | None, group) -> None:
+    x = x_RK.detach()
+    if guidance is not None:
+        q: QTensor = quantize_guided(x, *guidance.resolve(x), check_finite=False)
+    else:
+        amax = _all_reduce_max(x.abs().amax(-1, keepdim=True).float(), group)
+        q = quantize(x, "nvfp4", scale="row", global_amax=amax, check_finite=False)
+    for fn in observers:
+        fn(site, x, q, guidance)
+
+
+@dataclass
+class Shard:
+    """This rank's part of a dimension split evenly over `size` ranks."""
+
+    rank: int = 0
+    size: int = 1
+
+    def span(self, total: int) -> tuple[int, int]:
+        if total % self.size:
+            raise GuidanceFormatError(f"{total} does not split evenly over {self.size} ranks")
+        n = total // self.size
+        return self.rank * n, (self.rank + 1) * n
+
+
+@dataclass
+class FP4Site:
+    """One FP4 site of one layer.
+
+    name: "qkv", "proj", "fc1", "fc2", "k" or "v"; layer: 0-based global layer index.
+    weight_group: the group over which the weight's amax is reduced (None: not sharded).
+    row_group: the group holding the other columns of each input row (row-parallel inputs).
+    tokens: the sequence-parallel shard of the micro-batch's tokens this rank's input holds.
+    cols: the column shard of each guidance row this rank's input holds.
+    heads: for k/v, the KV heads this rank holds.
+    expert: for fc1/fc2, the local expert index.
+    """
+
+    name: str
+    layer: int
+    precision: Precision = Precision.BF16
+    weight_group: object = None
+    row_group: object = None
+    tokens: Shard | None = None
+    cols: Shard | None = None
+    heads: Shard | None = None
+    expert: int | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.precision is not Precision.BF16
+
+    def quantize_weight(self, w: torch.Tensor) -> torch.Tensor:
+        return fake_quant_weight(w, self.weight_group) if self.active else w
+
+    def quantize_input(self, x: torch.Tensor) -> torch.Tensor:
+        """Fake-quantize x [..., K] row by row (a row is x's last dimension)."""
+        if not self.active or x.numel() == 0:
+            return x
+        x_RK = x.reshape(-1, x.shape[-1])
+        guidance = self.guidance_rows(x_RK) if self.precision is Precision.TRACE else None
+        if observers:
+            _observe(self, x_RK, guidance, self.row_group)
+        return fake_quant_rows(x_RK, guidance, self.row_group).reshape(x.shape)
+
+    def guidance_rows(self, x_RK: torch.Tensor) -> RowGuidance | None:
+        """The active micro-batch's guidance for the rows of x_RK, or None if it has none."""
+        mb = context.active()
+        if mb is None:
+            return None
+        if self.expert is not None:
+            rg = self._expert_rows(mb)
+        else:
+            rg = mb.site(self.layer, self.name)
+            if rg is not None:
+                rg = self._local_rows(rg, mb.num_tokens)
+        if rg is None:
+            return None
+        if rg.num_rows != x_RK.shape[0] or rg.num_cols != x_RK.shape[1]:
+            raise GuidanceFormatError(
+                f"layer {self.layer} site {self.name}: guidance for {rg.num_rows} rows x {rg.num_cols} columns, "
+                f"but this rank quantizes {x_RK.shape[0]} x {x_RK.shape[1]}")
+        return rg
+
+    def _local_rows(self, rg: RowGuidance, num_tokens: int) -> RowGuidance:
+        if self.tokens is not None and self.tokens.size > 1:
+            rg = rg.select_rows(slice(*self.tokens.span(num_tokens)))
+        if self.heads is not None and self.heads.size > 1:
+            n_heads = rg.num_rows // num_tokens
+            lo, hi = self.heads.span(n_heads)
+            idx = (torch.arange(num_tokens)[:, None] * n_heads + torch.arange(lo, hi)[None, :]).reshape(-1)
+            rg = rg.select_rows(idx.to(rg.g.device))
+        if self.cols is not None and self.cols.size > 1:
+            rg = rg.select_cols(*self.cols.span(rg.num_cols))
+        return rg
+
+    def _expert_rows(self, mb: context.MicroBatchGuidance) -> RowGuidance | None:
+        entry = mb.expert_rows.get(self.layer)
+        if entry is None:
+            return None
+        fc1, fc2, counts = entry
+        rg = fc1 if self.name == "fc1" else fc2
+        if rg is None:
+            return None
+        start = sum(counts[: self.expert])
+        rg = rg.select_rows(slice(start, start + counts[self.expert]))
+        if self.cols is not None and self.cols.size > 1:
+            rg = rg.select_cols(*self.cols.span(rg.num_cols))
+        return rg

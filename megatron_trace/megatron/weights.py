@@ -1,0 +1,85 @@
+"""Full (unsharded) state dicts and this rank's shard of them.
+
+The full form is what a one-process model's `state_dict()` holds: global layer numbers and
+global expert numbers in the keys, whole tensors. `load_full_state_dict` copies this rank's
+slice of each tensor into a model built under any TP/EP/PP layout:
+
+| parameter | split over | dim |
+|---|---|---|
+| embedding.word_embeddings, output_layer | TP | 0 (vocabulary) |
+| self_attention.linear_qkv (query groups interleaved) | TP | 0 (whole query groups) |
+| self_attention.linear_proj | TP | 1 |
+| experts' linear_fc1 ([gate; up]) | expert TP | 0, gate and up split separately |
+| experts' linear_fc2 | expert TP | 1 |
+| experts | EP | whole experts |
+| layers | PP | whole layers |
+| norms, router | replicated | |
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from megatron.core import parallel_state as ps
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+
+
+def _split_rule(name: str) -> tuple[str | None, int, bool]:
+    """(group "tp"/"etp"/None, dim, gated) for a parameter name."""
+    if name.endswith(("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight")):
+        return "tp", 0, False
+    if name.endswith("linear_proj.weight"):
+        return "tp", 1, False
+    if ".local_experts." in name and name.endswith("linear_fc1.weight"):
+        return "etp", 0, True
+    if ".local_experts." in name and name.endswith("linear_fc2.weight"):
+        return "etp", 1, False
+    return None, 0, False
+
+
+def global_name(local_name: str, model: torch.nn.Module) -> str:
+    """The full-state-dict key of one of this rank's parameters."""
+    offset = get_transformer_layer_offset(model.config)
+    name = _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", local_name)
+    if ".local_experts." in name:
+        n_local = model.config.num_moe_experts // ps.get_expert_model_parallel_world_size()
+        first = ps.get_expert_model_parallel_rank() * n_local
+        name = _EXPERT.sub(lambda m: f".local_experts.{int(m.group(1)) + first}.", name)
+    return name
+
+
+def shard_of(full: torch.Tensor, name: str) -> torch.Tensor:
+    """This rank's slice of the full tensor `full` of parameter `name` (local or global name)."""
+    group, dim, gated = _split_rule(name)
+    if group is None:
+        return full
+    size = ps.get_tensor_model_parallel_world_size() if group == "tp" else ps.get_expert_tensor_parallel_world_size()
+    rank = ps.get_tensor_model_parallel_rank() if group == "tp" else ps.get_expert_tensor_parallel_rank()
+    if gated:
+        return torch.cat([part.chunk(size, dim)[rank] for part in full.chunk(2, dim)], dim)
+    return full.chunk(size, dim)[rank]
+
+
+@torch.no_grad()
+def load_full_state_dict(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> None:
+    """Copy this rank's slices of `full` into `model`'s parameters.
+
+    Raises:
+        KeyError: a parameter of the model has no entry in `full`.
+        ValueError: an entry's slice does not have the parameter's shape.
+    """
+    for local, param in model.state_dict(keep_vars=True).items():
+        if local.endswith("_extra_state"):
+            continue
+        name = global_name(local, model)
+        if name not in full:
+            raise KeyError(f"full state dict has no {name!r} (for this rank's {local!r})")
+        part = shard_of(full[name], name)
+        if part.shape != param.shape:
+            raise ValueError(f"{name}: slice {tuple(part.shape)} of full {tuple(full[name].shape)} does not fit "
+                             f"this rank's {local} {tuple(param.shape)}")
+        param.copy_(part)

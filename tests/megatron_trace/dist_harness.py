@@ -1,0 +1,57 @@
+"""Run a function on N CPU processes with a real gloo process group and Megatron's parallel state.
+
+`spawn(fn, layout, **kwargs)` starts one process per rank (torch.multiprocessing, spawn), sets
+up gloo and `initialize_model_parallel_cpu(**layout)`, calls `fn(rank, **kwargs)` and returns
+the per-rank results (anything torch.save can write).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, fn, world, port, layout, kwargs, outdir):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    from megatron_trace.megatron.cpu_patches import destroy_model_parallel_cpu, initialize_model_parallel_cpu
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        initialize_model_parallel_cpu(**layout)
+        result = {"ok": fn(rank, **kwargs)}
+    except Exception:  # reported to the parent, which raises
+        result = {"error": traceback.format_exc()}
+    torch.save(result, os.path.join(outdir, f"{rank}.pt"))
+    try:
+        destroy_model_parallel_cpu()
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def spawn(fn, layout: dict, **kwargs) -> list:
+    """Run fn(rank, **kwargs) on tp * pp * dp ranks of the Megatron `layout` (tp, pp, ep, etp, dp)."""
+    layout = dict(layout)
+    world = layout.get("tp", 1) * layout.get("pp", 1) * layout.pop("dp", 1)
+    with tempfile.TemporaryDirectory() as outdir:
+        mp.start_processes(_worker, args=(fn, world, _free_port(), layout, kwargs, outdir), nprocs=world,
+                           start_method="spawn", join=True)
+        results = [torch.load(os.path.join(outdir, f"{r}.pt"), weights_only=False) for r in range(world)]
+    errors = [f"rank {r}:\n{res['error']}" for r, res in enumerate(results) if "error" in res]
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [res["ok"] for res in results]
