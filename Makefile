@@ -9,6 +9,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 TORCH_SPEC ?= torch==2.13.0
+MEGATRON_SPEC ?= megatron-core==0.19.2
 
 .PHONY: demo test clean
 
@@ -17,11 +18,16 @@ $(VENV)/.torch:
 	$(PIP) $(TORCH_SPEC)
 	touch $@
 
-$(VENV)/.base: $(VENV)/.torch setup.cfg pyproject.toml
+# megatron-core declares Python >= 3.12 but runs on 3.11; its own dependencies come with ours.
+$(VENV)/.megatron: $(VENV)/.torch
+	$(PIP) --no-deps --ignore-requires-python $(MEGATRON_SPEC)
+	touch $@
+
+$(VENV)/.base: $(VENV)/.megatron setup.cfg pyproject.toml
 	$(PIP) -e .
 	touch $@
 
-$(VENV)/.test: $(VENV)/.base
+$(VENV)/.test: $(VENV)/.megatron setup.cfg pyproject.toml
 	$(PIP) -e '.[test]'
 	touch $@
 

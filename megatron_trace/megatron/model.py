@@ -20,6 +20,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from . import context
 from .attention import FP4CoreAttention
+from .experts import TraceGroupedMLP
 from .linear import _FP4LinearMixin
 from .moe import TraceMoELayer
 from .qat import FP4Site, Precision, Shard
@@ -130,11 +131,13 @@ class TraceGPTModel(GPTModel):
         return out
 
 
-def build_model(cfg: ModelConfig, precision: Precision | str = Precision.BF16, **config_overrides) -> TraceGPTModel:
+def build_model(cfg: ModelConfig, precision: Precision | str = Precision.BF16, *, grouped_gemm: bool = False,
+                **config_overrides) -> TraceGPTModel:
     """This rank's pipeline stage of the model, under the current Megatron parallel state.
 
     Args:
         cfg: architecture. precision: "bf16", "fp4" or "trace".
+        grouped_gemm: run the experts as grouped GEMMs (`torch._grouped_mm`) instead of in turn.
         config_overrides: passed to `transformer_config` (dispatcher, recompute, params_dtype,
             or TransformerConfig fields).
     Returns:
@@ -142,11 +145,13 @@ def build_model(cfg: ModelConfig, precision: Precision | str = Precision.BF16, *
     """
     tcfg = transformer_config(cfg, **config_overrides)
     model = TraceGPTModel(
-        config=tcfg, transformer_layer_spec=trace_layer_spec(), vocab_size=cfg.vocab_size,
+        config=tcfg, transformer_layer_spec=trace_layer_spec(grouped_gemm), vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_position_embeddings, pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=cfg.tie_word_embeddings,
         position_embedding_type="rope", rotary_base=int(cfg.rope_theta), parallel_output=True,
     )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
     attach_sites(model)
     set_precision(model, precision)
     return model
@@ -174,6 +179,10 @@ def attach_sites(model: torch.nn.Module) -> None:
             expert.linear_fc1.fp4_site = FP4Site("fc1", li, weight_group=etp_group, expert=e)
             expert.linear_fc2.fp4_site = FP4Site("fc2", li, weight_group=etp_group, row_group=etp_group,
                                                  cols=etp, expert=e)
+        if isinstance(moe.experts, TraceGroupedMLP):
+            moe.experts.fc1_site = FP4Site("fc1", li, weight_group=etp_group, all_experts=True)
+            moe.experts.fc2_site = FP4Site("fc2", li, weight_group=etp_group, row_group=etp_group, cols=etp,
+                                           all_experts=True)
     missing = [name for name, m in model.named_modules()
                if (isinstance(m, _FP4LinearMixin) and m.fp4_site is None)
                or (isinstance(m, FP4CoreAttention) and m.k_site is None)]
@@ -189,6 +198,8 @@ def fp4_sites(model: torch.nn.Module) -> list[FP4Site]:
             sites.append(m.fp4_site)
         elif isinstance(m, FP4CoreAttention):
             sites += [m.k_site, m.v_site]
+        elif isinstance(m, TraceGroupedMLP):
+            sites += [m.fc1_site, m.fc2_site]
     return sites
 
 

@@ -105,7 +105,8 @@ class FP4Site:
     tokens: the sequence-parallel shard of the micro-batch's tokens this rank's input holds.
     cols: the column shard of each guidance row this rank's input holds.
     heads: for k/v, the KV heads this rank holds.
-    expert: for fc1/fc2, the local expert index.
+    expert: for fc1/fc2 of one expert, its local expert index.
+    all_experts: for fc1/fc2 of grouped experts: the rows of every local expert at once.
     """
 
     name: str
@@ -117,6 +118,7 @@ class FP4Site:
     cols: Shard | None = None
     heads: Shard | None = None
     expert: int | None = None
+    all_experts: bool = False
 
     @property
     def active(self) -> bool:
@@ -124,6 +126,17 @@ class FP4Site:
 
     def quantize_weight(self, w: torch.Tensor) -> torch.Tensor:
         return fake_quant_weight(w, self.weight_group) if self.active else w
+
+    def quantize_expert_weights(self, w_ENK: torch.Tensor) -> torch.Tensor:
+        """Fake quant of stacked expert weights [E, N, K], one global scale per expert (over
+        its whole logical tensor: amax all-reduced over `weight_group`)."""
+        if not self.active:
+            return w_ENK
+        e = w_ENK.shape[0]
+        amax = _all_reduce_max(w_ENK.detach().abs().amax(dim=(1, 2)).float().reshape(e, 1), self.weight_group)
+        # a row per expert: its 16-element blocks are the same blocks as along K (K % 16 == 0)
+        return fake_quantize(w_ENK.reshape(e, -1), "nvfp4", scale="row", global_amax=amax,
+                             check_finite=False).reshape(w_ENK.shape)
 
     def quantize_input(self, x: torch.Tensor) -> torch.Tensor:
         """Fake-quantize x [..., K] row by row (a row is x's last dimension)."""
@@ -140,7 +153,7 @@ class FP4Site:
         mb = context.active()
         if mb is None:
             return None
-        if self.expert is not None:
+        if self.expert is not None or self.all_experts:
             rg = self._expert_rows(mb)
         else:
             rg = mb.site(self.layer, self.name)
@@ -174,8 +187,9 @@ class FP4Site:
         rg = fc1 if self.name == "fc1" else fc2
         if rg is None:
             return None
-        start = sum(counts[: self.expert])
-        rg = rg.select_rows(slice(start, start + counts[self.expert]))
+        if not self.all_experts:
+            start = sum(counts[: self.expert])
+            rg = rg.select_rows(slice(start, start + counts[self.expert]))
         if self.cols is not None and self.cols.size > 1:
             rg = rg.select_cols(*self.cols.span(rg.num_cols))
         return rg

@@ -10,35 +10,20 @@ from __future__ import annotations
 
 from functools import partial
 
-import torch
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLPSubmodules
-from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoESubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from .attention import FP4CoreAttention
+from .experts import TraceGroupedMLP, TraceSequentialMLP
 from .linear import FP4ColumnParallelLinear, FP4RowParallelLinear
 from .moe import TraceMoELayer
-
-
-class TraceSequentialMLP(SequentialMLP):
-    """Megatron's SequentialMLP, except that the gate weight multiplies each expert's output.
-
-    Megatron scales the fc1 activation by the gate weight before fc2; SGLang's and vLLM's
-    fused MoE kernels scale the fc2 output. With per-row FP4 scales the two give different fc2
-    inputs, so the trainer follows the engines: the fc2 site quantizes act(gate) * up.
-    """
-
-    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
-        chunks = torch.split(permuted_local_hidden_states, tokens_per_expert.tolist())
-        out = torch.cat([expert(chunk)[0] for expert, chunk in zip(self.local_experts, chunks)])
-        return (out * permuted_probs.unsqueeze(-1)).to(out.dtype), None
 
 
 class FP4SpecProvider(LocalSpecProvider):
@@ -54,14 +39,14 @@ class FP4SpecProvider(LocalSpecProvider):
         return FP4CoreAttention
 
     def grouped_mlp_modules(self, moe_use_grouped_gemm: bool):
-        if moe_use_grouped_gemm:
-            raise NotImplementedError("the grouped-GEMM experts are selected by build_model(grouped_gemm=True)")
-        return partial(TraceSequentialMLP, submodules=MLPSubmodules(
+        experts = TraceGroupedMLP if moe_use_grouped_gemm else TraceSequentialMLP
+        return partial(experts, submodules=MLPSubmodules(
             linear_fc1=FP4ColumnParallelLinear, linear_fc2=FP4RowParallelLinear, activation_func=None))
 
 
-def trace_layer_spec() -> ModuleSpec:
-    """TransformerLayer spec: RMSNorm, QK-norm GQA attention, TRACE MoE layer."""
+def trace_layer_spec(grouped_gemm: bool = False) -> ModuleSpec:
+    """TransformerLayer spec: RMSNorm, QK-norm GQA attention, TRACE MoE layer whose experts run
+    one after another (`grouped_gemm=False`) or as grouped GEMMs."""
     backend = FP4SpecProvider()
     norm = backend.layer_norm(rms_norm=True, for_qk=False, has_residual=True)
     qk_norm = backend.layer_norm(rms_norm=True, for_qk=True)
@@ -80,6 +65,6 @@ def trace_layer_spec() -> ModuleSpec:
         ),
         self_attn_bda=get_bias_dropout_add,
         pre_mlp_layernorm=norm,
-        mlp=partial(TraceMoELayer, submodules=MoESubmodules(experts=backend.grouped_mlp_modules(False))),
+        mlp=partial(TraceMoELayer, submodules=MoESubmodules(experts=backend.grouped_mlp_modules(grouped_gemm))),
         mlp_bda=get_bias_dropout_add,
     ))

@@ -1,4 +1,5 @@
-"""Run a function on N CPU processes with a real gloo process group and Megatron's parallel state.
+"""Run a function on N processes with a real process group and Megatron's parallel state:
+gloo on the CPU (with the CPU patches), NCCL with one GPU per rank where CUDA is present.
 
 `spawn(fn, layout, **kwargs)` starts one process per rank (torch.multiprocessing, spawn), sets
 up gloo and `initialize_model_parallel_cpu(**layout)`, calls `fn(rank, **kwargs)` and returns
@@ -24,12 +25,16 @@ def _free_port() -> int:
 
 
 def _worker(rank, fn, world, port, layout, kwargs, outdir):
-    os.environ.setdefault("TRITON_INTERPRET", "1")
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+    if torch.cuda.is_available():  # NCCL, one GPU per rank; the CPU patches stay off
+        torch.cuda.set_device(rank)
+    else:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     from megatron_trace.megatron.cpu_patches import destroy_model_parallel_cpu, initialize_model_parallel_cpu
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         initialize_model_parallel_cpu(**layout)
         result = {"ok": fn(rank, **kwargs)}
@@ -43,10 +48,15 @@ def _worker(rank, fn, world, port, layout, kwargs, outdir):
         pass
 
 
+def world_size(layout: dict) -> int:
+    return layout.get("tp", 1) * layout.get("pp", 1) * layout.get("dp", 1)
+
+
 def spawn(fn, layout: dict, **kwargs) -> list:
     """Run fn(rank, **kwargs) on tp * pp * dp ranks of the Megatron `layout` (tp, pp, ep, etp, dp)."""
     layout = dict(layout)
-    world = layout.get("tp", 1) * layout.get("pp", 1) * layout.pop("dp", 1)
+    world = world_size(layout)
+    layout.pop("dp", None)
     with tempfile.TemporaryDirectory() as outdir:
         mp.start_processes(_worker, args=(fn, world, _free_port(), layout, kwargs, outdir), nprocs=world,
                            start_method="spawn", join=True)

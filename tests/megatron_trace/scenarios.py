@@ -79,12 +79,16 @@ def engine_rollout(cfg, sd, seqs, prompt_lens, *, layers, coding="dense", versio
     return batch, sample_ids, codes, logits
 
 
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def packed_inputs(seqs):
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    ids = torch.cat(seqs)[None]
-    pos = torch.cat([torch.arange(len(s)) for s in seqs])[None]
-    cu = torch.tensor([0] + [len(s) for s in seqs]).cumsum(0).int()
+    ids = torch.cat(seqs)[None].to(device())
+    pos = torch.cat([torch.arange(len(s)) for s in seqs])[None].to(device())
+    cu = torch.tensor([0] + [len(s) for s in seqs]).cumsum(0).int().to(device())
     psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                           max_seqlen_q=max(len(s) for s in seqs), max_seqlen_kv=max(len(s) for s in seqs))
     return ids, pos, psp
@@ -120,7 +124,7 @@ class CodeChecker:
 
 
 def run_layout(rank, *, cfg, sd, batches, modes, dispatcher="alltoall", recompute=None, backward=False,
-               params_dtype=torch.bfloat16):
+               params_dtype=torch.bfloat16, grouped_gemm=False):
     """Build this rank's stage, load `sd`, and for each of this data-parallel rank's batches
     (batches[dp_rank::dp_size]; a batch is a dict with "seqs" and, for trace mode, "guidance",
     "sample_ids", "codes") run each mode's forward, and backward after the last mode.
@@ -142,7 +146,8 @@ def run_layout(rank, *, cfg, sd, batches, modes, dispatcher="alltoall", recomput
     from megatron_trace.megatron.model import build_model, set_precision
     from megatron_trace.megatron.weights import global_name, load_full_state_dict
 
-    model = build_model(cfg, "bf16", dispatcher=dispatcher, recompute=recompute, params_dtype=params_dtype)
+    model = build_model(cfg, "bf16", dispatcher=dispatcher, recompute=recompute, params_dtype=params_dtype,
+                        grouped_gemm=grouped_gemm)
     load_full_state_dict(model, sd)
     offset = get_transformer_layer_offset(model.config)
     stage_layers = range(offset, offset + len(model.decoder.layers))
@@ -159,6 +164,7 @@ def run_layout(rank, *, cfg, sd, batches, modes, dispatcher="alltoall", recomput
             # other data-parallel ranks' tokens, which the checker must look up in their batch
             guidance.sites = {k: dataclasses.replace(v, row_ids=v.row_ids + (index << 32))
                               for k, v in guidance.sites.items()}
+            guidance = guidance.to(device())
         out = results[index] = {"logits": {}, "mismatch": {}, "checked": {}, "grads_finite": None, "grads": {}}
         checker = CodeChecker([b.get("codes") for b in batches]) if "codes" in batch else None
         for mode in modes:
@@ -188,12 +194,12 @@ def run_layout(rank, *, cfg, sd, batches, modes, dispatcher="alltoall", recomput
             finally:
                 qat.observers.clear()
             if ps.is_pipeline_last_stage():
-                out["logits"][mode] = gather_from_tensor_model_parallel_region(collected[0]).reshape(T, -1).float()
+                out["logits"][mode] = gather_from_tensor_model_parallel_region(collected[0]).reshape(T, -1).float().cpu()
             if do_backward:
                 for p in model.parameters():  # as finalize_model_grads does for sequence-parallel params
                     if getattr(p, "sequence_parallel", False) and p.grad is not None:
                         torch.distributed.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
-                grads = {global_name(n, model): p.grad.float().clone()
+                grads = {global_name(n, model): p.grad.float().cpu()
                          for n, p in model.named_parameters() if p.grad is not None}
                 out["grads_finite"] = bool(grads) and all(bool(torch.isfinite(g).all()) for g in grads.values())
                 out["grads"] = grads
@@ -215,9 +221,9 @@ def run_routing_replay(rank, *, cfg, sd, seqs, routed):
         layer.mlp.router.register_forward_hook(
             lambda mod, args, out, li=layer.layer_number - 1: seen.__setitem__(li, out[1].detach().clone()))
     ids, pos, psp = packed_inputs(seqs)
-    guidance = MicroBatchGuidance(ids.shape[1], routed_experts=routed)
+    guidance = MicroBatchGuidance(ids.shape[1], routed_experts=routed).to(device())
     model(ids, pos, None, packed_seq_params=psp, guidance=guidance)
-    return seen
+    return {k: v.cpu() for k, v in seen.items()}
 
 
 def run_plain_megatron(rank, *, cfg, sd, tokens):
@@ -236,13 +242,15 @@ def run_plain_megatron(rank, *, cfg, sd, tokens):
                      position_embedding_type="rope", rotary_base=int(cfg.rope_theta))
     ours = build_model(cfg, "bf16")
     n = len(tokens)
-    ids, pos = tokens[None], torch.arange(n)[None]
-    causal = torch.ones(n, n, dtype=torch.bool).triu(1)[None, None]  # True = masked
+    if torch.cuda.is_available():
+        plain.cuda()
+    ids, pos = tokens[None].to(device()), torch.arange(n)[None].to(device())
+    causal = torch.ones(n, n, dtype=torch.bool, device=device()).triu(1)[None, None]  # True = masked
     out = []
     with torch.no_grad():
         for model in (plain, ours):
             load_full_state_dict(model, sd)
-            out.append(model(ids, pos, causal).reshape(n, -1).float())
+            out.append(model(ids, pos, causal).reshape(n, -1).float().cpu())
     return out
 
 
@@ -264,7 +272,7 @@ def run_weight_codes(rank, *, cfg, sd):
             continue
         w = mod.weight.detach()
         amax = _all_reduce_max(w.abs().amax().float(), site.weight_group)
-        local = quantize(w, global_amax=amax)
+        local = quantize(w, global_amax=amax).to("cpu")
         full_name = global_name(name + ".weight", model)
         full = quantize(sd[full_name])
         want_codes = shard_of(unpack_codes(full.codes), full_name)

@@ -20,7 +20,7 @@ from megatron_trace.megatron.model import PRESETS  # noqa: E402
 
 from . import qwen3_moe_reference as ref  # noqa: E402
 from . import scenarios as sc  # noqa: E402
-from .dist_harness import spawn  # noqa: E402
+from .dist_harness import spawn, world_size  # noqa: E402
 
 CFG = PRESETS["tiny"]
 SITES = [(layer, site) for layer in range(CFG.num_layers) for site in sc.SITE_ORDER]
@@ -29,6 +29,8 @@ LAYOUTS = {
     "ep2-dp2": (dict(ep=2, dp=2), {}),
     "pp2": (dict(pp=2), {}),
     "tp2-ep2-pp2": (dict(tp=2, pp=2, ep=2, etp=1), {}),
+    "ep2-dp2-grouped-gemm-selective-recompute": (dict(ep=2, dp=2), dict(grouped_gemm=True, recompute="selective")),
+    "etp2-grouped-gemm": (dict(tp=2, etp=2), dict(grouped_gemm=True)),
 }
 
 
@@ -73,6 +75,8 @@ def one_process(case):
 def layout_run(request, case):
     sd, batches = case
     layout, kw = LAYOUTS[request.param]
+    if torch.cuda.is_available() and world_size(layout) > torch.cuda.device_count():
+        pytest.skip(f"{request.param} needs {world_size(layout)} GPUs, this machine has {torch.cuda.device_count()}")
     return request.param, _run(sd, batches, layout, ["fp4", "trace"], **kw)
 
 

@@ -1,0 +1,52 @@
+"""Routed experts: one after another, or as grouped GEMMs over all local experts.
+
+Both keep Megatron's SequentialMLP parameters (`local_experts.{i}.linear_fc1/fc2`), so state
+dicts, distributed checkpoints and weight loading are the same for either. Both apply the gate
+weight to each expert's output: Megatron scales the fc1 activation before fc2, SGLang's and
+vLLM's fused MoE kernels scale the fc2 output, and with per-row FP4 scales the two give
+different fc2 inputs, so the trainer follows the engines (the fc2 site quantizes
+act(gate) * up).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.moe.experts import SequentialMLP
+
+from .qat import FP4Site
+
+
+class TraceSequentialMLP(SequentialMLP):
+    """Each local expert's MLP (FP4 linears) on its tokens, in turn."""
+
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+        chunks = torch.split(permuted_local_hidden_states, tokens_per_expert.tolist())
+        out = torch.cat([expert(chunk)[0] for expert, chunk in zip(self.local_experts, chunks)])
+        return (out * permuted_probs.unsqueeze(-1)).to(out.dtype), None
+
+
+class TraceGroupedMLP(TraceSequentialMLP):
+    """All local experts as two grouped GEMMs (`torch._grouped_mm`, on the GPU and the CPU).
+
+    The FP4 sites see every dispatched row at once (`fc1_site`, `fc2_site`, expert=None and
+    `all_experts=True`): rows are per-row scaled, so quantizing them together is the same as
+    per expert; weights are quantized per expert with each expert's own global scale.
+    """
+
+    fc1_site: FP4Site | None = None
+    fc2_site: FP4Site | None = None
+
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+        x = permuted_local_hidden_states
+        offs = torch.cumsum(tokens_per_expert.to(x.device), 0).to(torch.int32)
+        w1 = torch.stack([e.linear_fc1.weight for e in self.local_experts])  # [E, 2F, H]
+        w2 = torch.stack([e.linear_fc2.weight for e in self.local_experts])  # [E, H, F]
+        if self.fc1_site is not None and self.fc1_site.active:
+            x, w1 = self.fc1_site.quantize_input(x), self.fc1_site.quantize_expert_weights(w1)
+        gate, up = torch._grouped_mm(x, w1.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        act = F.silu(gate) * up
+        if self.fc2_site is not None and self.fc2_site.active:
+            act, w2 = self.fc2_site.quantize_input(act), self.fc2_site.quantize_expert_weights(w2)
+        out = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)
+        return (out * permuted_probs.unsqueeze(-1)).to(out.dtype), None
