@@ -20,15 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
-import warnings
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Dict, Optional
 
 import torch
 
 __all__ = ["apply_cpu_patches", "initialize_model_parallel_cpu", "destroy_model_parallel_cpu"]
-
-_log = logging.getLogger(__name__)
 
 _APPLIED = False
 _CPU = torch.device("cpu")
@@ -62,14 +58,10 @@ def _is_cuda_like(device: Any) -> bool:
     if isinstance(device, int):
         return True  # a bare ordinal means a CUDA device in torch
     if isinstance(device, str):
-        return device.split(":")[0] in ("cuda", "gpu")
+        return device.split(":")[0] == "cuda"
     if isinstance(device, torch.device):
         return device.type == "cuda"
     return False
-
-
-def _map_device(device: Any) -> Any:
-    return _CPU if _is_cuda_like(device) else device
 
 
 # --------------------------------------------------------------------------------------------------
@@ -392,13 +384,14 @@ def _patch_p6_move_to_cpu() -> None:
 
 
 def _patch_p7_uneven_collectives() -> None:
-    """P7: gloo's allgather requires equal tensor sizes, and its reduce_scatter with a list of
-    unequal inputs is not reliable.  ``tensor_parallel.mappings._gather_along_first_dim`` /
-    ``_reduce_scatter_along_first_dim`` get uneven ``output_split_sizes``/``input_split_sizes``
-    from the alltoall dispatcher with expert-TP>1 (and from the allgather dispatcher's
-    gather_from_sequence_parallel_region with uneven splits).  Implement the uneven cases as
-    pad-to-max + all_gather_into_tensor + unpad, and all_reduce + slice; equal sizes go to the
-    original functions unchanged."""
+    """P7: gloo's allgather requires equal tensor sizes ("ProcessGroupGloo::allgather: invalid
+    tensor size"), and we do not rely on its list reduce_scatter for unequal sizes either.
+    ``tensor_parallel.mappings._gather_along_first_dim`` / ``_reduce_scatter_along_first_dim`` get
+    uneven ``output_split_sizes``/``input_split_sizes`` from the alltoall dispatcher when
+    expert-TP > 1 (``gather_from_sequence_parallel_region`` in dispatch, its backward, and the
+    reduce-scatter in combine).  Implement the uneven cases as pad-to-max +
+    all_gather_into_tensor + unpad, and all_reduce + slice (autograd is unaffected: both are
+    called inside megatron's autograd Functions).  Equal sizes go to the originals unchanged."""
     from megatron.core.tensor_parallel import mappings
 
     orig_gather = mappings._gather_along_first_dim

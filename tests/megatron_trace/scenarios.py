@@ -5,12 +5,14 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from trace_kernels.fp4 import quantize, unpack_codes
+from trace_kernels.fp4 import quantize, unpack_bits, unpack_codes
+from trace_kernels.fp4.reference import nvfp4_scaled_values
 
 from megatron_trace.guidance import GroupGuidance, GuidanceBatch, SampleGuidance, capture
 
 from . import qwen3_moe_reference as ref
 
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 SITE_ORDER = ("qkv", "k", "v", "proj", "fc1", "fc2")
 
 
@@ -101,6 +103,8 @@ class CodeChecker:
         self.engine_codes = engine_codes_by_batch
         self.mismatch: dict = {}
         self.checked: dict = {}
+        self.shipped_mismatch: dict = {}
+        self.shipped: dict = {}
 
     def __call__(self, site, x, q, guidance):
         if guidance is None or guidance.row_ids is None:
@@ -121,6 +125,22 @@ class CodeChecker:
         bad_scales = q.block_scales.view(torch.uint8).cpu() != es
         self.mismatch[key] = self.mismatch.get(key, 0) + int(bad.sum()) + int(bad_scales.sum())
         self.checked[key] = self.checked.get(key, 0) + ids.numel()
+        if guidance.bit_known is not None:  # sparse: shipped elements must get the engine's code
+            shipped = unpack_bits(guidance.bit_known.cpu()).bool().reshape(bad.shape)
+            # ... whenever one bit can name it: same block scale, and the engine's magnitude is
+            # one of the two grid neighbours of the trainer's value with the right sign (DESIGN 4.2);
+            # larger drift (after an earlier unshipped flip) is beyond what guidance promises
+            g, scales, _ = guidance.resolve(x)
+            v = nvfp4_scaled_values(x.float(), g, scales).cpu().double()
+            grid = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float64)
+            av = v.abs().clamp(max=6.0)
+            lower = grid[(grid[None, None, :] <= av[..., None]).sum(-1) - 1]
+            upper = grid[len(grid) - (grid[None, None, :] >= av[..., None]).sum(-1)]
+            m_e = grid[(ec & 7).long()]
+            sign_ok = (m_e == 0) | ((ec >= 8) == (v < 0))
+            reachable = ((m_e == lower) | (m_e == upper)) & sign_ok & (~bad_scales).repeat_interleave(16, dim=1)
+            self.shipped_mismatch[key] = self.shipped_mismatch.get(key, 0) + int((bad & shipped & reachable).sum())
+            self.shipped[key] = self.shipped.get(key, 0) + int(shipped.sum())
 
 
 def run_layout(rank, *, cfg, sd, batches, modes, dispatcher="alltoall", recompute=None, backward=False,
@@ -205,6 +225,7 @@ def run_layout(rank, *, cfg, sd, batches, modes, dispatcher="alltoall", recomput
                 out["grads"] = grads
         if checker is not None:
             out["mismatch"], out["checked"] = checker.mismatch, checker.checked
+            out["shipped_mismatch"], out["shipped"] = checker.shipped_mismatch, checker.shipped
     return results
 
 
