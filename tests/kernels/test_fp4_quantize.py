@@ -352,3 +352,19 @@ def test_float32_subnormal_inputs(fmt, scale):
     assert_same_qtensor(*qs)
     assert_matches_spec64(x, qs[0], scale)
     assert_bitwise_equal(dequantize_on("torch", qs[0]), dequantize_on("triton", qs[0]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_row_shards_with_the_whole_rows_amax_quantize_as_the_whole_rows(backend):
+    """Row-parallel inputs: each tensor-parallel rank holds some columns of every row and
+    quantizes them with the all-reduced row amax; the bytes are those of the unsharded rows."""
+    x = heavy_tailed(24, 256, seed=11, dtype=torch.bfloat16)
+    whole = quantize(x, scale="row")
+    row_amax = x.float().abs().amax(-1, keepdim=True)
+    for lo, hi in ((0, 128), (128, 256), (32, 80)):
+        part = quantize_on(backend, x[:, lo:hi].contiguous(), scale="row", global_amax=row_amax)
+        assert torch.equal(part.global_scale, whole.global_scale)
+        assert torch.equal(unpack_codes(part.codes), unpack_codes(whole.codes)[:, lo:hi])
+        assert torch.equal(part.block_scales.view(torch.uint8), whole.block_scales.view(torch.uint8)[:, lo // 16:hi // 16])
+    with pytest.raises(ValueError, match=r"global_amax must have shape \(24, 1\)"):
+        quantize(x, scale="row", global_amax=row_amax[:12])
