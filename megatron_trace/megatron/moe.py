@@ -82,8 +82,8 @@ class TraceMoELayer(MoELayer):
                 raise GuidanceFormatError(f"layer {self.layer}: routed expert ids outside 0..{self.config.num_moe_experts - 1}")
             replay.target_topk_idx = local.to(hidden_states.device)
             replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-        elif replay is not None:
-            replay.clear_router_replay_action()
+        elif replay is not None and replay.router_replay_action is RouterReplayAction.REPLAY_FORWARD:
+            replay.clear_router_replay_action()  # ours from an earlier micro-batch; RECORD stays
         return super().route(hidden_states, padding_mask)
 
     # -- guidance riding with the tokens ----------------------------------------------------

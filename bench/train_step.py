@@ -1,0 +1,200 @@
+"""Training step time of a Qwen3-MoE-shaped Megatron model in bf16, fp4 (QAT) and trace modes.
+
+One process, one device. The model has the preset's full width and `--layers` layers; a step
+is forward + backward of one packed micro-batch of `--tokens` tokens (sequences of
+`--seq-len`) and an AdamW step. `trace` runs with dense guidance at every site of every layer
+and rollout routing replay; its guidance is the model's own FP4 quantization of the same batch,
+captured once before timing (so guided rounding reproduces it, as with a real engine).
+
+    python bench/train_step.py                                   # tiny model on the CPU
+    python bench/train_step.py --model qwen3-30b-a3b --layers 4 --tokens 16384 --record   # on a GPU
+
+--record writes bench/results/train_step.json (rows: mode, step_s, tokens_per_s, gpu, date, ...)
+and a markdown table beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+
+
+def _init():
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from megatron_trace.megatron.cpu_patches import initialize_model_parallel_cpu
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(0)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    initialize_model_parallel_cpu()  # the CPU patches apply only without CUDA
+
+
+def own_guidance(model, ids, pos, psp, cfg):
+    """Dense guidance for every site and layer from the model's own FP4 forward (fp4 mode):
+    site rows in the canonical order of MicroBatchGuidance, plus the routed experts."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+    from trace_kernels.fp4 import pack_bits, unpack_codes
+
+    from megatron_trace.guidance.rows import RowGuidance
+    from megatron_trace.megatron import qat
+    from megatron_trace.megatron.context import MicroBatchGuidance
+    from megatron_trace.megatron.model import set_precision
+
+    set_precision(model, "fp4")
+    rows: dict = {}
+    qat.observers.append(lambda site, x, q, g: rows.setdefault((site.layer, site.name), []).append(q))
+    routers = [layer.mlp.router.router_replay for layer in model.decoder.layers]
+    for r in routers:
+        r.set_router_replay_action(RouterReplayAction.RECORD)
+    with torch.no_grad():
+        model(ids, pos, None, packed_seq_params=psp)
+    qat.observers.clear()
+    n = ids.shape[1]
+    sites, experts = {}, {}
+    for layer, r in zip(model.decoder.layers, routers):
+        li = layer.layer_number - 1
+        top = r.get_recorded_indices()
+        experts[li] = top.long()
+        r.clear_router_replay_action()
+        # expert rows arrive sorted by expert, tokens ascending: map them back to (token, slot)
+        tok, slot = _expert_order(top)
+        for name in ("qkv", "k", "v", "proj", "fc1", "fc2"):
+            qs = rows[(li, name)]
+            q = qs[0] if len(qs) == 1 else None
+            codes = torch.cat([unpack_codes(x.codes) for x in qs]) if q is None else unpack_codes(q.codes)
+            scales = torch.cat([x.block_scales for x in qs]) if q is None else q.block_scales
+            g = torch.cat([x.global_scale for x in qs]) if q is None else q.global_scale
+            if name in ("fc1", "fc2"):  # permuted rows -> canonical rows
+                if name == "fc1":
+                    keep = slot == 0  # a token's rows for its k experts carry the same quantization
+                    canon = torch.empty(n, dtype=torch.long, device=tok.device)
+                    canon[tok[keep]] = torch.arange(len(tok), device=tok.device)[keep]
+                else:
+                    canon = torch.empty(n * cfg.top_k, dtype=torch.long, device=tok.device)
+                    canon[tok * cfg.top_k + slot] = torch.arange(len(tok), device=tok.device)
+                codes, scales, g = codes[canon], scales[canon], g[canon]
+            sites[(li, name)] = RowGuidance(g.reshape(-1, 1), scales.view(torch.uint8).contiguous(),
+                                            pack_bits(codes & 1)).with_row_ids()
+    return MicroBatchGuidance(n, sites, experts)
+
+
+def _expert_order(top: torch.Tensor):
+    """(token, slot) of each dispatched row, in Megatron's permuted order (expert-major)."""
+    e_flat = top.reshape(-1)
+    order = torch.argsort(e_flat * top.numel() + torch.arange(top.numel(), device=top.device))
+    return order // top.shape[1], order % top.shape[1]
+
+
+def _gib(v):
+    return "" if v is None else f"{v:.1f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--modes", default="bf16,fp4,trace")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--sequential-experts", action="store_true", help="SequentialMLP instead of grouped GEMMs")
+    ap.add_argument("--record", action="store_true")
+    args = ap.parse_args()
+    if args.tokens % args.seq_len:
+        sys.exit(f"--tokens {args.tokens} must be a multiple of --seq-len {args.seq_len}")
+
+    _init()
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from tqdm import tqdm
+
+    from megatron_trace.megatron.model import PRESETS, build_model, set_precision
+
+    cfg = PRESETS[args.model].replace(num_layers=args.layers)
+    dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    model = build_model(cfg, "bf16", grouped_gemm=not args.sequential_experts)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, **({"fused": True} if dev.type == "cuda" else {}))
+    n_seq = args.tokens // args.seq_len
+    ids = torch.randint(0, cfg.vocab_size, (1, args.tokens), device=dev)
+    pos = torch.arange(args.seq_len, device=dev).repeat(n_seq)[None]
+    cu = (torch.arange(n_seq + 1, device=dev) * args.seq_len).int()
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=args.seq_len,
+                          max_seqlen_kv=args.seq_len)
+    labels = torch.roll(ids, -1, 1)
+    guidance = own_guidance(model, ids, pos, psp, cfg)
+    with torch.no_grad():  # guided rounding must reproduce the captured FP4 forward exactly
+        outs = {}
+        for mode in ("fp4", "trace"):
+            set_precision(model, mode)
+            outs[mode] = model(ids, pos, None, packed_seq_params=psp, guidance=guidance if mode == "trace" else None)
+        print(f"trace forward reproduces the captured fp4 forward bit for bit: {torch.equal(outs['fp4'], outs['trace'])}")
+        del outs
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    rows = []
+    gpu = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+    for mode in args.modes.split(","):
+        set_precision(model, mode)
+        times = []
+        for i in tqdm(range(args.warmup + args.steps), desc=mode, leave=False):
+            sync()
+            t0 = time.perf_counter()
+            loss = model(ids, pos, None, labels=labels, packed_seq_params=psp,
+                         guidance=guidance if mode == "trace" else None).float().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sync()
+            if i >= args.warmup:
+                times.append(time.perf_counter() - t0)
+        step = statistics.median(times)
+        peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None
+        rows.append({"mode": mode, "step_s": step, "tokens_per_s": args.tokens / step, "gpu": gpu,
+                     "date": datetime.date.today().isoformat(), "model": args.model, "layers": args.layers,
+                     "tokens": args.tokens, "seq_len": args.seq_len,
+                     "experts": "sequential" if args.sequential_experts else "grouped", "peak_gib": peak})
+        print(f"{mode:6s} step {step * 1e3:9.1f} ms   {args.tokens / step:10.0f} tokens/s", flush=True)
+    by = {r["mode"]: r["step_s"] for r in rows}
+    ratios = []
+    if "fp4" in by and "bf16" in by:
+        ratios.append(f"fp4 / bf16 = {by['fp4'] / by['bf16']:.3f} (goal <= 1.25)")
+    if "trace" in by and "fp4" in by:
+        ratios.append(f"trace / fp4 = {by['trace'] / by['fp4']:.3f} (goal <= 1.10)")
+    print("\n".join(ratios))
+    if args.record:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / "train_step.json").write_text(json.dumps(rows, indent=1) + "\n")
+        cmd = "python bench/train_step.py " + " ".join(sys.argv[1:])
+        lines = [f"# Training step time, {rows[0]['date']}, {gpu}", "", f"`{cmd}`", "",
+                 f"{args.model} at full width, {args.layers} layers, {args.tokens} tokens per step "
+                 f"(packed sequences of {args.seq_len}), {rows[0]['experts']} experts, forward + backward + AdamW.",
+                 "", "| mode | step (ms) | tokens/s | peak GiB |", "|---|---|---|---|"]
+        lines += [f"| {r['mode']} | {r['step_s'] * 1e3:.1f} | {r['tokens_per_s']:.0f} | {_gib(r['peak_gib'])} |"
+                  for r in rows]
+        lines += ["", *[f"- {r}" for r in ratios], ""]
+        (RESULTS / "train_step.md").write_text("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
