@@ -10,9 +10,9 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tm
 export PYTHONPATH=/tmp/site
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c 'import torch, triton, megatron.core as m; print("torch", torch.__version__, "triton", triton.__version__, "megatron-core", m.__version__)'
-python3 -m pytest -q -p no:cacheprovider -rs tests/megatron_trace/test_megatron_qat.py \
+python3 -m pytest -q -p no:cacheprovider -rfEs tests/megatron_trace/test_megatron_qat.py \
   "tests/kernels/test_fp4_quantize.py::test_row_shards_with_the_whole_rows_amax_quantize_as_the_whole_rows" \
-  2>&1 | tee "$OUT/pytest_megatron_gpu.log" | grep -v -i warn | tail -n 30
+  2>&1 | tee "$OUT/pytest_megatron_gpu.log" | tail -n 15
 python3 bench/train_step.py ${TRAIN_STEP_ARGS:---model qwen3-30b-a3b --layers 4 --tokens 16384 --seq-len 2048 --steps 5 --warmup 2 --record} \
-  2>&1 | tee "$OUT/train_step.log" | grep -v -e '%|' -e -i warn
+  2>&1 | tee "$OUT/train_step.log" | grep -v -e '%|' -e Warning -e warnings.warn
 cp bench/results/train_step.* "$OUT/" 2>/dev/null || true

@@ -4,7 +4,9 @@ Test-harness / CPU-launch-path only: the patches replace parts of ``torch.cuda``
 megatron-core for the whole process.  megatron-core itself is not modified on disk.  On a machine
 with CUDA, :func:`apply_cpu_patches` does nothing.
 
-See /work/shared/notes/megatron-core-on-cpu.md for the background (patch names P1..P7 follow it).
+See ../shared/notes/megatron-core-on-cpu.md for the background (patch names P1..P7 follow it).
+P3 is fixed in 0.19; P5 (norms under sequence parallelism) is not a CPU matter and is solved
+in the model itself (`spec.TraceRMSNorm`), so it is not patched here.
 
 Public API::
 
@@ -302,58 +304,6 @@ def _patch_p4_device_mode() -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# P5: torch norms with sequence parallelism
-# --------------------------------------------------------------------------------------------------
-
-
-def _patch_p5_torch_norm() -> None:
-    """P5: without Transformer Engine / apex the local spec uses ``WrappedTorchNorm``, which asserts
-    ``not config.sequence_parallel``; but MoE with TP>1 requires sequence parallelism
-    (``moe_layer`` / TransformerConfig).  A plain torch norm is correct under SP (it is pointwise
-    over the sequence); drop the assertion and tag its parameters ``sequence_parallel`` so
-    finalize_model_grads all-reduces their grads over the TP group, as for TE norms."""
-    from megatron.core.transformer import torch_norm
-
-    cls = torch_norm.WrappedTorchNorm
-    orig_new = cls.__new__
-
-    def __new__(
-        klass,
-        config,
-        hidden_size,
-        eps=1e-5,
-        persist_layer_norm=False,
-        zero_centered_gamma=False,
-        normalization="LayerNorm",
-    ):
-        sp = bool(getattr(config, "sequence_parallel", False))
-        if sp:
-            config.sequence_parallel = False
-            try:
-                norm = orig_new(
-                    klass,
-                    config,
-                    hidden_size,
-                    eps,
-                    persist_layer_norm,
-                    zero_centered_gamma,
-                    normalization,
-                )
-            finally:
-                config.sequence_parallel = True
-        else:
-            norm = orig_new(
-                klass, config, hidden_size, eps, persist_layer_norm, zero_centered_gamma,
-                normalization,
-            )
-        for p in norm.parameters():
-            setattr(p, "sequence_parallel", sp)
-        return norm
-
-    _replace(cls, "__new__", staticmethod(__new__), "WrappedTorchNorm.__new__")
-
-
-# --------------------------------------------------------------------------------------------------
 # P6: maybe_move_tensor_to_cpu for tensors that are already on the CPU
 # --------------------------------------------------------------------------------------------------
 
@@ -460,7 +410,6 @@ def apply_cpu_patches() -> None:
     _patch_p2_cuda_runtime()
     _patch_p4_device_mode()
     _patch_p1_rng()
-    _patch_p5_torch_norm()
     _patch_p6_move_to_cpu()
     _patch_p7_uneven_collectives()
     _APPLIED = True

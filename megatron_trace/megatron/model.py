@@ -24,7 +24,7 @@ from .experts import TraceGroupedMLP
 from .linear import _FP4LinearMixin
 from .moe import TraceMoELayer
 from .qat import FP4Site, Precision, Shard
-from .spec import trace_layer_spec
+from .spec import trace_block_spec
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,7 @@ def build_model(cfg: ModelConfig, precision: Precision | str = Precision.BF16, *
     """
     tcfg = transformer_config(cfg, **config_overrides)
     model = TraceGPTModel(
-        config=tcfg, transformer_layer_spec=trace_layer_spec(grouped_gemm), vocab_size=cfg.vocab_size,
+        config=tcfg, transformer_layer_spec=trace_block_spec(tcfg, grouped_gemm), vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_position_embeddings, pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=cfg.tie_word_embeddings,
         position_embedding_type="rope", rotary_base=int(cfg.rope_theta), parallel_output=True,
