@@ -13,6 +13,6 @@ python3 -c 'import torch, triton, megatron.core as m; print("torch", torch.__ver
 python3 -m pytest -q -p no:cacheprovider -rfEs tests/megatron_trace/test_megatron_qat.py \
   "tests/kernels/test_fp4_quantize.py::test_row_shards_with_the_whole_rows_amax_quantize_as_the_whole_rows" \
   2>&1 | tee "$OUT/pytest_megatron_gpu.log" | tail -n 15
-python3 bench/train_step.py ${TRAIN_STEP_ARGS:---model qwen3-30b-a3b --layers 4 --tokens 16384 --seq-len 2048 --steps 5 --warmup 2 --record} \
+python3 bench/train_step.py ${TRAIN_STEP_ARGS:---model qwen3-30b-a3b --layers 4 --tokens 16384 --seq-len 2048 --micro-batches 1,4 --steps 5 --warmup 2 --profile --record} \
   2>&1 | tee "$OUT/train_step.log" | grep -v -e '%|' -e Warning -e warnings.warn
 cp bench/results/train_step.* "$OUT/" 2>/dev/null || true

@@ -49,7 +49,8 @@ def _init():
 
 def own_guidance(model, ids, pos, psp, cfg):
     """Dense guidance for every site and layer from the model's own FP4 forward (fp4 mode):
-    site rows in the canonical order of MicroBatchGuidance, plus the routed experts."""
+    site rows in the canonical order of MicroBatchGuidance, plus the routed experts.
+    Returns (MicroBatchGuidance, {(layer, site): (codes uint8 [R, K], scale bytes [R, K/16])})."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
     from trace_kernels.fp4 import pack_bits, unpack_codes
 
@@ -68,7 +69,7 @@ def own_guidance(model, ids, pos, psp, cfg):
         model(ids, pos, None, packed_seq_params=psp)
     qat.observers.clear()
     n = ids.shape[1]
-    sites, experts = {}, {}
+    sites, experts, captured = {}, {}, {}
     for layer, r in zip(model.decoder.layers, routers):
         li = layer.layer_number - 1
         top = r.get_recorded_indices()
@@ -82,18 +83,42 @@ def own_guidance(model, ids, pos, psp, cfg):
             codes = torch.cat([unpack_codes(x.codes) for x in qs]) if q is None else unpack_codes(q.codes)
             scales = torch.cat([x.block_scales for x in qs]) if q is None else q.block_scales
             g = torch.cat([x.global_scale for x in qs]) if q is None else q.global_scale
-            if name in ("fc1", "fc2"):  # permuted rows -> canonical rows
-                if name == "fc1":
-                    keep = slot == 0  # a token's rows for its k experts carry the same quantization
-                    canon = torch.empty(n, dtype=torch.long, device=tok.device)
-                    canon[tok[keep]] = torch.arange(len(tok), device=tok.device)[keep]
-                else:
-                    canon = torch.empty(n * cfg.top_k, dtype=torch.long, device=tok.device)
-                    canon[tok * cfg.top_k + slot] = torch.arange(len(tok), device=tok.device)
+            if name == "fc2":  # dispatched (token, expert) rows -> canonical (token, slot) rows
+                canon = torch.empty(n * cfg.top_k, dtype=torch.long, device=tok.device)
+                canon[tok * cfg.top_k + slot] = torch.arange(len(tok), device=tok.device)
                 codes, scales, g = codes[canon], scales[canon], g[canon]
             sites[(li, name)] = RowGuidance(g.reshape(-1, 1), scales.view(torch.uint8).contiguous(),
                                             pack_bits(codes & 1)).with_row_ids()
-    return MicroBatchGuidance(n, sites, experts)
+            captured[(li, name)] = (codes, scales.view(torch.uint8))
+    return MicroBatchGuidance(n, sites, experts), captured
+
+
+def reproduces(model, ids, pos, psp, guidance, captured) -> bool:
+    """Whether a trace-mode forward rounds every site's rows to the captured codes."""
+    from trace_kernels.fp4 import unpack_codes
+
+    from megatron_trace.megatron import qat
+    from megatron_trace.megatron.model import set_precision
+
+    bad = []
+
+    def check(site, x, q, g):
+        codes, scales = captured[(site.layer, site.name)]
+        got, want = unpack_codes(q.codes), codes[g.row_ids]
+        same_code = (got == want) | (((got & 7) == 0) & ((want & 7) == 0))  # -0 == +0
+        if not (bool(same_code.all()) and torch.equal(q.block_scales.view(torch.uint8), scales[g.row_ids])):
+            bad.append((site.layer, site.name))
+
+    set_precision(model, "trace")
+    qat.observers.append(check)
+    try:
+        with torch.no_grad():
+            model(ids, pos, None, packed_seq_params=psp, guidance=guidance)
+    finally:
+        qat.observers.clear()
+    if bad:
+        print(f"sites whose codes differ from the captured ones: {bad}")
+    return not bad
 
 
 def _expert_order(top: torch.Tensor):
@@ -114,6 +139,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--modes", default="bf16,fp4,trace")
+    ap.add_argument("--micro-batches", default="1",
+                    help="comma list: forward+backward passes per optimizer step (weights quantized once per step)")
+    ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one step per mode")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--sequential-experts", action="store_true", help="SequentialMLP instead of grouped GEMMs")
@@ -127,6 +155,7 @@ def main() -> None:
     from tqdm import tqdm
 
     from megatron_trace.megatron.model import PRESETS, build_model, set_precision
+    from megatron_trace.megatron.qat import cached_weights
 
     cfg = PRESETS[args.model].replace(num_layers=args.layers)
     dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -139,14 +168,8 @@ def main() -> None:
     psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=args.seq_len,
                           max_seqlen_kv=args.seq_len)
     labels = torch.roll(ids, -1, 1)
-    guidance = own_guidance(model, ids, pos, psp, cfg)
-    with torch.no_grad():  # guided rounding must reproduce the captured FP4 forward exactly
-        outs = {}
-        for mode in ("fp4", "trace"):
-            set_precision(model, mode)
-            outs[mode] = model(ids, pos, None, packed_seq_params=psp, guidance=guidance if mode == "trace" else None)
-        print(f"trace forward reproduces the captured fp4 forward bit for bit: {torch.equal(outs['fp4'], outs['trace'])}")
-        del outs
+    guidance, captured = own_guidance(model, ids, pos, psp, cfg)
+    print(f"guided forward reproduces every captured code: {reproduces(model, ids, pos, psp, guidance, captured)}")
 
     def sync():
         if dev.type == "cuda":
@@ -154,44 +177,63 @@ def main() -> None:
 
     rows = []
     gpu = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
-    for mode in args.modes.split(","):
-        set_precision(model, mode)
-        times = []
-        for i in tqdm(range(args.warmup + args.steps), desc=mode, leave=False):
-            sync()
-            t0 = time.perf_counter()
-            loss = model(ids, pos, None, labels=labels, packed_seq_params=psp,
-                         guidance=guidance if mode == "trace" else None).float().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            sync()
-            if i >= args.warmup:
-                times.append(time.perf_counter() - t0)
-        step = statistics.median(times)
-        peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None
-        rows.append({"mode": mode, "step_s": step, "tokens_per_s": args.tokens / step, "gpu": gpu,
-                     "date": datetime.date.today().isoformat(), "model": args.model, "layers": args.layers,
-                     "tokens": args.tokens, "seq_len": args.seq_len,
-                     "experts": "sequential" if args.sequential_experts else "grouped", "peak_gib": peak})
-        print(f"{mode:6s} step {step * 1e3:9.1f} ms   {args.tokens / step:10.0f} tokens/s", flush=True)
-    by = {r["mode"]: r["step_s"] for r in rows}
+
+    def step(mode, micro_batches):
+        with cached_weights():
+            for _ in range(micro_batches):
+                loss = model(ids, pos, None, labels=labels, packed_seq_params=psp,
+                             guidance=guidance if mode == "trace" else None).float().mean()
+                loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for mb in (int(v) for v in args.micro_batches.split(",")):
+        for mode in args.modes.split(","):
+            set_precision(model, mode)
+            times = []
+            for i in tqdm(range(args.warmup + args.steps), desc=f"{mode} x{mb}", leave=False):
+                sync()
+                t0 = time.perf_counter()
+                step(mode, mb)
+                sync()
+                if i >= args.warmup:
+                    times.append(time.perf_counter() - t0)
+            t = statistics.median(times)
+            peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None
+            step_tokens = args.tokens * mb
+            rows.append({"mode": mode, "step_s": t, "tokens_per_s": step_tokens / t, "gpu": gpu,
+                         "date": datetime.date.today().isoformat(), "model": args.model, "layers": args.layers,
+                         "tokens": args.tokens, "micro_batches": mb, "seq_len": args.seq_len,
+                         "experts": "sequential" if args.sequential_experts else "grouped", "peak_gib": peak})
+            print(f"{mode:6s} x{mb} step {t * 1e3:9.1f} ms   {step_tokens / t:10.0f} tokens/s", flush=True)
+    if args.profile and dev.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+        for mode in args.modes.split(","):
+            set_precision(model, mode)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                step(mode, 1)
+                sync()
+            print(f"--- {mode}: top CUDA kernels of one step")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
     ratios = []
-    if "fp4" in by and "bf16" in by:
-        ratios.append(f"fp4 / bf16 = {by['fp4'] / by['bf16']:.3f} (goal <= 1.25)")
-    if "trace" in by and "fp4" in by:
-        ratios.append(f"trace / fp4 = {by['trace'] / by['fp4']:.3f} (goal <= 1.10)")
+    for mb in sorted({r["micro_batches"] for r in rows}):
+        by = {r["mode"]: r["step_s"] for r in rows if r["micro_batches"] == mb}
+        if "fp4" in by and "bf16" in by:
+            ratios.append(f"{mb} micro-batch(es): fp4 / bf16 = {by['fp4'] / by['bf16']:.3f} (goal <= 1.25)")
+        if "trace" in by and "fp4" in by:
+            ratios.append(f"{mb} micro-batch(es): trace / fp4 = {by['trace'] / by['fp4']:.3f} (goal <= 1.10)")
     print("\n".join(ratios))
     if args.record:
         RESULTS.mkdir(parents=True, exist_ok=True)
         (RESULTS / "train_step.json").write_text(json.dumps(rows, indent=1) + "\n")
         cmd = "python bench/train_step.py " + " ".join(sys.argv[1:])
         lines = [f"# Training step time, {rows[0]['date']}, {gpu}", "", f"`{cmd}`", "",
-                 f"{args.model} at full width, {args.layers} layers, {args.tokens} tokens per step "
-                 f"(packed sequences of {args.seq_len}), {rows[0]['experts']} experts, forward + backward + AdamW.",
-                 "", "| mode | step (ms) | tokens/s | peak GiB |", "|---|---|---|---|"]
-        lines += [f"| {r['mode']} | {r['step_s'] * 1e3:.1f} | {r['tokens_per_s']:.0f} | {_gib(r['peak_gib'])} |"
-                  for r in rows]
+                 f"{args.model} at full width, {args.layers} layers, micro-batches of {args.tokens} tokens "
+                 f"(packed sequences of {args.seq_len}), {rows[0]['experts']} experts; a step is forward + backward "
+                 "of each micro-batch and one AdamW step (FP4 weights quantized once per step).",
+                 "", "| mode | micro-batches | step (ms) | tokens/s | peak GiB |", "|---|---|---|---|---|"]
+        lines += [f"| {r['mode']} | {r['micro_batches']} | {r['step_s'] * 1e3:.1f} | {r['tokens_per_s']:.0f} | "
+                  f"{_gib(r['peak_gib'])} |" for r in rows]
         lines += ["", *[f"- {r}" for r in ratios], ""]
         (RESULTS / "train_step.md").write_text("\n".join(lines))
 

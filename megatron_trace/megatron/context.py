@@ -40,8 +40,8 @@ class MicroBatchGuidance:
     num_tokens: int
     sites: dict[tuple[int, str], RowGuidance] = field(default_factory=dict)
     routed_experts: dict[int, torch.Tensor] = field(default_factory=dict)
-    # set during the MoE forward: layer -> (fc1 rows, fc2 rows, rows per local expert)
-    expert_rows: dict[int, tuple[RowGuidance | None, RowGuidance | None, list[int]]] = field(default_factory=dict)
+    # set during the MoE forward: layer -> (fc2 rows of the dispatched tokens, rows per local expert)
+    expert_rows: dict[int, tuple[RowGuidance, list[int]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for layer, ids in self.routed_experts.items():

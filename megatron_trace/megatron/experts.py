@@ -29,9 +29,9 @@ class TraceSequentialMLP(SequentialMLP):
 class TraceGroupedMLP(TraceSequentialMLP):
     """All local experts as two grouped GEMMs (`torch._grouped_mm`, on the GPU and the CPU).
 
-    The FP4 sites see every dispatched row at once (`fc1_site`, `fc2_site`, expert=None and
-    `all_experts=True`): rows are per-row scaled, so quantizing them together is the same as
-    per expert; weights are quantized per expert with each expert's own global scale.
+    Its FP4 sites see every local expert at once (`all_experts=True`): fc2 rows are per-row
+    scaled, so quantizing them together is the same as per expert; weights are quantized per
+    expert with each expert's own global scale. (fc1 inputs arrive quantized, per token.)
     """
 
     fc1_site: FP4Site | None = None
@@ -40,13 +40,10 @@ class TraceGroupedMLP(TraceSequentialMLP):
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         x = permuted_local_hidden_states
         offs = torch.cumsum(tokens_per_expert.to(x.device), 0).to(torch.int32)
-        w1 = torch.stack([e.linear_fc1.weight for e in self.local_experts])  # [E, 2F, H]
-        w2 = torch.stack([e.linear_fc2.weight for e in self.local_experts])  # [E, H, F]
-        if self.fc1_site is not None and self.fc1_site.active:
-            x, w1 = self.fc1_site.quantize_input(x), self.fc1_site.quantize_expert_weights(w1)
+        # [E, 2F, H] and [E, H, F]; the fc1 input arrived quantized, per token
+        w1 = self.fc1_site.quantize_expert_weights([e.linear_fc1.weight for e in self.local_experts])
+        w2 = self.fc2_site.quantize_expert_weights([e.linear_fc2.weight for e in self.local_experts])
         gate, up = torch._grouped_mm(x, w1.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-        act = F.silu(gate) * up
-        if self.fc2_site is not None and self.fc2_site.active:
-            act, w2 = self.fc2_site.quantize_input(act), self.fc2_site.quantize_expert_weights(w2)
+        act = self.fc2_site.quantize_input(F.silu(gate) * up)
         out = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)
         return (out * permuted_probs.unsqueeze(-1)).to(out.dtype), None

@@ -175,12 +175,13 @@ def attach_sites(model: torch.nn.Module) -> None:
         attn.core_attention.k_site = FP4Site("k", li, heads=tp)
         attn.core_attention.v_site = FP4Site("v", li, heads=tp)
         moe.tokens = seq
+        moe.fc1_input = FP4Site("fc1", li, tokens=seq)
         for e, expert in enumerate(moe.experts.local_experts):
-            expert.linear_fc1.fp4_site = FP4Site("fc1", li, weight_group=etp_group, expert=e)
+            expert.linear_fc1.fp4_site = FP4Site("fc1", li, weight_group=etp_group, expert=e, quantizes_input=False)
             expert.linear_fc2.fp4_site = FP4Site("fc2", li, weight_group=etp_group, row_group=etp_group,
                                                  cols=etp, expert=e)
         if isinstance(moe.experts, TraceGroupedMLP):
-            moe.experts.fc1_site = FP4Site("fc1", li, weight_group=etp_group, all_experts=True)
+            moe.experts.fc1_site = FP4Site("fc1", li, weight_group=etp_group, all_experts=True, quantizes_input=False)
             moe.experts.fc2_site = FP4Site("fc2", li, weight_group=etp_group, row_group=etp_group, cols=etp,
                                            all_experts=True)
     missing = [name for name, m in model.named_modules()
@@ -200,6 +201,8 @@ def fp4_sites(model: torch.nn.Module) -> list[FP4Site]:
             sites += [m.k_site, m.v_site]
         elif isinstance(m, TraceGroupedMLP):
             sites += [m.fc1_site, m.fc2_site]
+        elif isinstance(m, TraceMoELayer):
+            sites.append(m.fc1_input)
     return sites
 
 
@@ -210,7 +213,7 @@ def set_precision(model: torch.nn.Module, precision: Precision | str) -> None:
         site.precision = precision
     for m in model.modules():
         if isinstance(m, TraceMoELayer):
-            m.precision = precision
+            m.precision = precision  # its fc1_input site is among fp4_sites
 
 
 def token_logprobs(model: TraceGPTModel, input_ids: torch.Tensor, position_ids: torch.Tensor,

@@ -1,16 +1,20 @@
-"""Megatron's MoE layer with rollout routing replay and expert guidance that follows its tokens.
+"""Megatron's MoE layer with rollout routing replay, per-token fc1 quantization and expert
+guidance that follows its tokens.
 
 Routing replay: when the active micro-batch carries the engine's expert ids for this layer,
 the router's native `RouterReplay` is set to replay them (REPLAY_FORWARD, also during
 recomputation); the gate weights are recomputed from the trainer's own router scores at
 those experts.
 
-Guidance of the expert sites: an expert's `fc1` rows are its tokens and its `fc2` rows are
-(token, expert) pairs, wherever the dispatcher sends them (other expert-parallel ranks
-included). So each token's guidance travels with it: before dispatch, every local token gets
-a byte row (its fc1 guidance, the fc2 guidance of its top-k slots and its expert ids), and a
-second dispatcher of the same kind moves those bytes exactly as the first moves the hidden
-states. After dispatch, each row keeps the fc2 slot of the expert it was sent to.
+fc1: a token's fc1 input is the same row for each of its k experts, so it is quantized once,
+per token, before dispatch (`fc1_input`; its guidance rows are the token rows), as engines
+quantize activations before their fused MoE GEMM. The experts' fc1 sites quantize weights only.
+
+fc2: its rows are (token, expert) pairs, wherever the dispatcher sends them (other
+expert-parallel ranks included). So each token's fc2 guidance travels with it: before
+dispatch every local token gets a byte row (the fc2 guidance of its top-k slots and its
+expert ids) and a second dispatcher of the same kind moves those bytes exactly as the first
+moves the hidden states. After dispatch each row keeps the slot of the expert it was sent to.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDisp
 from ..guidance.codec import GuidanceFormatError
 from ..guidance.rows import RowGuidance
 from . import context
-from .qat import Precision, Shard
+from .qat import FP4Site, Precision, Shard
 
 _KIND_BITS = 4  # RowGuidance.kind flags
 
@@ -39,11 +43,12 @@ def _kind(code: int) -> tuple[bool, bool, bool]:
 
 class TraceMoELayer(MoELayer):
     """MoELayer (token dispatcher "alltoall" or "allgather") with routing replay and guided
-    expert sites. `precision` and `tokens` (the sequence-parallel token shard) are set by
-    `attach_sites`."""
+    expert sites. `precision`, `tokens` (the sequence-parallel token shard) and `fc1_input`
+    (the fc1 input site) are set by `attach_sites`."""
 
     precision: Precision = Precision.BF16
     tokens: Shard | None = None
+    fc1_input: FP4Site | None = None
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -86,51 +91,50 @@ class TraceMoELayer(MoELayer):
             replay.clear_router_replay_action()  # ours from an earlier micro-batch; RECORD stays
         return super().route(hidden_states, padding_mask)
 
-    # -- guidance riding with the tokens ----------------------------------------------------
+    # -- fc2 guidance riding with the tokens -------------------------------------------------
     def _guidance_payload(self, num_local: int):
-        """(payload uint8 [num_local, P] or None, kind codes) for this rank's tokens."""
+        """(payload uint8 [num_local, P] or None, fc2 kind code) for this rank's tokens."""
         mb = context.active()
-        fc1 = fc2 = ids = None
-        if self.precision is Precision.TRACE and mb is not None:
-            fc1, fc2 = mb.site(self.layer, "fc1"), mb.site(self.layer, "fc2")
-            ids = mb.routed_experts.get(self.layer)
-        codes = torch.tensor([_kind_code(fc1), _kind_code(fc2)], dtype=torch.int64)
+        if self.precision is not Precision.TRACE:
+            return None, 0
+        fc2 = None if mb is None else mb.site(self.layer, "fc2")
+        code = torch.tensor([_kind_code(fc2)], dtype=torch.int64)
         # Every rank of the dispatch group must agree, or the twin's collectives would hang.
         group = self.token_dispatcher.tp_ep_group
         if dist.get_world_size(group) > 1:
-            lo, hi = codes.clone(), codes.clone()
             dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-            lo, hi = lo.to(dev), hi.to(dev)
+            lo, hi = code.to(dev), code.to(dev)
             dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
             dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
             if not torch.equal(lo, hi):
                 raise GuidanceFormatError(f"layer {self.layer}: ranks of the expert dispatch group disagree about "
-                                          "which expert sites carry guidance (or their coding)")
-        if fc1 is None and fc2 is None:
-            return None, codes
+                                          "whether fc2 carries guidance (or its coding)")
+        if fc2 is None:
+            return None, 0
+        ids = mb.routed_experts.get(self.layer)
         if ids is None:
-            raise GuidanceFormatError(f"layer {self.layer}: guided expert sites need the engine's routed experts "
+            raise GuidanceFormatError(f"layer {self.layer}: guided fc2 needs the engine's routed experts "
                                       "(rollout routing replay)")
         rows = self._local_token_rows(mb.num_tokens)
         top_k = self.config.moe_router_topk
-        parts = [] if fc1 is None else [fc1.select_rows(rows).to_row_bytes()]
-        if fc2 is not None:
-            token_rows = torch.arange(mb.num_tokens)[rows]
-            slot_rows = (token_rows[:, None] * top_k + torch.arange(top_k)).reshape(-1)
-            parts.append(fc2.select_rows(slot_rows.to(fc2.g.device)).to_row_bytes().reshape(num_local, -1))
-        parts.append(ids[rows].to(torch.int32).contiguous().view(torch.uint8).reshape(num_local, -1).to(parts[0].device))
-        return torch.cat(parts, dim=1), codes
+        token_rows = torch.arange(mb.num_tokens)[rows]
+        slot_rows = (token_rows[:, None] * top_k + torch.arange(top_k)).reshape(-1).to(fc2.g.device)
+        parts = [fc2.select_rows(slot_rows).to_row_bytes().reshape(num_local, -1),
+                 ids[rows].to(torch.int32).contiguous().view(torch.uint8).reshape(num_local, -1).to(fc2.g.device)]
+        return torch.cat(parts, dim=1), int(code)
 
     def preprocess(self, hidden_states, probs, routing_map):
         num_local = hidden_states.shape[0] * hidden_states.shape[1]
-        payload, codes = self._guidance_payload(num_local)
+        payload, code = self._guidance_payload(num_local)
+        if self.fc1_input is not None:  # after routing: the router sees the high-precision input
+            hidden_states = self.fc1_input.quantize_input(hidden_states)
         out = super().preprocess(hidden_states, probs, routing_map)
         self._payload = None
         if payload is not None:
             payload = payload.to(hidden_states.device)
             pre = self.guidance_dispatcher.dispatch_preprocess(payload.view(*hidden_states.shape[:2], -1),
                                                                routing_map, probs.detach())
-            self._payload = (pre, codes)
+            self._payload = (pre, code)
         return out
 
     def dispatch(self, hidden_states, probs):
@@ -143,35 +147,26 @@ class TraceMoELayer(MoELayer):
     def routed_experts_compute(self, hidden_states, probs):
         mb = context.active()
         if self._payload is not None:
-            (payload, payload_probs), codes = self._payload
+            (payload, payload_probs), code = self._payload
             self._payload = None
             rows, counts, _ = self.guidance_dispatcher.dispatch_postprocess(payload, payload_probs)
-            mb.expert_rows[self.layer] = self._expert_rows(rows, counts.tolist(), codes)
+            mb.expert_rows[self.layer] = (self._fc2_rows(rows, counts.tolist(), code), counts.tolist())
         elif mb is not None:
             mb.expert_rows.pop(self.layer, None)
         return super().routed_experts_compute(hidden_states, probs)
 
-    def _expert_rows(self, rows: torch.Tensor, counts: list[int], codes: torch.Tensor):
-        """Split dispatched byte rows into fc1 and fc2 guidance, fc2 at each row's expert slot."""
+    def _fc2_rows(self, rows: torch.Tensor, counts: list[int], code: int) -> RowGuidance:
+        """fc2 guidance of the dispatched rows: each row's slot is the one of its expert."""
         top_k, cfg = self.config.moe_router_topk, self.config
-        code1, code2 = (int(c) for c in codes)
-        fc1 = fc2 = None
-        offset = 0
-        if code1:
-            n1 = RowGuidance.row_nbytes(cfg.hidden_size, _kind(code1))
-            fc1 = RowGuidance.from_row_bytes(rows[:, :n1].contiguous(), cfg.hidden_size, _kind(code1))
-            offset = n1
-        ids = rows[:, rows.shape[1] - 4 * top_k:].contiguous().view(torch.int32).long()
-        if code2:
-            n2 = RowGuidance.row_nbytes(cfg.moe_ffn_hidden_size, _kind(code2))
-            per_slot = rows[:, offset: offset + top_k * n2].reshape(-1, top_k, n2)
-            expert = torch.repeat_interleave(torch.tensor(self.local_expert_indices, device=rows.device),
-                                             torch.tensor(counts, device=rows.device))
-            hit = ids == expert[:, None]
-            if not bool(hit.any(1).all()):
-                raise GuidanceFormatError(f"layer {self.layer}: a token reached an expert the engine did not route it "
-                                          "to; guided fc2 needs rollout routing replay")
-            slot = hit.int().argmax(1)
-            fc2 = RowGuidance.from_row_bytes(per_slot[torch.arange(len(slot), device=rows.device), slot].contiguous(),
-                                             cfg.moe_ffn_hidden_size, _kind(code2))
-        return fc1, fc2, counts
+        n2 = RowGuidance.row_nbytes(cfg.moe_ffn_hidden_size, _kind(code))
+        per_slot = rows[:, : top_k * n2].reshape(-1, top_k, n2)
+        ids = rows[:, top_k * n2:].contiguous().view(torch.int32).long()
+        expert = torch.repeat_interleave(torch.tensor(self.local_expert_indices, device=rows.device),
+                                         torch.tensor(counts, device=rows.device))
+        hit = ids == expert[:, None]
+        if not bool(hit.any(1).all()):
+            raise GuidanceFormatError(f"layer {self.layer}: a token reached an expert the engine did not route it "
+                                      "to; guided fc2 needs rollout routing replay")
+        slot = hit.int().argmax(1)
+        return RowGuidance.from_row_bytes(per_slot[torch.arange(len(slot), device=rows.device), slot].contiguous(),
+                                          cfg.moe_ffn_hidden_size, _kind(code))

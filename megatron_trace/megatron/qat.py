@@ -17,12 +17,21 @@ zero gradient where an element was clipped (`trace_kernels.fp4.fake_quantize`).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from trace_kernels.fp4 import QTensor, fake_quantize, fake_quantize_guided, quantize, quantize_guided
+from trace_kernels.fp4 import (
+    QTensor,
+    block_clip_bound,
+    dequantize,
+    fake_quantize,
+    fake_quantize_guided,
+    quantize,
+    quantize_guided,
+)
 
 from ..guidance.codec import GuidanceFormatError
 from ..guidance.rows import RowGuidance
@@ -49,6 +58,70 @@ def fake_quant_weight(w: torch.Tensor, group=None) -> torch.Tensor:
     of the whole logical tensor whose shards live on `group`. Returns w's shape and dtype."""
     amax = _all_reduce_max(w.detach().abs().amax().float(), group)
     return fake_quantize(w, "nvfp4", scale="tensor", global_amax=amax, check_finite=False)
+
+
+def _expert_amax(w_ENK: torch.Tensor, group) -> torch.Tensor:
+    return _all_reduce_max(w_ENK.detach().abs().amax(dim=(1, 2)).float().reshape(-1, 1), group)
+
+
+def fake_quant_expert_weights(w_ENK: torch.Tensor, group=None) -> torch.Tensor:
+    """NVFP4 fake quant of stacked expert weights [E, N, K]: one global scale per expert, over
+    its whole logical tensor (amax all-reduced over `group`). Returns w's shape and dtype."""
+    e = w_ENK.shape[0]
+    # a row per expert: its 16-element blocks are the same blocks as along K (K % 16 == 0)
+    return fake_quantize(w_ENK.reshape(e, -1), "nvfp4", scale="row", global_amax=_expert_amax(w_ENK, group),
+                         check_finite=False).reshape(w_ENK.shape)
+
+
+# -- weights that stay fixed across the micro-batches of one optimizer step ------------------
+_weight_cache: dict | None = None
+
+
+@contextlib.contextmanager
+def cached_weights():
+    """Within this scope the weights do not change (the micro-batches between two optimizer
+    steps), so each weight's FP4 fake quant is computed once and reused; gradients still flow
+    to every parameter through the straight-through estimator. A parameter modified in place
+    inside the scope (its version counter moves) is quantized again."""
+    global _weight_cache
+    outer, _weight_cache = _weight_cache, {}
+    try:
+        yield
+    finally:
+        _weight_cache = outer
+
+
+class _CachedSTE(torch.autograd.Function):
+    """Returns a cached fake-quantized weight; backward: grad * mask to the parameter(s)
+    (stacked along dim 0 when there are several)."""
+
+    @staticmethod
+    def forward(ctx, w_q, inside, *params):
+        ctx.save_for_backward(inside)
+        ctx.stacked = len(params) > 1
+        return w_q.view_as(w_q)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inside,) = ctx.saved_tensors
+        g = grad * inside
+        return (None, None, *(g.unbind(0) if ctx.stacked else (g,)))
+
+
+def _cached(params: list[torch.Tensor], compute):
+    """compute() -> QTensor of the weight(s); cached as (dequantized weight, STE mask)."""
+    key = tuple(id(p) for p in params)
+    version = tuple(p._version for p in params)
+    hit = _weight_cache.get(key)
+    if hit is None or hit[0] != version:
+        with torch.no_grad():
+            w = params[0] if len(params) == 1 else torch.stack(params)
+            q = compute(w)
+            w_q = dequantize(q, w.dtype).reshape(w.shape)
+            bound = block_clip_bound(q)
+            inside = (w.float().reshape(*bound.shape, q.block_size).abs() < bound.unsqueeze(-1)).reshape(w.shape)
+        hit = _weight_cache[key] = (version, w_q, inside)
+    return _CachedSTE.apply(hit[1], hit[2], *params)
 
 
 def fake_quant_rows(x_RK: torch.Tensor, guidance: RowGuidance | None = None, group=None) -> torch.Tensor:
@@ -105,8 +178,10 @@ class FP4Site:
     tokens: the sequence-parallel shard of the micro-batch's tokens this rank's input holds.
     cols: the column shard of each guidance row this rank's input holds.
     heads: for k/v, the KV heads this rank holds.
-    expert: for fc1/fc2 of one expert, its local expert index.
-    all_experts: for fc1/fc2 of grouped experts: the rows of every local expert at once.
+    expert: for fc2 of one expert, its local expert index.
+    all_experts: for fc2 of grouped experts: the rows of every local expert at once.
+    quantizes_input: False for the experts' fc1, whose input is quantized per token before
+        dispatch (the MoE layer's `fc1_input` site).
     """
 
     name: str
@@ -119,28 +194,37 @@ class FP4Site:
     heads: Shard | None = None
     expert: int | None = None
     all_experts: bool = False
+    quantizes_input: bool = True
 
     @property
     def active(self) -> bool:
         return self.precision is not Precision.BF16
 
     def quantize_weight(self, w: torch.Tensor) -> torch.Tensor:
-        return fake_quant_weight(w, self.weight_group) if self.active else w
-
-    def quantize_expert_weights(self, w_ENK: torch.Tensor) -> torch.Tensor:
-        """Fake quant of stacked expert weights [E, N, K], one global scale per expert (over
-        its whole logical tensor: amax all-reduced over `weight_group`)."""
+        """Fake quant of this rank's weight shard [N, K] (global scale of the whole tensor)."""
         if not self.active:
-            return w_ENK
-        e = w_ENK.shape[0]
-        amax = _all_reduce_max(w_ENK.detach().abs().amax(dim=(1, 2)).float().reshape(e, 1), self.weight_group)
-        # a row per expert: its 16-element blocks are the same blocks as along K (K % 16 == 0)
-        return fake_quantize(w_ENK.reshape(e, -1), "nvfp4", scale="row", global_amax=amax,
-                             check_finite=False).reshape(w_ENK.shape)
+            return w
+        if _weight_cache is None:
+            return fake_quant_weight(w, self.weight_group)
+        return _cached([w], lambda t: quantize(
+            t, "nvfp4", global_amax=_all_reduce_max(t.abs().amax().float(), self.weight_group), check_finite=False))
+
+    def quantize_expert_weights(self, weights: list[torch.Tensor]) -> torch.Tensor:
+        """Fake quant of the local experts' weights (each [N, K]) stacked to [E, N, K], one global
+        scale per expert (over its whole logical tensor: amax all-reduced over `weight_group`)."""
+        if not self.active:
+            return torch.stack(weights)
+        if _weight_cache is None:
+            return fake_quant_expert_weights(torch.stack(weights), self.weight_group)
+
+        def compute(w_ENK):
+            return quantize(w_ENK.reshape(w_ENK.shape[0], -1), "nvfp4", scale="row",
+                            global_amax=_expert_amax(w_ENK, self.weight_group), check_finite=False)
+        return _cached(list(weights), compute)
 
     def quantize_input(self, x: torch.Tensor) -> torch.Tensor:
         """Fake-quantize x [..., K] row by row (a row is x's last dimension)."""
-        if not self.active or x.numel() == 0:
+        if not self.active or not self.quantizes_input or x.numel() == 0:
             return x
         x_RK = x.reshape(-1, x.shape[-1])
         guidance = self.guidance_rows(x_RK) if self.precision is Precision.TRACE else None
@@ -183,10 +267,7 @@ class FP4Site:
         entry = mb.expert_rows.get(self.layer)
         if entry is None:
             return None
-        fc1, fc2, counts = entry
-        rg = fc1 if self.name == "fc1" else fc2
-        if rg is None:
-            return None
+        rg, counts = entry
         if not self.all_experts:
             start = sum(counts[: self.expert])
             rg = rg.select_rows(slice(start, start + counts[self.expert]))
