@@ -11,8 +11,6 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-
-
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules

@@ -303,3 +303,20 @@ def run_weight_codes(rank, *, cfg, sd):
                                + (local.global_scale != full.global_scale).sum())
         compared += 1
     return diffs, compared
+
+
+def run_token_logprobs(rank, *, cfg, sd, seqs):
+    """(token_logprobs [T], gathered logits [T, V]) of the fp4 model for next-token targets."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from megatron_trace.megatron.model import build_model, token_logprobs
+    from megatron_trace.megatron.weights import load_full_state_dict
+
+    model = build_model(cfg, "fp4")
+    load_full_state_dict(model, sd)
+    ids, pos, psp = packed_inputs(seqs)
+    targets = torch.roll(ids, -1, dims=1)
+    with torch.no_grad():
+        lp = token_logprobs(model, ids, pos, targets, packed_seq_params=psp)
+        logits = gather_from_tensor_model_parallel_region(model(ids, pos, None, packed_seq_params=psp))
+    return lp.reshape(-1).cpu(), logits.reshape(ids.shape[1], -1).float().cpu(), targets.reshape(-1).cpu()

@@ -186,3 +186,18 @@ def test_sharded_weight_quantization_equals_unsharded(case):
     for diffs, compared in results:
         assert compared == CFG.num_layers * (2 + 2 * CFG.num_experts)
         assert diffs and all(v == 0 for v in diffs.values()), {k: v for k, v in diffs.items() if v}
+
+
+@pytest.mark.parametrize("layout", [{}, dict(tp=2)], ids=["one-process", "tp2"])
+def test_token_logprobs_are_the_log_softmax_of_the_logits(case, layout):
+    """Vocab-parallel log-probabilities equal a float64 log-softmax of the gathered logits."""
+    sd, batches = case
+    for lp, logits, targets in spawn(sc.run_token_logprobs, layout, cfg=CFG, sd=sd, seqs=batches[1]["seqs"]):
+        want = torch.log_softmax(logits.double(), -1).gather(1, targets[:, None])[:, 0]
+        torch.testing.assert_close(lp.double(), want, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name, total", [("qwen3-30b-a3b", 30.5e9), ("qwen3-235b-a22b", 235e9)])
+def test_presets_have_the_published_sizes(name, total):
+    """Parameter counts of the presets against the sizes in the models' names and cards."""
+    assert abs(PRESETS[name].num_params - total) / total < 0.005
