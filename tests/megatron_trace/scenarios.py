@@ -320,3 +320,30 @@ def run_token_logprobs(rank, *, cfg, sd, seqs):
         lp = token_logprobs(model, ids, pos, targets, packed_seq_params=psp)
         logits = gather_from_tensor_model_parallel_region(model(ids, pos, None, packed_seq_params=psp))
     return lp.reshape(-1).cpu(), logits.reshape(ids.shape[1], -1).float().cpu(), targets.reshape(-1).cpu()
+
+
+def run_misuse(rank, *, cfg, sd, batch):
+    """Error messages of guidance that does not fit the micro-batch it is applied to."""
+    from megatron_trace.megatron.context import MicroBatchGuidance
+    from megatron_trace.megatron.model import build_model
+    from megatron_trace.megatron.weights import load_full_state_dict
+
+    model = build_model(cfg, "trace")
+    load_full_state_dict(model, sd)
+    ids, pos, psp = packed_inputs(batch["seqs"])
+    good = MicroBatchGuidance.from_batch(batch["guidance"], batch["sample_ids"])
+    cases = {
+        "one sample short": MicroBatchGuidance.from_batch(batch["guidance"], batch["sample_ids"][:1]),
+        "expert id out of range": MicroBatchGuidance(good.num_tokens, good.sites,
+                                                     {k: v + cfg.num_experts for k, v in good.routed_experts.items()}),
+        "fc2 without routing replay": MicroBatchGuidance(good.num_tokens, good.sites, {}),
+    }
+    errors = {}
+    for name, guidance in cases.items():
+        try:
+            with torch.no_grad():
+                model(ids, pos, None, packed_seq_params=psp, guidance=guidance.to(device()))
+            errors[name] = None
+        except ValueError as e:  # GuidanceFormatError is a ValueError
+            errors[name] = str(e)
+    return errors

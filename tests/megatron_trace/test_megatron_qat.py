@@ -201,3 +201,11 @@ def test_token_logprobs_are_the_log_softmax_of_the_logits(case, layout):
 def test_presets_have_the_published_sizes(name, total):
     """Parameter counts of the presets against the sizes in the models' names and cards."""
     assert abs(PRESETS[name].num_params - total) / total < 0.005
+
+
+def test_guidance_that_does_not_fit_is_refused_with_a_named_reason(case):
+    sd, batches = case
+    errors = spawn(sc.run_misuse, {}, cfg=CFG, sd=sd, batch=batches[0])[0]
+    assert "guidance for 9 rows" in errors["one sample short"] and "16" in errors["one sample short"]
+    assert "routed expert ids outside 0..3" in errors["expert id out of range"]
+    assert "guided fc2 needs the engine's routed experts" in errors["fc2 without routing replay"]
