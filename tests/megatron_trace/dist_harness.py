@@ -31,7 +31,10 @@ def _worker(rank, fn, world, port, layout, kwargs, outdir):
         torch.cuda.set_device(rank)
     else:
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    from megatron_trace.megatron.cpu_patches import destroy_model_parallel_cpu, initialize_model_parallel_cpu
+    from megatron_trace.megatron.cpu_patches import (
+        destroy_model_parallel_cpu,
+        initialize_model_parallel_cpu,
+    )
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

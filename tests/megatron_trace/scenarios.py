@@ -8,7 +8,12 @@ import torch
 from trace_kernels.fp4 import quantize, unpack_bits, unpack_codes
 from trace_kernels.fp4.reference import nvfp4_scaled_values
 
-from megatron_trace.guidance import GroupGuidance, GuidanceBatch, SampleGuidance, capture
+from megatron_trace.guidance import (
+    GroupGuidance,
+    GuidanceBatch,
+    SampleGuidance,
+    capture,
+)
 
 from . import qwen3_moe_reference as ref
 
@@ -281,7 +286,11 @@ def run_weight_codes(rank, *, cfg, sd):
 
     from megatron_trace.megatron.model import build_model, fp4_sites
     from megatron_trace.megatron.qat import _all_reduce_max
-    from megatron_trace.megatron.weights import global_name, load_full_state_dict, shard_of
+    from megatron_trace.megatron.weights import (
+        global_name,
+        load_full_state_dict,
+        shard_of,
+    )
 
     model = build_model(cfg, "fp4")
     load_full_state_dict(model, sd)

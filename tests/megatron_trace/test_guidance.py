@@ -82,7 +82,10 @@ def test_sparse_reproduces_dense_when_drift_is_below_tau(scale_coding):
 
 
 def test_scale_lsbs_recover_engine_scales_under_drift_below_half_an_e4m3_step():
-    from trace_kernels.fp4.reference import nvfp4_block_scales, nvfp4_block_scales_guided
+    from trace_kernels.fp4.reference import (
+        nvfp4_block_scales,
+        nvfp4_block_scales_guided,
+    )
 
     g = torch.Generator().manual_seed(8)
     amax_e = torch.exp(torch.randn(64, 256, generator=g) * 3)

@@ -4,7 +4,12 @@ import pytest
 import torch
 from trace_kernels.fp4 import pack_bits, quantize, quantize_guided, unpack_codes
 
-from megatron_trace.guidance import GroupGuidance, GuidanceBatch, GuidanceFormatError, SampleGuidance
+from megatron_trace.guidance import (
+    GroupGuidance,
+    GuidanceBatch,
+    GuidanceFormatError,
+    SampleGuidance,
+)
 from megatron_trace.guidance.rows import RowGuidance
 from megatron_trace.megatron.context import MicroBatchGuidance
 

@@ -14,13 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("megatron.core", reason="megatron-core is installed by `make test`")
+from megatron_trace.megatron.model import PRESETS
 
-from megatron_trace.megatron.model import PRESETS  # noqa: E402
-
-from . import qwen3_moe_reference as ref  # noqa: E402
-from . import scenarios as sc  # noqa: E402
-from .dist_harness import spawn, world_size  # noqa: E402
+from . import qwen3_moe_reference as ref
+from . import scenarios as sc
+from .dist_harness import spawn, world_size
 
 CFG = PRESETS["tiny"]
 SITES = [(layer, site) for layer in range(CFG.num_layers) for site in sc.SITE_ORDER]

@@ -1,12 +1,9 @@
 """One FP4 site's weight quantization: the per-step cache against the direct path."""
 
-import pytest
 import torch
 from trace_kernels.fp4 import dequantize, quantize
 
 from megatron_trace.megatron.qat import FP4Site, Precision, cached_weights
-
-pytest.importorskip("megatron.core", reason="megatron-core is installed by `make test`")
 
 
 def _weights(seed=0, shapes=((64, 48), (64, 48), (64, 48))):
