@@ -154,8 +154,9 @@ def main() -> None:
     from megatron.core.packed_seq_params import PackedSeqParams
     from tqdm import tqdm
 
-    from megatron_trace.megatron.model import PRESETS, build_model, set_precision
+    from megatron_trace.megatron.model import build_model, set_precision
     from megatron_trace.megatron.qat import cached_weights
+    from megatron_trace.model_config import PRESETS
 
     cfg = PRESETS[args.model].replace(num_layers=args.layers)
     dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")

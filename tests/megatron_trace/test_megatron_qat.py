@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_trace.megatron.model import PRESETS
+from megatron_trace.model_config import PRESETS
 
 from . import qwen3_moe_reference as ref
 from . import scenarios as sc

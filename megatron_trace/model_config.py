@@ -1,0 +1,62 @@
+"""Architecture of a Qwen3-MoE-style model, shared by the trainer and the engine.
+
+Presets: `tiny` (tests and the embedded default), `qwen3-30b-a3b`, `qwen3-235b-a22b`. Field names
+follow the HF config's meaning; `checkpoint.qwen3_moe.config_from_hf` reads one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Qwen3-MoE-style model (field names follow the HF config's meaning)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    moe_intermediate_size: int
+    num_experts: int
+    top_k: int
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 40960
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "head_dim", "moe_intermediate_size"):
+            if getattr(self, name) % 16:
+                raise ValueError(f"ModelConfig.{name}={getattr(self, name)} must be a multiple of 16 (NVFP4 blocks)")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("ModelConfig.num_attention_heads must be a multiple of num_key_value_heads")
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"ModelConfig.top_k={self.top_k} must be in 1..num_experts={self.num_experts}")
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def num_params(self) -> int:
+        h, a = self.hidden_size, self.head_dim
+        attn = h * a * (self.num_attention_heads + 2 * self.num_key_value_heads) + self.num_attention_heads * a * h
+        experts = self.num_experts * 3 * h * self.moe_intermediate_size
+        per_layer = attn + experts + self.num_experts * h + 2 * h + 2 * a
+        return self.num_layers * per_layer + self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=16, moe_intermediate_size=32, num_experts=4, top_k=2, rope_theta=10000.0,
+                        max_position_embeddings=512),
+    "qwen3-30b-a3b": ModelConfig(vocab_size=151936, hidden_size=2048, num_layers=48, num_attention_heads=32,
+                                 num_key_value_heads=4, head_dim=128, moe_intermediate_size=768, num_experts=128,
+                                 top_k=8),
+    "qwen3-235b-a22b": ModelConfig(vocab_size=151936, hidden_size=4096, num_layers=94, num_attention_heads=64,
+                                   num_key_value_heads=4, head_dim=128, moe_intermediate_size=1536, num_experts=128,
+                                   top_k=8),
+}
