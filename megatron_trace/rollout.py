@@ -1,0 +1,89 @@
+"""What the RL loop asks of a rollout backend, and what it gets back.
+
+The built-in engine (`sglang_rollout.engine.TraceEngine`) implements `RolloutBackend`; an SGLang
+backend will implement the same protocol for large runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from .guidance import GuidanceBatch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature: 0 means greedy. top_p: nucleus mass in (0, 1]. top_k: 0 means off.
+    max_new_tokens: response length limit. stop_token_ids: generation ends after one of them.
+    seed: with the same seed, weights and requests, the same tokens (whatever the batching)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k must be >= 0, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass(frozen=True)
+class GroupRequest:
+    """One prompt and how many samples to draw from it (a GRPO group)."""
+
+    group_id: str
+    prompt_ids: tuple[int, ...]
+    n: int = 1
+
+
+@dataclass
+class SampleResult:
+    """One generated sample.
+
+    tokens: the response token ids. logprobs: float32 [len(tokens)], log-probability of each
+    sampled token under the engine's own distribution (logits / temperature, before top-p/top-k).
+    finish_reason: "stop", "length" or "error" (then `error` says why and tokens are empty).
+    """
+
+    sample_id: str
+    group_id: str
+    prompt_len: int
+    tokens: list[int]
+    logprobs: torch.Tensor
+    finish_reason: str
+    weight_version: int
+    error: str | None = None
+
+
+@dataclass
+class RolloutOutput:
+    """Samples in request order (group by group), and their guidance: routed experts of every
+    MoE layer for every token, and records for the layers the guidance policy selects (prompt
+    records once per group)."""
+
+    samples: list[SampleResult]
+    guidance: GuidanceBatch = field(default_factory=GuidanceBatch)
+
+
+class RolloutBackend(Protocol):
+    """A rollout engine as the RL loop drives it."""
+
+    weight_version: int
+
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Replace the weights (full Megatron key names; BF16 tensors, or FP4 packed as QTensor)
+        in place and take `version` (which must be newer)."""
+
+    def generate(self, requests: list[GroupRequest], sampling: SamplingParams) -> RolloutOutput:
+        """Generate every request's samples; a bad request fails alone (finish_reason "error")."""

@@ -1,0 +1,42 @@
+"""The engine's configuration (one typed schema, checked at construction)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_trace.guidance import Coding, LayerPolicy
+
+PRECISIONS = ("bf16", "fp4")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """precision: "bf16", or "fp4" (W4A4 + FP4 KV cache, DESIGN.md section 3).
+    block_size: tokens per KV-cache block. num_blocks: KV-cache blocks (the token capacity is
+    block_size * num_blocks). max_batch_tokens: new tokens per forward (prefill chunks + decodes).
+    guide: layer policy of the guidance records ("none", "all", "deep:K", "layers:..."; routed
+    experts are returned for every layer regardless). coding / tau / scale_coding: as
+    `megatron_trace.guidance.capture`. model_id: written into every record's header.
+    device: "cpu" or "cuda"."""
+
+    precision: str = "fp4"
+    block_size: int = 16
+    num_blocks: int = 512
+    max_batch_tokens: int = 2048
+    guide: str = "none"
+    coding: str = "dense"
+    tau: float = 2.0
+    scale_coding: str = "lsb"
+    model_id: str = "tiny"
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"EngineConfig.precision must be one of {PRECISIONS}, got {self.precision!r}")
+        for name in ("block_size", "num_blocks", "max_batch_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        LayerPolicy.parse(self.guide)  # raises naming the bad policy
+        Coding(self.coding)
+        if self.guide != "none" and self.precision != "fp4":
+            raise ValueError("EngineConfig.guide needs precision='fp4': guidance records FP4 rounding")

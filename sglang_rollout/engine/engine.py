@@ -1,0 +1,227 @@
+"""TraceEngine: continuous batching over a paged (FP4) KV cache, with guidance capture.
+
+Each step runs one forward over every running sequence's next token (decode) plus as many
+waiting prompts as the token budget admits (prefill). A GRPO group's prompt is prefilled once;
+its samples fork from it, sharing its full KV blocks (the partial last block is copied). When a
+sample stops, its last token is fed once more so that routed experts and guidance rows cover
+every token the trainer will see.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import torch
+from trace_kernels.fp4 import quantize
+
+from megatron_trace.guidance import GroupGuidance, GuidanceBatch, LayerPolicy, SampleGuidance, capture
+from megatron_trace.model_config import ModelConfig
+from megatron_trace.rollout import GroupRequest, RolloutOutput, SampleResult, SamplingParams
+
+from .config import EngineConfig
+from .kv_cache import PagedKVCache
+from .model import ModelRunner, Segment
+from .sampler import sample, sample_stream
+from .sequence import Sequence, Status
+from .weights import EngineWeights
+
+SITES = ("qkv", "k", "v", "proj", "fc1", "fc2")
+
+
+class _PromptJob:
+    """A prompt to prefill and the samples that fork from it."""
+
+    def __init__(self, prompt: Sequence, children: list[Sequence], records_prompt: bool):
+        self.prompt, self.children, self.records_prompt = prompt, children, records_prompt
+
+
+class TraceEngine:
+    """The built-in rollout backend (megatron_trace.rollout.RolloutBackend)."""
+
+    def __init__(self, model: ModelConfig, config: EngineConfig = EngineConfig(), share_prompts: bool = True):
+        self.cfg, self.config, self.share_prompts = model, config, share_prompts
+        fp4 = config.precision == "fp4"
+        self.weights = EngineWeights(model, fp4, config.device)
+        self.cache = PagedKVCache(model.num_layers, config.num_blocks, config.block_size, model.num_key_value_heads,
+                                  model.head_dim, fp4, config.device)
+        self.runner = ModelRunner(model, self.weights, self.cache, fp4)
+        self.guided_layers = frozenset(LayerPolicy.parse(config.guide).select(model.num_layers))
+        self.weight_version = -1
+
+    # -- weights ------------------------------------------------------------------------------
+    def update_weights(self, state_dict, version: int) -> None:
+        """Load a full state dict (BF16, or FP4 QTensors for the FP4 sites) as `version`.
+
+        Raises ValueError for a version not newer than the current one, or weights that do not
+        fit the model (then the old weights stay)."""
+        if version <= self.weight_version:
+            raise ValueError(f"weight version {version} is not newer than the engine's {self.weight_version}")
+        self.weights.load(state_dict)
+        self.weight_version = version
+
+    # -- scoring ------------------------------------------------------------------------------
+    def score(self, tokens: list[int]) -> torch.Tensor:
+        """log p(tokens[i + 1] | tokens[:i + 1]) from one full-sequence forward (no sampling,
+        nothing kept in the cache): float32 [len(tokens) - 1]."""
+        blocks = self.cache.allocator.allocate(math.ceil(len(tokens) / self.config.block_size))
+        try:
+            logits, _, _ = self.runner.forward([Segment(list(tokens), 0, blocks)], all_logits=True)
+        finally:
+            self.cache.allocator.release(blocks)
+        nxt = torch.tensor(tokens[1:], device=logits.device)
+        return torch.log_softmax(logits[:-1], -1).gather(1, nxt[:, None])[:, 0].cpu()
+
+    # -- generation ---------------------------------------------------------------------------
+    def generate(self, requests: list[GroupRequest], sampling: SamplingParams) -> RolloutOutput:
+        if self.weight_version < 0:
+            raise RuntimeError("the engine has no weights yet: call update_weights first")
+        results: dict[str, SampleResult] = {}
+        order: list[str] = []
+        jobs: deque[_PromptJob] = deque()
+        for req in requests:
+            ids = [f"{req.group_id}/{i}" for i in range(req.n)]
+            order += ids
+            error = self._check_request(req, sampling)
+            if error:
+                for sid in ids:
+                    results[sid] = SampleResult(sid, req.group_id, len(req.prompt_ids), [], torch.zeros(0),
+                                                "error", self.weight_version, error)
+                continue
+            children = [Sequence(sid, req.group_id, list(req.prompt_ids), len(req.prompt_ids),
+                                 generator=sample_stream(sampling.seed, sid)) for sid in ids]
+            groups = [children] if self.share_prompts else [[c] for c in children]
+            for i, kids in enumerate(groups):
+                prompt = Sequence(f"{req.group_id}/prompt{i}", req.group_id, list(req.prompt_ids), len(req.prompt_ids))
+                jobs.append(_PromptJob(prompt, kids, records_prompt=i == 0))
+        guidance = GuidanceBatch()
+        self._run(jobs, sampling, guidance, results)
+        return RolloutOutput([results[sid] for sid in order], guidance)
+
+    def _check_request(self, req: GroupRequest, sampling: SamplingParams) -> str | None:
+        n = len(req.prompt_ids)
+        if n == 0:
+            return "empty prompt"
+        bad = [t for t in req.prompt_ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            return f"token ids {bad[:5]} outside the vocabulary 0..{self.cfg.vocab_size - 1}"
+        if req.n < 1:
+            return f"n must be >= 1, got {req.n}"
+        limit = min(self.cfg.max_position_embeddings, self.config.block_size * self.config.num_blocks)
+        if n + sampling.max_new_tokens > limit:
+            return (f"prompt of {n} tokens + max_new_tokens {sampling.max_new_tokens} exceeds the context "
+                    f"of {limit} tokens")
+        return None
+
+    def _ensure_blocks(self, seq: Sequence, upto: int) -> None:
+        need = math.ceil(upto / self.config.block_size) - len(seq.block_table)
+        if need > 0:
+            seq.block_table += self.cache.allocator.allocate(need)
+
+    def _run(self, jobs, sampling, guidance, results) -> None:
+        running: list[Sequence] = []  # samples decoding (or feeding their last token)
+        bs = self.config.block_size
+        while jobs or running:
+            segments, owners = [], []
+            for seq in running:
+                self._ensure_blocks(seq, seq.num_tokens)
+                segments.append(Segment([seq.tokens[-1]], seq.num_tokens - 1, seq.block_table))
+                owners.append(seq)
+            budget = self.config.max_batch_tokens - len(segments)
+            admitted = []
+            while jobs and len(jobs[0].prompt.tokens) <= budget:
+                job = jobs[0]
+                blocks = math.ceil(job.prompt.num_tokens / bs) + len(job.children)
+                if blocks > self.cache.allocator.num_free:
+                    if not running and not admitted:
+                        raise MemoryError(f"a prompt of {job.prompt.num_tokens} tokens with {len(job.children)} "
+                                          f"samples needs {blocks} KV blocks; the cache has "
+                                          f"{self.cache.allocator.num_free} free")
+                    break
+                jobs.popleft()
+                self._ensure_blocks(job.prompt, job.prompt.num_tokens)
+                segments.append(Segment(job.prompt.tokens, 0, job.prompt.block_table))
+                owners.append(job)
+                budget -= job.prompt.num_tokens
+                admitted.append(job)
+            if not segments:
+                raise RuntimeError(f"a prompt longer than max_batch_tokens={self.config.max_batch_tokens} cannot be "
+                                   "prefilled")
+            logits, captured, routed = self.runner.forward(segments, self.guided_layers)
+            offset = 0
+            next_running = []
+            for i, (seg, owner) in enumerate(zip(segments, owners)):
+                m = len(seg.token_ids)
+                seq = owner.prompt if isinstance(owner, _PromptJob) else owner
+                self._keep_rows(seq, captured, routed, offset, m)
+                offset += m
+                if isinstance(owner, _PromptJob):
+                    next_running += self._fork(owner, logits[i], sampling, guidance)
+                elif seq.status is Status.FINISHED:  # its last token is now fed
+                    self._finish(seq, results, guidance)
+                else:
+                    self._step(seq, logits[i], sampling)
+                    next_running.append(seq)
+            running = next_running
+
+    def _keep_rows(self, seq, captured, routed, offset, m) -> None:
+        k, kvh = self.cfg.top_k, self.cfg.num_key_value_heads
+        for layer, ids in routed.items():
+            seq.experts.setdefault(layer, []).append(ids[offset:offset + m].cpu())
+        for (layer, site), rows in captured.items():
+            per = {"k": kvh, "v": kvh, "fc2": k}.get(site, 1)
+            seq.rows.setdefault((layer, site), []).append(rows[offset * per:(offset + m) * per].cpu())
+
+    def _fork(self, job: _PromptJob, logits_V, sampling, guidance) -> list[Sequence]:
+        """Samples start from the prefilled prompt: full KV blocks shared, the partial one copied."""
+        prompt, bs = job.prompt, self.config.block_size
+        full = prompt.num_tokens // bs
+        partial = prompt.num_tokens % bs
+        if job.records_prompt:
+            group = GroupGuidance(prompt.group_id, prompt.prompt_len,
+                                  self._records(prompt, prompt.group_id), self._experts(prompt))
+            guidance.add_group(group)
+        for child in job.children:
+            self.cache.allocator.share(prompt.block_table[:full])
+            child.block_table = list(prompt.block_table[:full])
+            if partial:
+                (block,) = self.cache.allocator.allocate(1)
+                self.cache.copy_block(prompt.block_table[full], block, partial)
+                child.block_table.append(block)
+            child.num_cached, child.status = prompt.num_tokens, Status.RUNNING
+            self._step(child, logits_V, sampling)
+        self.cache.allocator.release(prompt.block_table)
+        return job.children
+
+    def _step(self, seq: Sequence, logits_V, sampling: SamplingParams) -> None:
+        token, logp = sample(logits_V, sampling, seq.generator)
+        seq.tokens.append(token)
+        seq.logprobs.append(logp)
+        if token in sampling.stop_token_ids:
+            seq.status, seq.finish_reason = Status.FINISHED, "stop"
+        elif len(seq.response) >= sampling.max_new_tokens:
+            seq.status, seq.finish_reason = Status.FINISHED, "length"
+
+    def _finish(self, seq: Sequence, results, guidance) -> None:
+        self.cache.allocator.release(seq.block_table)
+        seq.block_table = []
+        results[seq.seq_id] = SampleResult(seq.seq_id, seq.group_id, seq.prompt_len, seq.response,
+                                           torch.tensor(seq.logprobs, dtype=torch.float32), seq.finish_reason,
+                                           self.weight_version)
+        guidance.add_sample(SampleGuidance(seq.seq_id, seq.group_id, len(seq.response), self.weight_version,
+                                           self._records(seq, seq.seq_id), self._experts(seq)))
+
+    def _experts(self, seq: Sequence) -> dict[int, torch.Tensor]:
+        return {layer: torch.cat(chunks) for layer, chunks in seq.experts.items()}
+
+    def _records(self, seq: Sequence, owner: str) -> dict:
+        records = {}
+        for (layer, site), chunks in seq.rows.items():
+            x = torch.cat(chunks)
+            records[(layer, site)] = capture(
+                x, quantize(x, "nvfp4", scale="row"), model_id=self.config.model_id, layer=layer, site=site,
+                sample_id=owner, weight_version=self.weight_version, policy=self.config.guide,
+                coding=self.config.coding,
+                **({} if self.config.coding == "dense" else {"tau": self.config.tau,
+                                                            "scale_coding": self.config.scale_coding}))
+        return records

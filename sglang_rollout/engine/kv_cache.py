@@ -1,0 +1,112 @@
+"""Paged KV cache: fixed-size blocks of token slots, shared between sequences by reference count.
+
+fp4: K and V of each (token, KV head) row are stored as packed E2M1 codes, E4M3 block scales and
+one FP32 global scale (DESIGN.md section 3), in parallel tensors indexed by the same slot.
+bf16: plain BF16 rows. Shapes (per layer): codes [slots, kv_heads, d/2], scales [slots, kv_heads,
+d/16], g [slots, kv_heads, 1]; slot = block * block_size + offset.
+"""
+
+from __future__ import annotations
+
+import torch
+from trace_kernels.fp4 import Format, QTensor, dequantize, quantize
+
+
+class BlockAllocator:
+    """Free list and reference counts of KV-cache blocks."""
+
+    def __init__(self, num_blocks: int):
+        self.free = list(range(num_blocks - 1, -1, -1))
+        self.refs = [0] * num_blocks
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self.free):
+            raise MemoryError(f"KV cache full: {n} blocks needed, {len(self.free)} free")
+        blocks = [self.free.pop() for _ in range(n)]
+        for b in blocks:
+            self.refs[b] = 1
+        return blocks
+
+    def share(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.refs[b] += 1
+
+    def release(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                self.free.append(b)
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+
+class PagedKVCache:
+    """K and V of every layer for `num_blocks * block_size` token slots."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                 fp4: bool, device: str):
+        self.block_size, self.fp4 = block_size, fp4
+        slots = num_blocks * block_size
+        self.allocator = BlockAllocator(num_blocks)
+        dev = torch.device(device)
+        if fp4:
+            def layer():
+                return {"codes": torch.zeros(slots, kv_heads, head_dim // 2, dtype=torch.uint8, device=dev),
+                        "scales": torch.zeros(slots, kv_heads, head_dim // 16, dtype=torch.uint8, device=dev),
+                        "g": torch.ones(slots, kv_heads, 1, dtype=torch.float32, device=dev)}
+        else:
+            def layer():
+                return {"rows": torch.zeros(slots, kv_heads, head_dim, dtype=torch.bfloat16, device=dev)}
+        self.k = [layer() for _ in range(num_layers)]
+        self.v = [layer() for _ in range(num_layers)]
+
+    def slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
+        """Slot indices of token positions [start, end) of a sequence with this block table."""
+        pos = torch.arange(start, end)
+        table = torch.tensor(block_table, dtype=torch.long)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def write(self, layer: int, slots: torch.Tensor, k_q: QTensor | torch.Tensor, v_q: QTensor | torch.Tensor) -> None:
+        """Store rows [n, kv_heads, d] (QTensors row-scaled per (token, head) in fp4) at `slots`."""
+        slots = slots.to(self.k[layer][next(iter(self.k[layer]))].device)
+        for cache, t in ((self.k[layer], k_q), (self.v[layer], v_q)):
+            if self.fp4:
+                cache["codes"][slots] = t.codes
+                cache["scales"][slots] = t.block_scales.view(torch.uint8)
+                cache["g"][slots] = t.global_scale
+            else:
+                cache["rows"][slots] = t
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """BF16 K and V [n, kv_heads, d] at `slots` (dequantized in fp4)."""
+        out = []
+        for cache in (self.k[layer], self.v[layer]):
+            dev = next(iter(cache.values())).device
+            s = slots.to(dev)
+            if self.fp4:
+                codes = cache["codes"][s]
+                q = QTensor(codes, cache["scales"][s].view(torch.float8_e4m3fn), cache["g"][s], Format.NVFP4,
+                            torch.Size((*codes.shape[:-1], codes.shape[-1] * 2)))
+                out.append(dequantize(q, torch.bfloat16))
+            else:
+                out.append(cache["rows"][s])
+        return out[0], out[1]
+
+    def copy_block(self, src: int, dst: int, n: int) -> None:
+        """Copy the first n token slots of block src into block dst, every layer (copy on fork)."""
+        bs = self.block_size
+        a, b = torch.arange(src * bs, src * bs + n), torch.arange(dst * bs, dst * bs + n)
+        for cache in self.k + self.v:
+            for t in cache.values():
+                t[b.to(t.device)] = t[a.to(t.device)]
+
+    @staticmethod
+    def quantize_rows(x: torch.Tensor) -> QTensor:
+        """FP4 of K or V rows [n, kv_heads, d]: one global scale per (token, head)."""
+        return quantize(x, "nvfp4", scale="row", check_finite=False)
+
+    def nbytes_per_token(self) -> int:
+        """Bytes of K and V of one token slot, all layers."""
+        return sum(t[0].numel() * t.element_size() for cache in self.k + self.v for t in cache.values())

@@ -1,0 +1,153 @@
+"""One forward of the Qwen3-MoE model over a batch of segments (prefill chunks and decodes).
+
+Shapes: N new tokens packed over all segments, H hidden, d head dim, k top-k. The arithmetic
+follows the trainer's (megatron_trace.megatron): fused QKV with query groups interleaved, QK
+RMSNorm then RoPE (non-interleaved halves), fp32 router with softmax over the top-k logits, the
+gate weight on each expert's fc2 output, BF16 residual stream. In fp4 precision every FP4 site
+quantizes its input rows with one global scale per row (K and V per (token, KV head), as
+stored in the paged cache) and runs on the dequantized values (Hopper has no FP4 tensor cores);
+weights stay packed and are dequantized for the matmul.
+
+When asked, the pre-quantization rows of the FP4 sites are returned in guidance order, so the
+engine can record how it rounded (megatron_trace.guidance.capture).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from trace_kernels.fp4 import dequantize, quantize
+
+from megatron_trace.model_config import ModelConfig
+
+from .kv_cache import PagedKVCache
+from .weights import EngineWeights
+
+
+@dataclass
+class Segment:
+    """New tokens of one sequence in this forward: positions start .. start + len(token_ids)."""
+
+    token_ids: list[int]
+    start: int
+    block_table: list[int]
+
+
+def _fake_quant_rows(x: torch.Tensor) -> torch.Tensor:
+    return dequantize(quantize(x, "nvfp4", scale="row", check_finite=False), x.dtype)
+
+
+class ModelRunner:
+    def __init__(self, cfg: ModelConfig, weights: EngineWeights, cache: PagedKVCache, fp4: bool):
+        self.cfg, self.w, self.cache, self.fp4 = cfg, weights, cache, fp4
+        d = cfg.head_dim
+        self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+
+    def _site(self, rows, layer, name, x):
+        """Quantize an FP4 site's input rows (fp4) and keep them when the layer is captured."""
+        if rows is not None:
+            rows[(layer, name)] = x.reshape(-1, x.shape[-1])
+        return _fake_quant_rows(x) if self.fp4 else x
+
+    def _rope(self, x, pos):  # x [N, heads, d], in x's dtype like Megatron's bshd path
+        freqs = pos.float()[:, None] * self.inv_freq[None]
+        emb = torch.cat([freqs, freqs], -1)[:, None]
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        x1, x2 = x.chunk(2, -1)
+        return x * cos + torch.cat([-x2, x1], -1) * sin
+
+    @torch.no_grad()
+    def forward(self, segments: list[Segment], capture_layers=frozenset(), all_logits: bool = False):
+        """Run the segments; write their K/V into the cache.
+
+        Returns:
+            logits float32 [len(segments), V] (each segment's last token) or [N, V] (all_logits),
+            captured site rows {(layer, site): [R, K]} for `capture_layers` (R = N, or N * kv_heads
+            for k/v, N * top_k for fc2), routed experts {layer: int64 [N, top_k]}.
+        """
+        cfg, w, dev = self.cfg, self.w, self.w.device
+        nq, ng, d, k = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.top_k
+        ids = torch.tensor([t for s in segments for t in s.token_ids], device=dev)
+        pos = torch.cat([torch.arange(s.start, s.start + len(s.token_ids)) for s in segments]).to(dev)
+        slots = [self.cache.slots(s.block_table, s.start, s.start + len(s.token_ids)) for s in segments]
+        n = ids.numel()
+        captured, routed = {}, {}
+        x = w.dense("embedding.word_embeddings.weight")[ids]
+        for L in range(cfg.num_layers):
+            p = f"decoder.layers.{L}."
+            rows = captured if L in capture_layers else None
+            h = F.rms_norm(x, (cfg.hidden_size,), w.dense(p + "input_layernorm.weight"), cfg.rms_norm_eps)
+            qkv = (self._site(rows, L, "qkv", h) @ w.dense(p + "self_attention.linear_qkv.weight").T)
+            qkv = qkv.view(n, ng, nq // ng + 2, d)
+            q = qkv[:, :, : nq // ng].reshape(n, nq, d)
+            q = F.rms_norm(q, (d,), w.dense(p + "self_attention.q_layernorm.weight"), cfg.rms_norm_eps)
+            kk = F.rms_norm(qkv[:, :, -2], (d,), w.dense(p + "self_attention.k_layernorm.weight"), cfg.rms_norm_eps)
+            q, kk, v = self._rope(q, pos), self._rope(kk, pos), qkv[:, :, -1]
+            if rows is not None:
+                rows[(L, "k")], rows[(L, "v")] = kk.reshape(-1, d), v.reshape(-1, d)
+            if self.fp4:
+                kq, vq = PagedKVCache.quantize_rows(kk), PagedKVCache.quantize_rows(v)
+            else:
+                kq, vq = kk, v
+            ctx = torch.empty(n, nq, d, dtype=x.dtype, device=dev)
+            offset = 0
+            for seg, seg_slots in zip(segments, slots):
+                m = len(seg.token_ids)
+                self.cache.write(L, seg_slots, _slice(kq, offset, m), _slice(vq, offset, m))
+                keys, values = self.cache.read(L, self.cache.slots(seg.block_table, 0, seg.start + m))
+                ctx[offset:offset + m] = self._attend(q[offset:offset + m], keys, values, seg.start)
+                offset += m
+            ctx = ctx.reshape(n, nq * d)
+            x = x + self._site(rows, L, "proj", ctx) @ w.dense(p + "self_attention.linear_proj.weight").T
+            x = x + self._moe(L, p, F.rms_norm(x, (cfg.hidden_size,), w.dense(p + "pre_mlp_layernorm.weight"),
+                                               cfg.rms_norm_eps), rows, routed)
+        x = F.rms_norm(x, (cfg.hidden_size,), w.dense("decoder.final_layernorm.weight"), cfg.rms_norm_eps)
+        if not all_logits:
+            last = torch.tensor([len(s.token_ids) for s in segments], device=dev).cumsum(0) - 1
+            x = x[last]
+        return (x @ w.dense("output_layer.weight").T).float(), captured, routed
+
+    def _attend(self, q, keys, values, start):
+        """Queries at positions start.. over the cached keys 0..start+m-1, causal, GQA."""
+        m, nq, _ = q.shape
+        allowed = torch.arange(keys.shape[0], device=q.device)[None] <= (start + torch.arange(m, device=q.device))[:, None]
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+                                             attn_mask=allowed, enable_gqa=keys.shape[1] != nq)
+        return out.transpose(0, 1)
+
+    def _moe(self, L, p, h, rows, routed):
+        cfg, w = self.cfg, self.w
+        k = cfg.top_k
+        logits = h.float() @ w.dense(p + "mlp.router.weight").float().T
+        top_logits, top = torch.topk(logits, k, dim=-1)
+        gate = torch.softmax(top_logits, -1)
+        routed[L] = top
+        hq = self._site(rows, L, "fc1", h)
+        out = torch.zeros_like(h)
+        fc2_rows = torch.empty(h.shape[0], k, cfg.moe_intermediate_size, dtype=h.dtype, device=h.device) \
+            if rows is not None else None
+        for e in top.unique().tolist():
+            tok, slot = (top == e).nonzero(as_tuple=True)
+            ep = p + f"mlp.experts.local_experts.{e}."
+            g_u = hq[tok] @ w.dense(ep + "linear_fc1.weight").T
+            g_, u_ = g_u.chunk(2, -1)
+            act = F.silu(g_) * u_
+            if fc2_rows is not None:
+                fc2_rows[tok, slot] = act
+            act = _fake_quant_rows(act) if self.fp4 else act
+            y = act @ w.dense(ep + "linear_fc2.weight").T
+            out.index_add_(0, tok, (y * gate[tok, slot, None]).to(h.dtype))
+        if fc2_rows is not None:
+            rows[(L, "fc2")] = fc2_rows.reshape(-1, cfg.moe_intermediate_size)
+        return out
+
+
+def _slice(t, offset, m):
+    """Rows offset..offset+m of a tensor or a row-scaled QTensor of shape [N, heads, d]."""
+    if isinstance(t, torch.Tensor):
+        return t[offset:offset + m]
+    from trace_kernels.fp4 import QTensor
+    return QTensor(t.codes[offset:offset + m], t.block_scales[offset:offset + m], t.global_scale[offset:offset + m],
+                   t.fmt, torch.Size((m, *t.shape[1:])))

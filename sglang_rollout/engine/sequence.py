@@ -1,0 +1,42 @@
+"""A sequence being generated: its tokens, KV blocks, random stream and recorded rows."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """prompt tokens are shared by the samples of a group: the group's prompt sequence is
+    prefilled once and each sample forks from it (sharing its full KV blocks)."""
+
+    seq_id: str
+    group_id: str
+    tokens: list[int]
+    prompt_len: int
+    block_table: list[int] = field(default_factory=list)
+    num_cached: int = 0  # tokens whose K/V are in the cache
+    status: Status = Status.WAITING
+    logprobs: list[float] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    finish_reason: str | None = None
+    # per (layer, site): list of row chunks [r, K] of this sequence's tokens, in token order
+    rows: dict = field(default_factory=dict)
+    experts: dict = field(default_factory=dict)  # layer -> list of [r, top_k]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def response(self) -> list[int]:
+        return self.tokens[self.prompt_len:]

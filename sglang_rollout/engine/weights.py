@@ -1,0 +1,81 @@
+"""The engine's weights: FP4 linears held packed (codes + scales), the rest in BF16.
+
+Keys are the full Megatron names (megatron/weights.py). In fp4 precision every FP4-site weight
+(QKV, output projection, experts' fc1/fc2) is a tensor-scaled NVFP4 `QTensor`, as checkpoints
+and the trainer's weight sync carry it; it is dequantized only inside a matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+from trace_kernels.fp4 import QTensor, dequantize, quantize
+
+from megatron_trace.model_config import ModelConfig
+
+FP4_SUFFIXES = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight")
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight's full name and shape."""
+    h, d, nq, ng, f = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, \
+        cfg.moe_intermediate_size
+    shapes = {"embedding.word_embeddings.weight": (cfg.vocab_size, h), "decoder.final_layernorm.weight": (h,),
+              "output_layer.weight": (cfg.vocab_size, h)}
+    for L in range(cfg.num_layers):
+        p = f"decoder.layers.{L}."
+        shapes |= {p + "input_layernorm.weight": (h,), p + "pre_mlp_layernorm.weight": (h,),
+                   p + "self_attention.linear_qkv.weight": ((nq + 2 * ng) * d, h),
+                   p + "self_attention.q_layernorm.weight": (d,), p + "self_attention.k_layernorm.weight": (d,),
+                   p + "self_attention.linear_proj.weight": (h, nq * d), p + "mlp.router.weight": (cfg.num_experts, h)}
+        for e in range(cfg.num_experts):
+            shapes[p + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = (2 * f, h)
+            shapes[p + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = (h, f)
+    return shapes
+
+
+class EngineWeights:
+    """Name -> BF16 tensor or packed FP4 QTensor, checked against the model's shapes."""
+
+    def __init__(self, cfg: ModelConfig, fp4: bool, device: str):
+        self.cfg, self.fp4, self.device = cfg, fp4, torch.device(device)
+        self.shapes = expected_shapes(cfg)
+        self.tensors: dict[str, torch.Tensor | QTensor] = {}
+
+    def is_fp4(self, name: str) -> bool:
+        return self.fp4 and name.endswith(FP4_SUFFIXES)
+
+    def load(self, state_dict: dict[str, torch.Tensor | QTensor]) -> None:
+        """Take a complete state dict (BF16 tensors; FP4 sites may come as QTensors already).
+
+        Raises:
+            ValueError: missing or unknown names, wrong shapes, or a QTensor where the engine
+                runs BF16 (nothing is loaded then).
+        """
+        missing = sorted(set(self.shapes) - set(state_dict))
+        unknown = sorted(set(state_dict) - set(self.shapes))
+        if missing or unknown:
+            raise ValueError(f"weight update does not fit the model: missing {missing[:5]}"
+                             f"{'...' if len(missing) > 5 else ''}, unknown {unknown[:5]}")
+        staged = {}
+        for name, t in state_dict.items():
+            shape = tuple(t.shape)
+            if shape != self.shapes[name]:
+                raise ValueError(f"weight {name} has shape {shape}, the model needs {self.shapes[name]}")
+            if isinstance(t, QTensor):
+                if not self.is_fp4(name) or t.is_row_scaled or t.fmt.value != "nvfp4":
+                    raise ValueError(f"weight {name} arrived as FP4, which this engine does not hold there")
+                staged[name] = t.to(self.device)
+            elif self.is_fp4(name):
+                staged[name] = quantize(t.to(self.device), "nvfp4")  # quantized on receipt
+            else:
+                staged[name] = t.to(self.device, torch.bfloat16 if t.dim() == 2 else torch.float32)
+        self.tensors = staged
+
+    def dense(self, name: str) -> torch.Tensor:
+        """BF16 values of a weight (FP4 weights dequantized for the matmul)."""
+        t = self.tensors[name]
+        return dequantize(t, torch.bfloat16) if isinstance(t, QTensor) else t
+
+    def nbytes(self) -> int:
+        return sum(t.codes.numel() + t.block_scales.numel() + 4 if isinstance(t, QTensor) else t.numel() * t.element_size()
+                   for t in self.tensors.values())
