@@ -24,8 +24,10 @@ def config_from_hf(hf: dict) -> ModelConfig:
     """ModelConfig from an HF Qwen3-MoE config.json dict. Raises ValueError naming an unsupported
     or missing field (dense layers, unnormalised top-k, shared experts)."""
     hf = dict(hf)
+    # transformers 5 writes rope_parameters and num_local_experts; Qwen's config.json the older names
     if "rope_theta" not in hf and isinstance(hf.get("rope_parameters"), dict):
         hf["rope_theta"] = hf["rope_parameters"].get("rope_theta")
+    hf.setdefault("num_experts", hf.get("num_local_experts"))
     missing = [k for k in _HF_FIELDS.values() if hf.get(k) is None and k != "tie_word_embeddings"]
     if missing:
         raise ValueError(f"HF config lacks {missing}")

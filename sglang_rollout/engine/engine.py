@@ -15,9 +15,20 @@ from collections import deque
 import torch
 from trace_kernels.fp4 import quantize
 
-from megatron_trace.guidance import GroupGuidance, GuidanceBatch, LayerPolicy, SampleGuidance, capture
+from megatron_trace.guidance import (
+    GroupGuidance,
+    GuidanceBatch,
+    LayerPolicy,
+    SampleGuidance,
+    capture,
+)
 from megatron_trace.model_config import ModelConfig
-from megatron_trace.rollout import GroupRequest, RolloutOutput, SampleResult, SamplingParams
+from megatron_trace.rollout import (
+    GroupRequest,
+    RolloutOutput,
+    SampleResult,
+    SamplingParams,
+)
 
 from .config import EngineConfig
 from .kv_cache import PagedKVCache

@@ -68,7 +68,7 @@ class ModelRunner:
             for k/v, N * top_k for fc2), routed experts {layer: int64 [N, top_k]}.
         """
         cfg, w, dev = self.cfg, self.w, self.w.device
-        nq, ng, d, k = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.top_k
+        nq, ng, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         ids = torch.tensor([t for s in segments for t in s.token_ids], device=dev)
         pos = torch.cat([torch.arange(s.start, s.start + len(s.token_ids)) for s in segments]).to(dev)
         slots = [self.cache.slots(s.block_table, s.start, s.start + len(s.token_ids)) for s in segments]
