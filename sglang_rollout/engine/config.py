@@ -17,7 +17,8 @@ class EngineConfig:
     guide: layer policy of the guidance records ("none", "all", "deep:K", "layers:..."; routed
     experts are returned for every layer regardless). coding / tau / scale_coding: as
     `megatron_trace.guidance.capture`. model_id: written into every record's header.
-    device: "cpu" or "cuda"."""
+    device: "cpu" or "cuda". kernels: "auto" (Triton on CUDA), "torch" or "triton" (the Triton
+    kernels also run on the CPU under TRITON_INTERPRET=1, slowly: for tests)."""
 
     precision: str = "fp4"
     block_size: int = 16
@@ -29,6 +30,7 @@ class EngineConfig:
     scale_coding: str = "lsb"
     model_id: str = "tiny"
     device: str = "cpu"
+    kernels: str = "auto"
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -38,5 +40,7 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         LayerPolicy.parse(self.guide)  # raises naming the bad policy
         Coding(self.coding)
+        if self.kernels not in ("auto", "torch", "triton"):
+            raise ValueError(f"EngineConfig.kernels must be 'auto', 'torch' or 'triton', got {self.kernels!r}")
         if self.guide != "none" and self.precision != "fp4":
             raise ValueError("EngineConfig.guide needs precision='fp4': guidance records FP4 rounding")

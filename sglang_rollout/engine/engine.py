@@ -56,7 +56,7 @@ class TraceEngine:
         self.weights = EngineWeights(model, fp4, config.device)
         self.cache = PagedKVCache(model.num_layers, config.num_blocks, config.block_size, model.num_key_value_heads,
                                   model.head_dim, fp4, config.device)
-        self.runner = ModelRunner(model, self.weights, self.cache, fp4)
+        self.runner = ModelRunner(model, self.weights, self.cache, fp4, config.kernels)
         self.guided_layers = frozenset(LayerPolicy.parse(config.guide).select(model.num_layers))
         self.weight_version = -1
 

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from trace_kernels.fp4 import dequantize, quantize
+from trace_kernels.fp4.linear import fp4_linear
+from trace_kernels.fp4.paged_attention import paged_decode_attention
 
 from megatron_trace.model_config import ModelConfig
 
@@ -40,8 +42,16 @@ def _fake_quant_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 class ModelRunner:
-    def __init__(self, cfg: ModelConfig, weights: EngineWeights, cache: PagedKVCache, fp4: bool):
+    """kernels: "torch" (dequantize whole weights, gather and dequantize KV rows, SDPA) or
+    "triton" (FP4 GEMMs that dequantize in registers; decode-only batches read the FP4 KV cache
+    in the paged attention kernel). "auto": Triton on CUDA."""
+
+    def __init__(self, cfg: ModelConfig, weights: EngineWeights, cache: PagedKVCache, fp4: bool,
+                 kernels: str = "auto"):
         self.cfg, self.w, self.cache, self.fp4 = cfg, weights, cache, fp4
+        if kernels not in ("auto", "torch", "triton"):
+            raise ValueError(f"kernels must be 'auto', 'torch' or 'triton', got {kernels!r}")
+        self.backend = kernels
         d = cfg.head_dim
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
 
@@ -50,6 +60,12 @@ class ModelRunner:
         if rows is not None:
             rows[(layer, name)] = x.reshape(-1, x.shape[-1])
         return _fake_quant_rows(x) if self.fp4 else x
+
+    def _linear(self, x, name):
+        """x [n, K] @ W^T for an FP4-site weight (packed in fp4 precision)."""
+        if self.fp4:
+            return fp4_linear(x, self.w.tensors[name], backend=self.backend)
+        return x @ self.w.dense(name).T
 
     def _rope(self, x, pos):  # x [N, heads, d], in x's dtype like Megatron's bshd path
         freqs = pos.float()[:, None] * self.inv_freq[None]
@@ -79,7 +95,7 @@ class ModelRunner:
             p = f"decoder.layers.{L}."
             rows = captured if L in capture_layers else None
             h = F.rms_norm(x, (cfg.hidden_size,), w.dense(p + "input_layernorm.weight"), cfg.rms_norm_eps)
-            qkv = (self._site(rows, L, "qkv", h) @ w.dense(p + "self_attention.linear_qkv.weight").T)
+            qkv = self._linear(self._site(rows, L, "qkv", h), p + "self_attention.linear_qkv.weight")
             qkv = qkv.view(n, ng, nq // ng + 2, d)
             q = qkv[:, :, : nq // ng].reshape(n, nq, d)
             q = F.rms_norm(q, (d,), w.dense(p + "self_attention.q_layernorm.weight"), cfg.rms_norm_eps)
@@ -91,16 +107,9 @@ class ModelRunner:
                 kq, vq = PagedKVCache.quantize_rows(kk), PagedKVCache.quantize_rows(v)
             else:
                 kq, vq = kk, v
-            ctx = torch.empty(n, nq, d, dtype=x.dtype, device=dev)
-            offset = 0
-            for seg, seg_slots in zip(segments, slots):
-                m = len(seg.token_ids)
-                self.cache.write(L, seg_slots, _slice(kq, offset, m), _slice(vq, offset, m))
-                keys, values = self.cache.read(L, self.cache.slots(seg.block_table, 0, seg.start + m))
-                ctx[offset:offset + m] = self._attend(q[offset:offset + m], keys, values, seg.start)
-                offset += m
+            ctx = self._attention(L, segments, slots, q, kq, vq)
             ctx = ctx.reshape(n, nq * d)
-            x = x + self._site(rows, L, "proj", ctx) @ w.dense(p + "self_attention.linear_proj.weight").T
+            x = x + self._linear(self._site(rows, L, "proj", ctx), p + "self_attention.linear_proj.weight")
             x = x + self._moe(L, p, F.rms_norm(x, (cfg.hidden_size,), w.dense(p + "pre_mlp_layernorm.weight"),
                                                cfg.rms_norm_eps), rows, routed)
         x = F.rms_norm(x, (cfg.hidden_size,), w.dense("decoder.final_layernorm.weight"), cfg.rms_norm_eps)
@@ -108,6 +117,31 @@ class ModelRunner:
             last = torch.tensor([len(s.token_ids) for s in segments], device=dev).cumsum(0) - 1
             x = x[last]
         return (x @ w.dense("output_layer.weight").T).float(), captured, routed
+
+    def _attention(self, L, segments, slots, q, kq, vq):
+        """Write the segments' K/V into the cache, then attend over each sequence's cache."""
+        n, nq, d = q.shape
+        offset = 0
+        for seg, seg_slots in zip(segments, slots):
+            m = len(seg.token_ids)
+            self.cache.write(L, seg_slots, _slice(kq, offset, m), _slice(vq, offset, m))
+            offset += m
+        decode_only = n == len(segments)
+        if self.fp4 and decode_only and self.backend != "torch" and (self.backend == "triton" or q.is_cuda):
+            width = max(len(s.block_table) for s in segments)
+            tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in segments],
+                                  dtype=torch.int32, device=q.device)
+            lens = torch.tensor([s.start + 1 for s in segments], dtype=torch.int32, device=q.device)
+            return paged_decode_attention(q, self.cache.k[L], self.cache.v[L], tables, lens, self.cache.block_size,
+                                          backend="triton")
+        ctx = torch.empty(n, nq, d, dtype=q.dtype, device=q.device)
+        offset = 0
+        for seg in segments:
+            m = len(seg.token_ids)
+            keys, values = self.cache.read(L, self.cache.slots(seg.block_table, 0, seg.start + m))
+            ctx[offset:offset + m] = self._attend(q[offset:offset + m], keys, values, seg.start)
+            offset += m
+        return ctx
 
     def _attend(self, q, keys, values, start):
         """Queries at positions start.. over the cached keys 0..start+m-1, causal, GQA."""
@@ -131,13 +165,13 @@ class ModelRunner:
         for e in top.unique().tolist():
             tok, slot = (top == e).nonzero(as_tuple=True)
             ep = p + f"mlp.experts.local_experts.{e}."
-            g_u = hq[tok] @ w.dense(ep + "linear_fc1.weight").T
+            g_u = self._linear(hq[tok], ep + "linear_fc1.weight")
             g_, u_ = g_u.chunk(2, -1)
             act = F.silu(g_) * u_
             if fc2_rows is not None:
                 fc2_rows[tok, slot] = act
             act = _fake_quant_rows(act) if self.fp4 else act
-            y = act @ w.dense(ep + "linear_fc2.weight").T
+            y = self._linear(act, ep + "linear_fc2.weight")
             out.index_add_(0, tok, (y * gate[tok, slot, None]).to(h.dtype))
         if fc2_rows is not None:
             rows[(L, "fc2")] = fc2_rows.reshape(-1, cfg.moe_intermediate_size)

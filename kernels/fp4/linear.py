@@ -1,0 +1,90 @@
+"""y = x @ W^T with W held as tensor-scaled NVFP4 and dequantized inside the GEMM.
+
+Hopper has no FP4 tensor cores, so the speed of FP4 weights comes from bytes: a decode step
+reads 4.5 bits per weight instead of 16. The Triton kernel loads packed codes and E4M3 block
+scales, dequantizes each [BLOCK_N, BLOCK_K] tile exactly as `dequantize` does ((e2m1 * s) * g,
+rounded to BF16), and multiplies on the tensor cores with FP32 accumulation. The torch path
+(CPU, or backend="torch") dequantizes the whole weight, then matmuls.
+
+Shapes: x [M, K] bf16, W [N, K] (codes uint8 [N, K/2], scales e4m3 [N, K/16], g 0-d), y [M, N].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .api import _use_triton, dequantize
+from .formats import Format
+from .qtensor import QTensor
+
+try:
+    import triton
+    import triton.language as tl
+
+    from .triton_fp4 import _bf16_rne, _e2m1_value, _e4m3_value, _interpreting
+except ImportError:  # pragma: no cover - triton is optional on the CPU
+    triton = None
+
+
+def fp4_linear(x: torch.Tensor, w: QTensor, *, backend: str = "auto") -> torch.Tensor:
+    """x [M, K] bfloat16 @ dequantize(w)^T -> [M, N] bfloat16 (w: NVFP4 [N, K], one global scale).
+
+    Raises ValueError for another format, a row-scaled weight, or shapes that do not fit.
+    """
+    if w.fmt is not Format.NVFP4 or w.is_row_scaled or len(w.shape) != 2:
+        raise ValueError("fp4_linear needs a 2-D tensor-scaled NVFP4 weight")
+    if x.dim() != 2 or x.shape[1] != w.shape[1] or x.dtype != torch.bfloat16:
+        raise ValueError(f"fp4_linear: x must be bfloat16 [M, {w.shape[1]}], got {x.dtype} {tuple(x.shape)}")
+    if not _use_triton(x, backend):
+        return x @ dequantize(w, torch.bfloat16, backend="torch").T
+    return _fp4_linear_triton(x.contiguous(), w)
+
+
+def _fp4_linear_triton(x: torch.Tensor, w: QTensor) -> torch.Tensor:
+    m, k = x.shape
+    n = w.shape[0]
+    y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+    block_m = 16 if m <= 16 else 64
+    block_n, block_k = 64, 128 if k % 128 == 0 else 64 if k % 64 == 0 else 32 if k % 32 == 0 else 16
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _fp4_linear_kernel[grid](
+        x, w.codes, w.block_scales.view(torch.uint8), w.global_scale.reshape(1).float(), y, m, n, k,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, INTERPRET=_interpreting(),
+        num_warps=4, enable_fp_fusion=False,
+    )
+    return y
+
+
+if triton is not None:
+
+    @triton.jit
+    def _fp4_linear_kernel(x_ptr, codes_ptr, scales_ptr, g_ptr, y_ptr, M, N, K,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           INTERPRET: tl.constexpr):
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_ok, n_ok = rm < M, rn < N
+        g = tl.load(g_ptr)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], mask=m_ok[:, None], other=0.0)
+            rkh = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            packed = tl.load(codes_ptr + rn[:, None].to(tl.int64) * (K // 2) + rkh[None, :], mask=n_ok[:, None],
+                             other=0)
+            codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_N, BLOCK_K]).to(tl.int32)
+            val = (_e2m1_value(codes & 7).to(tl.int32, bitcast=True) | ((codes & 8) << 28)).to(tl.float32,
+                                                                                               bitcast=True)
+            rb = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+            sb = tl.load(scales_ptr + rn[:, None].to(tl.int64) * (K // 16) + rb[None, :], mask=n_ok[:, None],
+                         other=0).to(tl.int32)
+            s = tl.reshape(tl.broadcast_to(_e4m3_value(sb)[:, :, None], [BLOCK_N, BLOCK_K // 16, 16]),
+                           [BLOCK_N, BLOCK_K])
+            w = (val * s) * g
+            if INTERPRET:  # the interpreter's bf16 dot is unreliable; bf16 -> fp32 is exact
+                acc += tl.dot(x.to(tl.float32), tl.trans(_bf16_rne(w).to(tl.float32)))
+            else:
+                acc += tl.dot(x, tl.trans(w.to(tl.bfloat16)))
+        y = _bf16_rne(acc) if INTERPRET else acc.to(tl.bfloat16)
+        tl.store(y_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], y, mask=m_ok[:, None] & n_ok[None, :])

@@ -1,0 +1,119 @@
+"""Decode attention that reads K and V straight from a paged NVFP4 KV cache.
+
+One query token per sequence attends over all its cached tokens. The cache holds, per token
+slot and KV head, packed E2M1 codes [d/2], E4M3 block scales [d/16] and one FP32 global scale
+(slot = block * block_size + offset; each sequence's blocks in its row of `block_tables`). The
+Triton kernel dequantizes K and V tiles in registers (as `dequantize` does, then BF16) and runs
+an online softmax in FP32; the torch reference gathers and dequantizes the rows, then computes
+the same softmax attention.
+
+Shapes: q [B, Hq, d] bf16, codes uint8 [S, Hkv, d/2], scales uint8 [S, Hkv, d/16] (E4M3 bits),
+g float32 [S, Hkv, 1], block_tables int32 [B, max_blocks], seq_lens int32 [B]; out [B, Hq, d].
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .api import _use_triton, dequantize
+from .formats import Format
+from .qtensor import QTensor
+
+try:
+    import triton
+    import triton.language as tl
+
+    from .triton_fp4 import _bf16_rne, _e2m1_value, _e4m3_value, _interpreting
+except ImportError:  # pragma: no cover
+    triton = None
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, block_size: int, *,
+                           scale: float | None = None, backend: str = "auto") -> torch.Tensor:
+    """Softmax attention of one query per sequence over its cached keys (GQA: query head h reads
+    KV head h // (Hq / Hkv)). k_cache / v_cache: dicts with "codes", "scales", "g"."""
+    b, hq, d = q.shape
+    hkv = k_cache["codes"].shape[1]
+    if hq % hkv or d % 16:
+        raise ValueError(f"paged_decode_attention: {hq} query heads over {hkv} KV heads of dim {d}")
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    if not _use_triton(q, backend):
+        return _reference(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale)
+    out = torch.empty_like(q)
+    _decode_kernel[(b, hq)](
+        q.contiguous(), k_cache["codes"], k_cache["scales"], k_cache["g"], v_cache["codes"], v_cache["scales"],
+        v_cache["g"], block_tables, seq_lens, out, block_tables.shape[1], scale,
+        HQ=hq, HKV=hkv, D=d, BLOCK_SIZE=block_size, BLOCK_T=16, INTERPRET=_interpreting(), num_warps=4,
+    )
+    return out
+
+
+def _rows(cache, slots):
+    codes = cache["codes"][slots]
+    q = QTensor(codes, cache["scales"][slots].view(torch.float8_e4m3fn), cache["g"][slots], Format.NVFP4,
+                torch.Size((*codes.shape[:-1], codes.shape[-1] * 2)))
+    return dequantize(q, torch.bfloat16, backend="torch")
+
+
+def _reference(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale):
+    out = torch.empty_like(q)
+    group = q.shape[1] // k_cache["codes"].shape[1]
+    for i in range(q.shape[0]):
+        n = int(seq_lens[i])
+        pos = torch.arange(n, device=q.device)
+        slots = block_tables[i].long()[pos // block_size] * block_size + pos % block_size
+        k = _rows(k_cache, slots).float().repeat_interleave(group, 1)  # [n, Hq, d]
+        v = _rows(v_cache, slots).float().repeat_interleave(group, 1)
+        p = torch.softmax(torch.einsum("hd,nhd->hn", q[i].float(), k) * scale, -1)
+        out[i] = torch.einsum("hn,nhd->hd", p, v).to(q.dtype)
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _dequant_rows(codes_ptr, scales_ptr, g_ptr, slot, h, ok, HKV: tl.constexpr, D: tl.constexpr,
+                      BLOCK_T: tl.constexpr, INTERPRET: tl.constexpr):
+        """K or V rows [BLOCK_T, D] of KV head h at `slot` (int64 [BLOCK_T]), as float32 of BF16."""
+        jh = tl.arange(0, D // 2)
+        row = slot * HKV + h
+        packed = tl.load(codes_ptr + row[:, None] * (D // 2) + jh[None, :], mask=ok[:, None], other=0)
+        codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_T, D]).to(tl.int32)
+        val = (_e2m1_value(codes & 7).to(tl.int32, bitcast=True) | ((codes & 8) << 28)).to(tl.float32, bitcast=True)
+        jb = tl.arange(0, D // 16)
+        sb = tl.load(scales_ptr + row[:, None] * (D // 16) + jb[None, :], mask=ok[:, None], other=0).to(tl.int32)
+        s = tl.reshape(tl.broadcast_to(_e4m3_value(sb)[:, :, None], [BLOCK_T, D // 16, 16]), [BLOCK_T, D])
+        g = tl.load(g_ptr + row, mask=ok, other=1.0)
+        x = (val * s) * g[:, None]
+        return (_bf16_rne(x) if INTERPRET else x.to(tl.bfloat16)).to(tl.float32)
+
+    @triton.jit
+    def _decode_kernel(q_ptr, kc_ptr, ks_ptr, kg_ptr, vc_ptr, vs_ptr, vg_ptr, tables_ptr, lens_ptr, out_ptr,
+                       MAX_BLOCKS, scale, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                       BLOCK_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, INTERPRET: tl.constexpr):
+        b, hq = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        h = hq // (HQ // HKV)
+        d = tl.arange(0, D)
+        q = tl.load(q_ptr + (b * HQ + hq) * D + d).to(tl.float32)
+        n = tl.load(lens_ptr + b)
+        m_i = -float("inf")
+        l_i = 0.0
+        acc = tl.zeros((D,), dtype=tl.float32)
+        for t0 in range(0, n, BLOCK_T):
+            t = t0 + tl.arange(0, BLOCK_T)
+            ok = t < n
+            block = tl.load(tables_ptr + b * MAX_BLOCKS + t // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+            slot = block * BLOCK_SIZE + t % BLOCK_SIZE
+            k = _dequant_rows(kc_ptr, ks_ptr, kg_ptr, slot, h, ok, HKV, D, BLOCK_T, INTERPRET)
+            s = tl.where(ok, tl.sum(k * q[None, :], 1) * scale, -float("inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 0))
+            p = tl.exp(s - m_new)
+            alpha = tl.exp(m_i - m_new)
+            v = _dequant_rows(vc_ptr, vs_ptr, vg_ptr, slot, h, ok, HKV, D, BLOCK_T, INTERPRET)
+            acc = acc * alpha + tl.sum(p[:, None] * v, 0)
+            l_i = l_i * alpha + tl.sum(p, 0)
+            m_i = m_new
+        o = acc / l_i
+        tl.store(out_ptr + (b * HQ + hq) * D + d, _bf16_rne(o) if INTERPRET else o.to(tl.bfloat16))

@@ -1,0 +1,80 @@
+"""FP4 weight GEMM and paged FP4 decode attention: Triton kernels against the torch paths and
+float64 math. Under TRITON_INTERPRET=1 on the CPU (CI) and on a GPU where there is one."""
+
+import math
+
+import pytest
+import torch
+from trace_kernels.fp4 import dequantize, quantize
+from trace_kernels.fp4.linear import fp4_linear
+from trace_kernels.fp4.paged_attention import paged_decode_attention
+
+from .helpers import heavy_tailed, triton_device
+
+BF16_ULP = 2.0**-8
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 128, 64), (3, 64, 128), (17, 96, 256), (70, 64, 48)])
+def test_fp4_linear_is_the_dequantized_matmul(m, n, k):
+    g = torch.Generator().manual_seed(m * n + k)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = quantize(heavy_tailed(n, k, seed=m))
+    exact = x.double() @ dequantize(w, torch.bfloat16).double().T  # the weight as the engine holds it
+    dev = triton_device()
+    for backend, args in (("torch", (x, w)), ("triton", (x.to(dev), w.to(dev)))):
+        y = fp4_linear(*args, backend=backend).cpu()
+        assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+        # one BF16 rounding of the fp32-accumulated result: within an ulp of the exact product
+        assert ((y.double() - exact).abs() <= BF16_ULP * exact.abs() + 1e-3).all(), backend
+    if dev == "cpu":  # the interpreter accumulates like torch on the CPU: the same bits
+        assert torch.equal(fp4_linear(x, w, backend="torch"), fp4_linear(x, w, backend="triton"))
+
+
+def test_fp4_linear_refuses_what_it_cannot_compute():
+    w = quantize(torch.randn(8, 32))
+    with pytest.raises(ValueError, match="tensor-scaled NVFP4"):
+        fp4_linear(torch.randn(2, 32).bfloat16(), quantize(torch.randn(8, 32), scale="row"))
+    with pytest.raises(ValueError, match=r"bfloat16 \[M, 32\]"):
+        fp4_linear(torch.randn(2, 16).bfloat16(), w)
+
+
+def _cache(lens, hkv, d, block_size, seed):
+    g = torch.Generator().manual_seed(seed)
+    slots = 64 * block_size
+    cache = [{"codes": torch.zeros(slots, hkv, d // 2, dtype=torch.uint8),
+              "scales": torch.zeros(slots, hkv, d // 16, dtype=torch.uint8),
+              "g": torch.ones(slots, hkv, 1)} for _ in range(2)]
+    perm = torch.randperm(64, generator=g).tolist()  # blocks scattered over the pool
+    tables, rows = [], []
+    for n in lens:
+        blocks = [perm.pop() for _ in range(math.ceil(n / block_size))]
+        pos = torch.arange(n)
+        slot = torch.tensor(blocks)[pos // block_size] * block_size + pos % block_size
+        kv = []
+        for c in cache:
+            q = quantize(torch.randn(n, hkv, d, generator=g) * 3, scale="row")
+            c["codes"][slot], c["scales"][slot], c["g"][slot] = q.codes, q.block_scales.view(torch.uint8), q.global_scale
+            kv.append(dequantize(q, torch.bfloat16).double())
+        rows.append(kv)
+        tables.append(blocks + [0] * (12 - len(blocks)))
+    return cache, torch.tensor(tables, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32), rows
+
+
+@pytest.mark.parametrize("hq, hkv, d, block_size", [(4, 2, 32, 4), (8, 8, 16, 16), (4, 1, 64, 8)])
+def test_paged_decode_attention_reads_the_fp4_cache(hq, hkv, d, block_size):
+    lens = [1, 5, 13, 40]
+    cache, tables, seq_lens, rows = _cache(lens, hkv, d, block_size, seed=hq + d)
+    q = torch.randn(len(lens), hq, d, generator=torch.Generator().manual_seed(7)).bfloat16()
+    scale = 1 / math.sqrt(d)
+    exact = torch.empty(len(lens), hq, d, dtype=torch.float64)
+    for i, (k, v) in enumerate(rows):  # float64 softmax attention over the dequantized rows
+        k, v = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+        p = torch.softmax(torch.einsum("hd,nhd->hn", q[i].double(), k) * scale, -1)
+        exact[i] = torch.einsum("hn,nhd->hd", p, v)
+    dev = triton_device()
+    moved = [{k: t.to(dev) for k, t in c.items()} for c in cache]
+    for backend in ("torch", "triton"):
+        c = cache if backend == "torch" else moved
+        out = paged_decode_attention(q.to(c[0]["codes"].device), c[0], c[1], tables.to(c[0]["codes"].device),
+                                     seq_lens.to(c[0]["codes"].device), block_size, backend=backend).cpu()
+        torch.testing.assert_close(out.double(), exact, atol=0.02, rtol=2 * BF16_ULP, msg=backend)
