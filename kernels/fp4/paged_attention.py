@@ -1,4 +1,4 @@
-"""Decode attention that reads K and V straight from a paged NVFP4 KV cache.
+"""Decode attention that reads K and V straight from a paged NVFP4 (or BF16) KV cache.
 
 One query token per sequence attends over all its cached tokens. The cache holds, per token
 slot and KV head, packed E2M1 codes [d/2], E4M3 block scales [d/16] and one FP32 global scale
@@ -8,7 +8,8 @@ an online softmax in FP32; the torch reference gathers and dequantizes the rows,
 the same softmax attention.
 
 Shapes: q [B, Hq, d] bf16, codes uint8 [S, Hkv, d/2], scales uint8 [S, Hkv, d/16] (E4M3 bits),
-g float32 [S, Hkv, 1], block_tables int32 [B, max_blocks], seq_lens int32 [B]; out [B, Hq, d].
+g float32 [S, Hkv, 1] (or a BF16 cache: rows [S, Hkv, d]), block_tables int32 [B, max_blocks],
+seq_lens int32 [B]; out [B, Hq, d].
 """
 
 from __future__ import annotations
@@ -33,24 +34,29 @@ except ImportError:  # pragma: no cover
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, block_size: int, *,
                            scale: float | None = None, backend: str = "auto") -> torch.Tensor:
     """Softmax attention of one query per sequence over its cached keys (GQA: query head h reads
-    KV head h // (Hq / Hkv)). k_cache / v_cache: dicts with "codes", "scales", "g"."""
+    KV head h // (Hq / Hkv)). k_cache / v_cache: dicts with "codes", "scales", "g" (FP4) or
+    "rows" (BF16)."""
     b, hq, d = q.shape
-    hkv = k_cache["codes"].shape[1]
+    fp4 = "codes" in k_cache
+    hkv = (k_cache["codes"] if fp4 else k_cache["rows"]).shape[1]
     if hq % hkv or d % 16:
         raise ValueError(f"paged_decode_attention: {hq} query heads over {hkv} KV heads of dim {d}")
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     if not _use_triton(q, backend):
         return _reference(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale)
     out = torch.empty_like(q)
+    kp = (k_cache["codes"], k_cache["scales"], k_cache["g"]) if fp4 else (k_cache["rows"],) * 3
+    vp = (v_cache["codes"], v_cache["scales"], v_cache["g"]) if fp4 else (v_cache["rows"],) * 3
     _decode_kernel[(b, hq)](
-        q.contiguous(), k_cache["codes"], k_cache["scales"], k_cache["g"], v_cache["codes"], v_cache["scales"],
-        v_cache["g"], block_tables, seq_lens, out, block_tables.shape[1], scale,
-        HQ=hq, HKV=hkv, D=d, BLOCK_SIZE=block_size, BLOCK_T=16, INTERPRET=_interpreting(), num_warps=4,
+        q.contiguous(), *kp, *vp, block_tables, seq_lens, out, block_tables.shape[1], scale,
+        HQ=hq, HKV=hkv, D=d, BLOCK_SIZE=block_size, BLOCK_T=16, IS_FP4=fp4, INTERPRET=_interpreting(), num_warps=4,
     )
     return out
 
 
 def _rows(cache, slots):
+    if "rows" in cache:
+        return cache["rows"][slots]
     codes = cache["codes"][slots]
     q = QTensor(codes, cache["scales"][slots].view(torch.float8_e4m3fn), cache["g"][slots], Format.NVFP4,
                 torch.Size((*codes.shape[:-1], codes.shape[-1] * 2)))
@@ -59,7 +65,7 @@ def _rows(cache, slots):
 
 def _reference(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale):
     out = torch.empty_like(q)
-    group = q.shape[1] // k_cache["codes"].shape[1]
+    group = q.shape[1] // next(iter(k_cache.values())).shape[1]
     for i in range(q.shape[0]):
         n = int(seq_lens[i])
         pos = torch.arange(n, device=q.device)
@@ -75,10 +81,13 @@ if triton is not None:
 
     @triton.jit
     def _dequant_rows(codes_ptr, scales_ptr, g_ptr, slot, h, ok, HKV: tl.constexpr, D: tl.constexpr,
-                      BLOCK_T: tl.constexpr, INTERPRET: tl.constexpr):
+                      BLOCK_T: tl.constexpr, IS_FP4: tl.constexpr, INTERPRET: tl.constexpr):
         """K or V rows [BLOCK_T, D] of KV head h at `slot` (int64 [BLOCK_T]), as float32 of BF16."""
-        jh = tl.arange(0, D // 2)
         row = slot * HKV + h
+        if not IS_FP4:  # a BF16 cache: codes_ptr holds the rows
+            return tl.load(codes_ptr + row[:, None] * D + tl.arange(0, D)[None, :], mask=ok[:, None],
+                           other=0.0).to(tl.float32)
+        jh = tl.arange(0, D // 2)
         packed = tl.load(codes_ptr + row[:, None] * (D // 2) + jh[None, :], mask=ok[:, None], other=0)
         codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_T, D]).to(tl.int32)
         val = (_e2m1_value(codes & 7).to(tl.int32, bitcast=True) | ((codes & 8) << 28)).to(tl.float32, bitcast=True)
@@ -92,7 +101,8 @@ if triton is not None:
     @triton.jit
     def _decode_kernel(q_ptr, kc_ptr, ks_ptr, kg_ptr, vc_ptr, vs_ptr, vg_ptr, tables_ptr, lens_ptr, out_ptr,
                        MAX_BLOCKS, scale, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                       BLOCK_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, INTERPRET: tl.constexpr):
+                       BLOCK_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, IS_FP4: tl.constexpr,
+                       INTERPRET: tl.constexpr):
         b, hq = tl.program_id(0).to(tl.int64), tl.program_id(1)
         h = hq // (HQ // HKV)
         d = tl.arange(0, D)
@@ -106,12 +116,12 @@ if triton is not None:
             ok = t < n
             block = tl.load(tables_ptr + b * MAX_BLOCKS + t // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
             slot = block * BLOCK_SIZE + t % BLOCK_SIZE
-            k = _dequant_rows(kc_ptr, ks_ptr, kg_ptr, slot, h, ok, HKV, D, BLOCK_T, INTERPRET)
+            k = _dequant_rows(kc_ptr, ks_ptr, kg_ptr, slot, h, ok, HKV, D, BLOCK_T, IS_FP4, INTERPRET)
             s = tl.where(ok, tl.sum(k * q[None, :], 1) * scale, -float("inf"))
             m_new = tl.maximum(m_i, tl.max(s, 0))
             p = tl.exp(s - m_new)
             alpha = tl.exp(m_i - m_new)
-            v = _dequant_rows(vc_ptr, vs_ptr, vg_ptr, slot, h, ok, HKV, D, BLOCK_T, INTERPRET)
+            v = _dequant_rows(vc_ptr, vs_ptr, vg_ptr, slot, h, ok, HKV, D, BLOCK_T, IS_FP4, INTERPRET)
             acc = acc * alpha + tl.sum(p[:, None] * v, 0)
             l_i = l_i * alpha + tl.sum(p, 0)
             m_i = m_new

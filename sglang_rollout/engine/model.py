@@ -121,13 +121,9 @@ class ModelRunner:
     def _attention(self, L, segments, slots, q, kq, vq):
         """Write the segments' K/V into the cache, then attend over each sequence's cache."""
         n, nq, d = q.shape
-        offset = 0
-        for seg, seg_slots in zip(segments, slots):
-            m = len(seg.token_ids)
-            self.cache.write(L, seg_slots, _slice(kq, offset, m), _slice(vq, offset, m))
-            offset += m
+        self.cache.write(L, torch.cat(slots), kq, vq)  # the segments' tokens are packed in order
         decode_only = n == len(segments)
-        if self.fp4 and decode_only and self.backend != "torch" and (self.backend == "triton" or q.is_cuda):
+        if decode_only and self.backend != "torch" and (self.backend == "triton" or q.is_cuda):
             width = max(len(s.block_table) for s in segments)
             tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in segments],
                                   dtype=torch.int32, device=q.device)
@@ -177,11 +173,3 @@ class ModelRunner:
             rows[(L, "fc2")] = fc2_rows.reshape(-1, cfg.moe_intermediate_size)
         return out
 
-
-def _slice(t, offset, m):
-    """Rows offset..offset+m of a tensor or a row-scaled QTensor of shape [N, heads, d]."""
-    if isinstance(t, torch.Tensor):
-        return t[offset:offset + m]
-    from trace_kernels.fp4 import QTensor
-    return QTensor(t.codes[offset:offset + m], t.block_scales[offset:offset + m], t.global_scale[offset:offset + m],
-                   t.fmt, torch.Size((m, *t.shape[1:])))

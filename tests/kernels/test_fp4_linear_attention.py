@@ -78,3 +78,14 @@ def test_paged_decode_attention_reads_the_fp4_cache(hq, hkv, d, block_size):
         out = paged_decode_attention(q.to(c[0]["codes"].device), c[0], c[1], tables.to(c[0]["codes"].device),
                                      seq_lens.to(c[0]["codes"].device), block_size, backend=backend).cpu()
         torch.testing.assert_close(out.double(), exact, atol=0.02, rtol=2 * BF16_ULP, msg=backend)
+    # the same kernel on a BF16 cache holding the dequantized rows
+    bf16 = [{"rows": torch.zeros(64 * block_size, hkv, d, dtype=torch.bfloat16)} for _ in range(2)]
+    for i, n in enumerate(lens):
+        pos = torch.arange(n)
+        slot = tables[i].long()[pos // block_size] * block_size + pos % block_size
+        for c, r in zip(bf16, rows[i], strict=True):
+            c["rows"][slot] = r.bfloat16()
+    moved = [{k: t.to(dev) for k, t in c.items()} for c in bf16]
+    out = paged_decode_attention(q.to(dev), moved[0], moved[1], tables.to(dev), seq_lens.to(dev), block_size,
+                                 backend="triton").cpu()
+    torch.testing.assert_close(out.double(), exact, atol=0.02, rtol=2 * BF16_ULP)

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# What one GPU session runs for the rollout engine (device tool, nvidia-h200): the FP4 GEMM and
+# paged-attention kernel tests on the GPU, an engine generation on CUDA against the CPU engine,
+# then bench/rollout_throughput.py.
+#   bash bench/gpu_rollout.sh       # wheels (torchao) in .whl/
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . >/dev/null
+export PYTHONPATH=/tmp/site
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -m pytest -q -p no:cacheprovider -rfEs tests/kernels/test_fp4_linear_attention.py 2>&1 | tee "$OUT/pytest_rollout_gpu.log" | tail -n 8
+python3 - <<'PY' 2>&1 | tee "$OUT/engine_cuda.log"
+import sys, torch
+sys.path.insert(0, ".")
+from tests.megatron_trace.scenarios import random_full_state_dict
+from megatron_trace.model_config import PRESETS
+from megatron_trace.rollout import GroupRequest, SamplingParams
+from sglang_rollout.engine import EngineConfig, TraceEngine
+cfg = PRESETS["tiny"]; sd = random_full_state_dict(cfg)
+reqs = [GroupRequest("g0", (1, 2, 3, 4, 5), n=3), GroupRequest("g1", tuple(range(7, 40)), n=2)]
+outs = {}
+for dev in ("cpu", "cuda"):
+    e = TraceEngine(cfg, EngineConfig(precision="fp4", block_size=16, num_blocks=64, device=dev, guide="all"))
+    e.update_weights(sd, 0)
+    outs[dev] = e.generate(reqs, SamplingParams(max_new_tokens=16, temperature=0))
+for a, b in zip(outs["cpu"].samples, outs["cuda"].samples):
+    print(a.sample_id, "same greedy tokens:", a.tokens == b.tokens, "max |logprob diff|:",
+          float((a.logprobs - b.logprobs).abs().max()) if a.tokens == b.tokens else None)
+print("guidance bytes cpu/cuda:", outs["cpu"].guidance.nbytes, outs["cuda"].guidance.nbytes)
+PY
+python3 bench/rollout_throughput.py ${ROLLOUT_ARGS:---model qwen3-30b-a3b --layers 4 --steps 5 --warmup 2 --record} \
+  2>&1 | tee "$OUT/rollout_throughput.log" | grep -v -e '%|'
+cp bench/results/rollout_throughput.* "$OUT/" 2>/dev/null || true

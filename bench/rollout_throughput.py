@@ -1,0 +1,148 @@
+"""Decode throughput of the built-in engine, BF16 vs FP4, beside the memory-bandwidth floor.
+
+A Qwen3-MoE-shaped model with random weights (`--model` width, `--layers` layers). For each
+precision, batch and context, every sequence's KV cache holds `context` tokens (synthetic
+content: decode speed does not depend on it) and one decode step for the whole batch is timed.
+The floor is the time to read what a step must read at `--bandwidth` bytes/s: every attention
+and router weight, the experts the batch's tokens reach (expected count for uniform routing),
+the output head, and the KV cache of every sequence. FP4 weights count 4.5 bits (codes + E4M3
+scales), the FP4 cache 4.5 bits per element + 4 bytes per (token, head).
+
+    python bench/rollout_throughput.py                        # tiny model, CPU (a smoke run)
+    python bench/rollout_throughput.py --model qwen3-30b-a3b --layers 4 --record    # on a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+COPY_BANDWIDTH = 4.25e12  # H200 device copy measured in bench/results/fp4_quantize_*_h200.md
+
+
+def random_weights(cfg, device, seed=0):
+    from sglang_rollout.engine.weights import expected_shapes
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    return {name: (torch.randn(shape, generator=g, device=device) * (shape[-1] ** -0.5 if len(shape) == 2 else 0.1)
+                   + (0 if len(shape) == 2 else 1)).to(torch.bfloat16 if len(shape) == 2 else torch.float32)
+            for name, shape in expected_shapes(cfg).items()}
+
+
+def floor_seconds(cfg, batch, context, fp4, bandwidth):
+    wbytes = 0.5625 if fp4 else 2.0
+    h, d = cfg.hidden_size, cfg.head_dim
+    attn = h * d * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) + cfg.num_attention_heads * d * h
+    expert = 3 * h * cfg.moe_intermediate_size
+    touched = cfg.num_experts * (1 - (1 - cfg.top_k / cfg.num_experts) ** batch)
+    per_layer = (attn + touched * expert) * wbytes + cfg.num_experts * h * 2
+    kv_elem = 2 * cfg.num_key_value_heads * d  # K and V elements per token per layer
+    kv_token = kv_elem * 0.5625 + 2 * cfg.num_key_value_heads * 4 if fp4 else kv_elem * 2.0
+    total = cfg.num_layers * (per_layer + batch * context * kv_token) + cfg.vocab_size * h * 2
+    return total / bandwidth
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--batches", default="1,16,64,256")
+    ap.add_argument("--contexts", default="1024,8192")
+    ap.add_argument("--precisions", default="bf16,fp4")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--bandwidth", type=float, default=COPY_BANDWIDTH)
+    ap.add_argument("--memory-gib", type=float, default=None, help="KV-cache budget (default: 60%% of free memory)")
+    ap.add_argument("--record", action="store_true")
+    args = ap.parse_args()
+
+    from tqdm import tqdm
+
+    from megatron_trace.model_config import PRESETS
+    from sglang_rollout.engine import EngineConfig, TraceEngine
+    from sglang_rollout.engine.model import Segment
+
+    cfg = PRESETS[args.model]
+    if args.layers:
+        cfg = cfg.replace(num_layers=args.layers)
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    gpu = torch.cuda.get_device_name() if cuda else "cpu"
+    batches = [int(v) for v in args.batches.split(",")]
+    contexts = [int(v) for v in args.contexts.split(",")]
+    weights = random_weights(cfg, device)
+    rows = []
+    for precision in args.precisions.split(","):
+        block = 16
+        probe = TraceEngine(cfg, EngineConfig(precision=precision, block_size=block, num_blocks=1, device=device))
+        per_block = probe.cache.nbytes_per_token() * block
+        del probe
+        free = torch.cuda.mem_get_info()[0] if cuda else 8 * 2**30
+        budget = (args.memory_gib * 2**30) if args.memory_gib else 0.6 * free
+        num_blocks = int(budget // per_block)
+        engine = TraceEngine(cfg, EngineConfig(precision=precision, block_size=block, num_blocks=num_blocks,
+                                               max_batch_tokens=max(batches), device=device))
+        engine.update_weights(weights, 0)
+        for context in contexts:
+            for batch in batches:
+                need = batch * math.ceil((context + args.warmup + args.steps + 1) / block)
+                row = {"precision": precision, "batch": batch, "context": context, "gpu": gpu,
+                       "date": datetime.date.today().isoformat(), "model": args.model, "layers": cfg.num_layers,
+                       "floor_tokens_per_s": batch / floor_seconds(cfg, batch, context, precision == "fp4",
+                                                                   args.bandwidth)}
+                if need > engine.cache.allocator.num_free:
+                    row |= {"tokens_per_s": None, "note": f"KV cache does not fit ({need} blocks of {num_blocks})"}
+                    rows.append(row)
+                    print(f"{precision:5s} batch {batch:4d} context {context:5d}: does not fit", flush=True)
+                    continue
+                tables = [engine.cache.allocator.allocate(need // batch) for _ in range(batch)]
+                times = []
+                for i in tqdm(range(args.warmup + args.steps), desc=f"{precision} b{batch} c{context}", leave=False):
+                    segs = [Segment([1], context + i, t) for t in tables]
+                    if cuda:
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    engine.runner.forward(segs)
+                    if cuda:
+                        torch.cuda.synchronize()
+                    if i >= args.warmup:
+                        times.append(time.perf_counter() - t0)
+                for t in tables:
+                    engine.cache.allocator.release(t)
+                step = statistics.median(times)
+                row |= {"tokens_per_s": batch / step, "step_s": step}
+                rows.append(row)
+                print(f"{precision:5s} batch {batch:4d} context {context:5d}: {batch / step:10.1f} tokens/s "
+                      f"(floor {row['floor_tokens_per_s']:10.1f}, {row["floor_tokens_per_s"] / (batch / step):6.1f}x "
+                      "slower than the floor)", flush=True)
+        del engine
+        if cuda:
+            torch.cuda.empty_cache()
+    if args.record:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / "rollout_throughput.json").write_text(json.dumps(rows, indent=1) + "\n")
+        cmd = "python bench/rollout_throughput.py " + " ".join(sys.argv[1:])
+        lines = [f"# Decode throughput, {rows[0]['date']}, {gpu}", "", f"`{cmd}`", "",
+                 f"{args.model} width, {cfg.num_layers} layers, random weights; floor at {args.bandwidth / 1e12:.2f} TB/s.",
+                 "", "| precision | batch | context | tokens/s | floor tokens/s | floor / measured |",
+                 "|---|---|---|---|---|---|"]
+        for r in rows:
+            tps, floor = r["tokens_per_s"], r["floor_tokens_per_s"]
+            measured = "does not fit" if tps is None else f"{tps:.1f}"
+            ratio = "" if tps is None else f"{floor / tps:.1f}"
+            lines.append(f"| {r['precision']} | {r['batch']} | {r['context']} | {measured} | {floor:.1f} | {ratio} |")
+        (RESULTS / "rollout_throughput.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
