@@ -122,9 +122,9 @@ def main() -> None:
                 step = statistics.median(times)
                 row |= {"tokens_per_s": batch / step, "step_s": step}
                 rows.append(row)
+                floor = row["floor_tokens_per_s"]
                 print(f"{precision:5s} batch {batch:4d} context {context:5d}: {batch / step:10.1f} tokens/s "
-                      f"(floor {row['floor_tokens_per_s']:10.1f}, {row["floor_tokens_per_s"] / (batch / step):6.1f}x "
-                      "slower than the floor)", flush=True)
+                      f"(floor {floor:10.1f}; {floor / (batch / step):6.1f}x slower)", flush=True)
         del engine
         if cuda:
             torch.cuda.empty_cache()
