@@ -53,7 +53,7 @@ class ModelRunner:
             raise ValueError(f"kernels must be 'auto', 'torch' or 'triton', got {kernels!r}")
         self.backend = kernels
         d = cfg.head_dim
-        self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+        self.inv_freq = (1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))).to(weights.device)
 
     def _site(self, rows, layer, name, x):
         """Quantize an FP4 site's input rows (fp4) and keep them when the layer is captured."""
