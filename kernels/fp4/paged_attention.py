@@ -84,19 +84,22 @@ if triton is not None:
                       BLOCK_T: tl.constexpr, IS_FP4: tl.constexpr, INTERPRET: tl.constexpr):
         """K or V rows [BLOCK_T, D] of KV head h at `slot` (int64 [BLOCK_T]), as float32 of BF16."""
         row = slot * HKV + h
-        if not IS_FP4:  # a BF16 cache: codes_ptr holds the rows
-            return tl.load(codes_ptr + row[:, None] * D + tl.arange(0, D)[None, :], mask=ok[:, None],
-                           other=0.0).to(tl.float32)
-        jh = tl.arange(0, D // 2)
-        packed = tl.load(codes_ptr + row[:, None] * (D // 2) + jh[None, :], mask=ok[:, None], other=0)
-        codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_T, D]).to(tl.int32)
-        val = (_e2m1_value(codes & 7).to(tl.int32, bitcast=True) | ((codes & 8) << 28)).to(tl.float32, bitcast=True)
-        jb = tl.arange(0, D // 16)
-        sb = tl.load(scales_ptr + row[:, None] * (D // 16) + jb[None, :], mask=ok[:, None], other=0).to(tl.int32)
-        s = tl.reshape(tl.broadcast_to(_e4m3_value(sb)[:, :, None], [BLOCK_T, D // 16, 16]), [BLOCK_T, D])
-        g = tl.load(g_ptr + row, mask=ok, other=1.0)
-        x = (val * s) * g[:, None]
-        return (_bf16_rne(x) if INTERPRET else x.to(tl.bfloat16)).to(tl.float32)
+        if IS_FP4:
+            jh = tl.arange(0, D // 2)
+            packed = tl.load(codes_ptr + row[:, None] * (D // 2) + jh[None, :], mask=ok[:, None], other=0)
+            codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_T, D]).to(tl.int32)
+            val = (_e2m1_value(codes & 7).to(tl.int32, bitcast=True) | ((codes & 8) << 28)).to(tl.float32,
+                                                                                               bitcast=True)
+            jb = tl.arange(0, D // 16)
+            sb = tl.load(scales_ptr + row[:, None] * (D // 16) + jb[None, :], mask=ok[:, None], other=0).to(tl.int32)
+            s = tl.reshape(tl.broadcast_to(_e4m3_value(sb)[:, :, None], [BLOCK_T, D // 16, 16]), [BLOCK_T, D])
+            g = tl.load(g_ptr + row, mask=ok, other=1.0)
+            x = (val * s) * g[:, None]
+            out = (_bf16_rne(x) if INTERPRET else x.to(tl.bfloat16)).to(tl.float32)
+        else:  # a BF16 cache: codes_ptr holds the rows
+            out = tl.load(codes_ptr + row[:, None] * D + tl.arange(0, D)[None, :], mask=ok[:, None],
+                          other=0.0).to(tl.float32)
+        return out
 
     @triton.jit
     def _decode_kernel(q_ptr, kc_ptr, ks_ptr, kg_ptr, vc_ptr, vs_ptr, vg_ptr, tables_ptr, lens_ptr, out_ptr,
