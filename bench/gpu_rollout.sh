@@ -6,6 +6,7 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+rm -rf /tmp/site  # a warm machine keeps the last install; pip would not replace it
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . >/dev/null
 export PYTHONPATH=/tmp/site
