@@ -45,31 +45,39 @@ class EngineWeights:
         return self.fp4 and name.endswith(FP4_SUFFIXES)
 
     def load(self, state_dict: dict[str, torch.Tensor | QTensor]) -> None:
-        """Take a complete state dict (BF16 tensors; FP4 sites may come as QTensors already).
+        """Take a complete state dict (BF16 tensors; FP4 sites may come packed as QTensors).
+
+        Everything is checked before anything changes; then each weight is written into the
+        engine's existing storage (in place, so an update needs no second copy of the model).
 
         Raises:
             ValueError: missing or unknown names, wrong shapes, or a QTensor where the engine
-                runs BF16 (nothing is loaded then).
+                does not hold FP4 (nothing is loaded then).
         """
         missing = sorted(set(self.shapes) - set(state_dict))
         unknown = sorted(set(state_dict) - set(self.shapes))
         if missing or unknown:
             raise ValueError(f"weight update does not fit the model: missing {missing[:5]}"
                              f"{'...' if len(missing) > 5 else ''}, unknown {unknown[:5]}")
-        staged = {}
         for name, t in state_dict.items():
-            shape = tuple(t.shape)
-            if shape != self.shapes[name]:
-                raise ValueError(f"weight {name} has shape {shape}, the model needs {self.shapes[name]}")
-            if isinstance(t, QTensor):
-                if not self.is_fp4(name) or t.is_row_scaled or t.fmt.value != "nvfp4":
-                    raise ValueError(f"weight {name} arrived as FP4, which this engine does not hold there")
-                staged[name] = t.to(self.device)
-            elif self.is_fp4(name):
-                staged[name] = quantize(t.to(self.device), "nvfp4")  # quantized on receipt
+            if tuple(t.shape) != self.shapes[name]:
+                raise ValueError(f"weight {name} has shape {tuple(t.shape)}, the model needs {self.shapes[name]}")
+            if isinstance(t, QTensor) and (not self.is_fp4(name) or t.is_row_scaled or t.fmt.value != "nvfp4"):
+                raise ValueError(f"weight {name} arrived as FP4, which this engine does not hold there")
+        for name, t in state_dict.items():
+            if self.is_fp4(name):
+                new = t.to(self.device) if isinstance(t, QTensor) else quantize(t.to(self.device), "nvfp4")
             else:
-                staged[name] = t.to(self.device, torch.bfloat16 if t.dim() == 2 else torch.float32)
-        self.tensors = staged
+                new = t.to(self.device, torch.bfloat16 if t.dim() == 2 else torch.float32)
+            old = self.tensors.get(name)
+            if old is None:
+                self.tensors[name] = new
+            elif isinstance(old, QTensor):
+                old.codes.copy_(new.codes)
+                old.block_scales.copy_(new.block_scales)
+                old.global_scale.copy_(new.global_scale)
+            else:
+                old.copy_(new)
 
     def dense(self, name: str) -> torch.Tensor:
         """BF16 values of a weight (FP4 weights dequantized for the matmul)."""

@@ -111,6 +111,29 @@ def test_weight_updates_take_effect_and_stale_or_misfit_ones_are_refused(sd):
     assert fresh.tokens == after.tokens and torch.equal(fresh.logprobs, after.logprobs)
 
 
+def test_packed_fp4_weights_from_the_trainer_equal_bf16_quantized_on_receipt(sd):
+    """Weight sync sends FP4 (codes + scales, ~3.5x fewer bytes); the engine stores them in place."""
+    from trace_kernels.fp4 import quantize
+
+    from sglang_rollout.engine.weights import FP4_SUFFIXES
+
+    packed = {k: quantize(v) if k.endswith(FP4_SUFFIXES) else v for k, v in sd.items()}
+    params = SamplingParams(max_new_tokens=5, seed=8)
+    a = engine(sd, "fp4")
+    storage = a.weights.tensors["decoder.layers.0.self_attention.linear_qkv.weight"].codes.data_ptr()
+    b = engine(sc.random_full_state_dict(CFG, seed=3), "fp4")
+    b.update_weights(packed, 1)
+    assert b.weights.tensors["decoder.layers.0.self_attention.linear_qkv.weight"].codes.data_ptr() != storage
+    before = b.weights.tensors["decoder.layers.1.mlp.experts.local_experts.2.linear_fc2.weight"].codes.data_ptr()
+    b.update_weights(packed, 2)  # in place: the same storage
+    assert b.weights.tensors["decoder.layers.1.mlp.experts.local_experts.2.linear_fc2.weight"].codes.data_ptr() == before
+    for x, y in zip(a.generate(REQUESTS, params).samples, b.generate(REQUESTS, params).samples, strict=True):
+        assert x.tokens == y.tokens and torch.equal(x.logprobs, y.logprobs) and y.weight_version == 2
+    bf16_engine = engine(sd, "bf16")
+    with pytest.raises(ValueError, match="arrived as FP4"):
+        bf16_engine.update_weights(packed, 1)
+
+
 def test_bad_requests_fail_alone_with_a_reason(sd):
     e = engine(sd, "bf16")
     reqs = [GroupRequest("ok", (1, 2, 3), n=2), GroupRequest("oov", (1, 999), n=1),
