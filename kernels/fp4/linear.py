@@ -40,6 +40,51 @@ def fp4_linear(x: torch.Tensor, w: QTensor, *, backend: str = "auto") -> torch.T
     return _fp4_linear_triton(x.contiguous(), w)
 
 
+def fp4_grouped_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, g: torch.Tensor,
+                       counts: list[int], *, backend: str = "auto") -> torch.Tensor:
+    """Rows of x grouped by expert (counts[e] consecutive rows for expert e) times each expert's
+    FP4 weight: y[rows of e] = x[rows of e] @ dequantize(W_e)^T.
+
+    Args:
+        x: bfloat16 [M, K], M = sum(counts). codes: uint8 [E, N, K/2]; scales: float8_e4m3fn
+            [E, N, K/16]; g: float32 [E], one global scale per expert.
+    Returns:
+        bfloat16 [M, N].
+    """
+    e, n, half_k = codes.shape
+    if x.dim() != 2 or x.shape[1] != 2 * half_k or x.dtype != torch.bfloat16 or len(counts) != e \
+            or sum(counts) != x.shape[0]:
+        raise ValueError(f"fp4_grouped_linear: x {x.dtype} {tuple(x.shape)} and counts (sum {sum(counts)}, "
+                         f"{len(counts)} experts) do not fit weights {tuple(codes.shape)}")
+    if not _use_triton(x, backend):
+        y = x.new_empty(x.shape[0], n)
+        start = 0
+        for i, c in enumerate(counts):
+            if c:
+                w = QTensor(codes[i], scales[i], g[i], Format.NVFP4, torch.Size((n, 2 * half_k)))
+                y[start:start + c] = x[start:start + c] @ dequantize(w, torch.bfloat16, backend="torch").T
+            start += c
+        return y
+    k = x.shape[1]
+    block_m = 16 if x.shape[0] <= 16 * e else 64
+    tiles, start = [], 0
+    for i, c in enumerate(counts):  # one tile list on the host: each tile is one expert's rows
+        for t0 in range(start, start + c, block_m):
+            tiles.append((i, t0, min(t0 + block_m, start + c)))
+        start += c
+    y = torch.empty((x.shape[0], n), dtype=torch.bfloat16, device=x.device)
+    if not tiles:
+        return y
+    tile_info = torch.tensor(tiles, dtype=torch.int32, device=x.device)
+    block_n, block_k = 64, 128 if k % 128 == 0 else 64 if k % 64 == 0 else 32 if k % 32 == 0 else 16
+    _fp4_grouped_kernel[(len(tiles), triton.cdiv(n, block_n))](
+        x.contiguous(), codes, scales.view(torch.uint8), g.float().contiguous(), tile_info, y, n, k,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, INTERPRET=_interpreting(),
+        num_warps=4, enable_fp_fusion=False,
+    )
+    return y
+
+
 def _fp4_linear_triton(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     m, k = x.shape
     n = w.shape[0]
@@ -58,15 +103,9 @@ def _fp4_linear_triton(x: torch.Tensor, w: QTensor) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _fp4_linear_kernel(x_ptr, codes_ptr, scales_ptr, g_ptr, y_ptr, M, N, K,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           INTERPRET: tl.constexpr):
-        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        m_ok, n_ok = rm < M, rn < N
-        g = tl.load(g_ptr)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    def _fp4_tile_product(acc, x_ptr, codes_ptr, scales_ptr, g, rm, m_ok, rn, n_ok, K,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+        """acc += x[rm, :] @ dequantize(W[rn, :])^T, W's codes/scales at the given pointers."""
         for k0 in range(0, K, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], mask=m_ok[:, None], other=0.0)
@@ -86,5 +125,34 @@ if triton is not None:
                 acc += tl.dot(x.to(tl.float32), tl.trans(_bf16_rne(w).to(tl.float32)))
             else:
                 acc += tl.dot(x, tl.trans(w.to(tl.bfloat16)))
+        return acc
+
+    @triton.jit
+    def _fp4_linear_kernel(x_ptr, codes_ptr, scales_ptr, g_ptr, y_ptr, M, N, K,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           INTERPRET: tl.constexpr):
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_ok, n_ok = rm < M, rn < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = _fp4_tile_product(acc, x_ptr, codes_ptr, scales_ptr, tl.load(g_ptr), rm, m_ok, rn, n_ok, K,
+                                BLOCK_N, BLOCK_K, INTERPRET)
+        y = _bf16_rne(acc) if INTERPRET else acc.to(tl.bfloat16)
+        tl.store(y_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], y, mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _fp4_grouped_kernel(x_ptr, codes_ptr, scales_ptr, g_ptr, tiles_ptr, y_ptr, N, K,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            INTERPRET: tl.constexpr):
+        tile, pid_n = tl.program_id(0), tl.program_id(1)
+        expert = tl.load(tiles_ptr + tile * 3).to(tl.int64)
+        row0, row1 = tl.load(tiles_ptr + tile * 3 + 1), tl.load(tiles_ptr + tile * 3 + 2)
+        rm = row0 + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_ok, n_ok = rm < row1, rn < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = _fp4_tile_product(acc, x_ptr, codes_ptr + expert * N * (K // 2), scales_ptr + expert * N * (K // 16),
+                                tl.load(g_ptr + expert), rm, m_ok, rn, n_ok, K, BLOCK_N, BLOCK_K, INTERPRET)
         y = _bf16_rne(acc) if INTERPRET else acc.to(tl.bfloat16)
         tl.store(y_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], y, mask=m_ok[:, None] & n_ok[None, :])

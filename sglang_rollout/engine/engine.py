@@ -159,6 +159,9 @@ class TraceEngine:
                 raise RuntimeError(f"a prompt longer than max_batch_tokens={self.config.max_batch_tokens} cannot be "
                                    "prefilled")
             logits, captured, routed = self.runner.forward(segments, self.guided_layers)
+            # one device-to-host copy per layer and site, not one per sequence
+            captured = {key: t.cpu() for key, t in captured.items()}
+            routed = {layer: t.cpu() for layer, t in routed.items()}
             offset = 0
             next_running = []
             for i, (seg, owner) in enumerate(zip(segments, owners)):
@@ -178,10 +181,10 @@ class TraceEngine:
     def _keep_rows(self, seq, captured, routed, offset, m) -> None:
         k, kvh = self.cfg.top_k, self.cfg.num_key_value_heads
         for layer, ids in routed.items():
-            seq.experts.setdefault(layer, []).append(ids[offset:offset + m].cpu())
+            seq.experts.setdefault(layer, []).append(ids[offset:offset + m])
         for (layer, site), rows in captured.items():
             per = {"k": kvh, "v": kvh, "fc2": k}.get(site, 1)
-            seq.rows.setdefault((layer, site), []).append(rows[offset * per:(offset + m) * per].cpu())
+            seq.rows.setdefault((layer, site), []).append(rows[offset * per:(offset + m) * per])
 
     def _fork(self, job: _PromptJob, logits_V, sampling, guidance) -> list[Sequence]:
         """Samples start from the prefilled prompt: full KV blocks shared, the partial one copied."""

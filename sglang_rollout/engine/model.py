@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from trace_kernels.fp4 import dequantize, quantize
-from trace_kernels.fp4.linear import fp4_linear
+from trace_kernels.fp4.linear import fp4_grouped_linear, fp4_linear
 from trace_kernels.fp4.paged_attention import paged_decode_attention
 
 from megatron_trace.model_config import ModelConfig
@@ -147,29 +147,36 @@ class ModelRunner:
                                              attn_mask=allowed, enable_gqa=keys.shape[1] != nq)
         return out.transpose(0, 1)
 
+    def _experts(self, x, L, site, counts):
+        """Rows of x grouped by expert (counts per expert) through the layer's fc1 or fc2."""
+        w = self.w.stacked[(L, site)]
+        if self.fp4:
+            return fp4_grouped_linear(x, w.codes, w.scales, w.g, counts, backend=self.backend)
+        if x.is_cuda and self.backend != "torch":
+            offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+            return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+        return torch.cat([chunk @ w[e].T for e, chunk in enumerate(x.split(counts))])
+
     def _moe(self, L, p, h, rows, routed):
+        """Top-k routing, then every (token, slot) row through its expert as two grouped GEMMs
+        (rows sorted by expert, tokens ascending within an expert)."""
         cfg, w = self.cfg, self.w
-        k = cfg.top_k
+        n, k = h.shape[0], cfg.top_k
         logits = h.float() @ w.dense(p + "mlp.router.weight").float().T
         top_logits, top = torch.topk(logits, k, dim=-1)
         gate = torch.softmax(top_logits, -1)
         routed[L] = top
-        hq = self._site(rows, L, "fc1", h)
-        out = torch.zeros_like(h)
-        fc2_rows = torch.empty(h.shape[0], k, cfg.moe_intermediate_size, dtype=h.dtype, device=h.device) \
-            if rows is not None else None
-        for e in top.unique().tolist():
-            tok, slot = (top == e).nonzero(as_tuple=True)
-            ep = p + f"mlp.experts.local_experts.{e}."
-            g_u = self._linear(hq[tok], ep + "linear_fc1.weight")
-            g_, u_ = g_u.chunk(2, -1)
-            act = F.silu(g_) * u_
-            if fc2_rows is not None:
-                fc2_rows[tok, slot] = act
-            act = _fake_quant_rows(act) if self.fp4 else act
-            y = self._linear(act, ep + "linear_fc2.weight")
-            out.index_add_(0, tok, (y * gate[tok, slot, None]).to(h.dtype))
-        if fc2_rows is not None:
+        order = torch.sort(top.reshape(-1), stable=True).indices
+        tok, slot = order // k, order % k
+        counts = torch.bincount(top.reshape(-1), minlength=cfg.num_experts).tolist()
+        gate_up = self._experts(self._site(rows, L, "fc1", h)[tok], L, "fc1", counts)
+        g_, u_ = gate_up.chunk(2, -1)
+        act = F.silu(g_) * u_
+        if rows is not None:
+            fc2_rows = torch.empty(n, k, cfg.moe_intermediate_size, dtype=h.dtype, device=h.device)
+            fc2_rows[tok, slot] = act
             rows[(L, "fc2")] = fc2_rows.reshape(-1, cfg.moe_intermediate_size)
+        y = self._experts(_fake_quant_rows(act) if self.fp4 else act, L, "fc2", counts)
+        out = torch.zeros_like(h)
+        out.index_add_(0, tok, (y * gate[tok, slot, None]).to(h.dtype))
         return out
-

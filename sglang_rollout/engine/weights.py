@@ -2,13 +2,18 @@
 
 Keys are the full Megatron names (megatron/weights.py). In fp4 precision every FP4-site weight
 (QKV, output projection, experts' fc1/fc2) is a tensor-scaled NVFP4 `QTensor`, as checkpoints
-and the trainer's weight sync carry it; it is dequantized only inside a matmul.
+and the trainer's weight sync carry it; it is dequantized only inside a matmul. Storage is
+allocated once: a layer's experts live in stacked buffers ([E, N, K/2] codes, [E, N, K/16]
+scales, [E] global scales; or [E, N, K] BF16) for grouped GEMMs, each expert's entry a view,
+and updates are copied in place.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
-from trace_kernels.fp4 import QTensor, dequantize, quantize
+from trace_kernels.fp4 import Format, QTensor, dequantize, quantize
 
 from megatron_trace.model_config import ModelConfig
 
@@ -40,6 +45,29 @@ class EngineWeights:
         self.cfg, self.fp4, self.device = cfg, fp4, torch.device(device)
         self.shapes = expected_shapes(cfg)
         self.tensors: dict[str, torch.Tensor | QTensor] = {}
+        self.stacked: dict[tuple[int, str], torch.Tensor | StackedFP4] = {}  # (layer, "fc1"/"fc2") -> all experts
+        for L in range(cfg.num_layers):
+            for site, linear in (("fc1", "linear_fc1.weight"), ("fc2", "linear_fc2.weight")):
+                names = [f"decoder.layers.{L}.mlp.experts.local_experts.{e}.{linear}" for e in range(cfg.num_experts)]
+                stack = self._empty((cfg.num_experts, *self.shapes[names[0]]), self.is_fp4(names[0]))
+                self.stacked[(L, site)] = stack
+                for e, name in enumerate(names):
+                    self.tensors[name] = _index(stack, e)
+        for name, shape in self.shapes.items():
+            if name not in self.tensors:
+                self.tensors[name] = self._empty(shape, self.is_fp4(name))
+
+    def _empty(self, shape: tuple[int, ...], fp4: bool) -> torch.Tensor | QTensor | StackedFP4:
+        dev = self.device
+        if fp4:
+            lead, k = shape[:-1], shape[-1]
+            codes = torch.zeros(*lead, k // 2, dtype=torch.uint8, device=dev)
+            scales = torch.ones(*lead, k // 16, dtype=torch.float8_e4m3fn, device=dev)
+            g = torch.ones(shape[:-2], dtype=torch.float32, device=dev)
+            if len(shape) == 3:
+                return StackedFP4(codes, scales, g)
+            return QTensor(codes, scales, g, Format.NVFP4, torch.Size(shape))
+        return torch.zeros(shape, dtype=torch.bfloat16 if len(shape) >= 2 else torch.float32, device=dev)
 
     def is_fp4(self, name: str) -> bool:
         return self.fp4 and name.endswith(FP4_SUFFIXES)
@@ -69,10 +97,8 @@ class EngineWeights:
                 new = t.to(self.device) if isinstance(t, QTensor) else quantize(t.to(self.device), "nvfp4")
             else:
                 new = t.to(self.device, torch.bfloat16 if t.dim() == 2 else torch.float32)
-            old = self.tensors.get(name)
-            if old is None:
-                self.tensors[name] = new
-            elif isinstance(old, QTensor):
+            old = self.tensors[name]
+            if isinstance(old, QTensor):
                 old.codes.copy_(new.codes)
                 old.block_scales.copy_(new.block_scales)
                 old.global_scale.copy_(new.global_scale)
@@ -87,3 +113,21 @@ class EngineWeights:
     def nbytes(self) -> int:
         return sum(t.codes.numel() + t.block_scales.numel() + 4 if isinstance(t, QTensor) else t.numel() * t.element_size()
                    for t in self.tensors.values())
+
+
+@dataclass(frozen=True)
+class StackedFP4:
+    """The FP4 weights of a layer's experts: codes uint8 [E, N, K/2], scales e4m3 [E, N, K/16],
+    one global scale per expert g float32 [E]."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    g: torch.Tensor
+
+
+def _index(t: torch.Tensor | StackedFP4, e: int) -> torch.Tensor | QTensor:
+    """Expert e of a stacked weight, as a view."""
+    if isinstance(t, torch.Tensor):
+        return t[e]
+    n, half_k = t.codes.shape[1:]
+    return QTensor(t.codes[e], t.scales[e], t.g[e], Format.NVFP4, torch.Size((n, 2 * half_k)))

@@ -89,3 +89,28 @@ def test_paged_decode_attention_reads_the_fp4_cache(hq, hkv, d, block_size):
     out = paged_decode_attention(q.to(dev), moved[0], moved[1], tables.to(dev), seq_lens.to(dev), block_size,
                                  backend="triton").cpu()
     torch.testing.assert_close(out.double(), exact, atol=0.02, rtol=2 * BF16_ULP)
+
+
+@pytest.mark.parametrize("counts", [[3, 0, 17, 1], [0, 0, 40, 0], [0, 0, 0, 0]])
+def test_fp4_grouped_linear_is_each_experts_matmul(counts):
+    from trace_kernels.fp4.linear import fp4_grouped_linear
+
+    e, n, k = 4, 96, 128
+    g = torch.Generator().manual_seed(sum(counts))
+    experts = [quantize(heavy_tailed(n, k, seed=i) * (i + 1)) for i in range(e)]  # a different g each
+    codes = torch.stack([w.codes for w in experts])
+    scales = torch.stack([w.block_scales for w in experts])
+    gs = torch.stack([w.global_scale for w in experts])
+    x = torch.randn(sum(counts), k, generator=g).bfloat16()
+    want = torch.cat([fp4_linear(chunk, w, backend="torch")
+                      for chunk, w in zip(x.split(counts), experts, strict=True)]) if sum(counts) else x.new_empty(0, n)
+    dev = triton_device()
+    for backend in ("torch", "triton"):
+        on = "cpu" if backend == "torch" else dev
+        y = fp4_grouped_linear(x.to(on), codes.to(on), scales.to(on), gs.to(on), counts, backend=backend).cpu()
+        if dev == "cpu" or backend == "torch":
+            assert torch.equal(y, want), backend
+        else:  # other GEMM accumulation order on the GPU: within one bf16 rounding
+            torch.testing.assert_close(y.float(), want.float(), atol=1e-2, rtol=2 * BF16_ULP)
+    with pytest.raises(ValueError, match="do not fit"):
+        fp4_grouped_linear(x, codes, scales, gs, counts[:-1] + [counts[-1] + 1])
