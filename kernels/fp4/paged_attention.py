@@ -47,9 +47,11 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, block_si
     out = torch.empty_like(q)
     kp = (k_cache["codes"], k_cache["scales"], k_cache["g"]) if fp4 else (k_cache["rows"],) * 3
     vp = (v_cache["codes"], v_cache["scales"], v_cache["g"]) if fp4 else (v_cache["rows"],) * 3
-    _decode_kernel[(b, hq)](
+    group = hq // hkv
+    _decode_kernel[(b, hkv)](  # one program per (sequence, KV head): its K/V are read once for the group
         q.contiguous(), *kp, *vp, block_tables, seq_lens, out, block_tables.shape[1], scale,
-        HQ=hq, HKV=hkv, D=d, BLOCK_SIZE=block_size, BLOCK_T=16, IS_FP4=fp4, INTERPRET=_interpreting(), num_warps=4,
+        HQ=hq, HKV=hkv, G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK_SIZE=block_size,
+        BLOCK_T=32, IS_FP4=fp4, INTERPRET=_interpreting(), num_warps=4,
     )
     return out
 
@@ -103,30 +105,42 @@ if triton is not None:
 
     @triton.jit
     def _decode_kernel(q_ptr, kc_ptr, ks_ptr, kg_ptr, vc_ptr, vs_ptr, vg_ptr, tables_ptr, lens_ptr, out_ptr,
-                       MAX_BLOCKS, scale, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                       BLOCK_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, IS_FP4: tl.constexpr,
+                       MAX_BLOCKS, scale, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+                       D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, IS_FP4: tl.constexpr,
                        INTERPRET: tl.constexpr):
-        b, hq = tl.program_id(0).to(tl.int64), tl.program_id(1)
-        h = hq // (HQ // HKV)
+        """The G query heads of KV head h of sequence b (padded to G_PAD rows for the MMA),
+        online softmax over BLOCK_T cached tokens at a time."""
+        b, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
         d = tl.arange(0, D)
-        q = tl.load(q_ptr + (b * HQ + hq) * D + d).to(tl.float32)
+        rg = tl.arange(0, G_PAD)
+        g_ok = rg < G
+        q_rows = (b * HQ + h * G + rg)[:, None] * D + d[None, :]
+        q = tl.load(q_ptr + q_rows, mask=g_ok[:, None], other=0.0)
         n = tl.load(lens_ptr + b)
-        m_i = -float("inf")
-        l_i = 0.0
-        acc = tl.zeros((D,), dtype=tl.float32)
+        m_i = tl.full((G_PAD,), -float("inf"), dtype=tl.float32)
+        l_i = tl.zeros((G_PAD,), dtype=tl.float32)
+        acc = tl.zeros((G_PAD, D), dtype=tl.float32)
         for t0 in range(0, n, BLOCK_T):
             t = t0 + tl.arange(0, BLOCK_T)
             ok = t < n
             block = tl.load(tables_ptr + b * MAX_BLOCKS + t // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
             slot = block * BLOCK_SIZE + t % BLOCK_SIZE
             k = _dequant_rows(kc_ptr, ks_ptr, kg_ptr, slot, h, ok, HKV, D, BLOCK_T, IS_FP4, INTERPRET)
-            s = tl.where(ok, tl.sum(k * q[None, :], 1) * scale, -float("inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 0))
-            p = tl.exp(s - m_new)
-            alpha = tl.exp(m_i - m_new)
             v = _dequant_rows(vc_ptr, vs_ptr, vg_ptr, slot, h, ok, HKV, D, BLOCK_T, IS_FP4, INTERPRET)
-            acc = acc * alpha + tl.sum(p[:, None] * v, 0)
-            l_i = l_i * alpha + tl.sum(p, 0)
+            if INTERPRET:  # the interpreter's bf16 dot is unreliable; K and V are BF16 values in fp32
+                s = tl.dot(q.to(tl.float32), tl.trans(k))
+            else:
+                s = tl.dot(q, tl.trans(k.to(tl.bfloat16)))
+            s = tl.where(ok[None, :], s * scale, -float("inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            if INTERPRET:
+                pv = tl.dot(p, v)
+            else:
+                pv = tl.dot(p.to(tl.bfloat16), v.to(tl.bfloat16))
+            acc = acc * alpha[:, None] + pv
+            l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
-        o = acc / l_i
-        tl.store(out_ptr + (b * HQ + hq) * D + d, _bf16_rne(o) if INTERPRET else o.to(tl.bfloat16))
+        o = acc / l_i[:, None]
+        tl.store(out_ptr + q_rows, _bf16_rne(o) if INTERPRET else o.to(tl.bfloat16), mask=g_ok[:, None])
