@@ -127,7 +127,9 @@ if triton is not None:
             slot = block * BLOCK_SIZE + t % BLOCK_SIZE
             k = _dequant_rows(kc_ptr, ks_ptr, kg_ptr, slot, h, ok, HKV, D, BLOCK_T, IS_FP4, INTERPRET)
             v = _dequant_rows(vc_ptr, vs_ptr, vg_ptr, slot, h, ok, HKV, D, BLOCK_T, IS_FP4, INTERPRET)
-            if INTERPRET:  # the interpreter's bf16 dot is unreliable; K and V are BF16 values in fp32
+            if D < 32:  # small heads: CUDA-core products (the MMA path gave wrong results at D=16 on H200)
+                s = tl.sum(q.to(tl.float32)[:, None, :] * k[None, :, :], 2)
+            elif INTERPRET:  # the interpreter's bf16 dot is unreliable; K and V are BF16 values in fp32
                 s = tl.dot(q.to(tl.float32), tl.trans(k))
             else:
                 s = tl.dot(q, tl.trans(k.to(tl.bfloat16)))
@@ -135,7 +137,9 @@ if triton is not None:
             m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
-            if INTERPRET:
+            if D < 32:
+                pv = tl.sum(p[:, :, None] * v[None, :, :], 1)
+            elif INTERPRET:
                 pv = tl.dot(p, v)
             else:
                 pv = tl.dot(p.to(tl.bfloat16), v.to(tl.bfloat16))

@@ -60,7 +60,7 @@ def _cache(lens, hkv, d, block_size, seed):
     return cache, torch.tensor(tables, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32), rows
 
 
-@pytest.mark.parametrize("hq, hkv, d, block_size", [(4, 2, 32, 4), (8, 8, 16, 16), (4, 1, 64, 8)])
+@pytest.mark.parametrize("hq, hkv, d, block_size", [(4, 2, 32, 4), (8, 8, 16, 16), (4, 1, 64, 8), (8, 1, 128, 16)])
 def test_paged_decode_attention_reads_the_fp4_cache(hq, hkv, d, block_size):
     lens = [1, 5, 13, 40]
     cache, tables, seq_lens, rows = _cache(lens, hkv, d, block_size, seed=hq + d)
