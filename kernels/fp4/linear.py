@@ -41,43 +41,55 @@ def fp4_linear(x: torch.Tensor, w: QTensor, *, backend: str = "auto") -> torch.T
 
 
 def fp4_grouped_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, g: torch.Tensor,
-                       counts: list[int], *, backend: str = "auto") -> torch.Tensor:
+                       counts: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     """Rows of x grouped by expert (counts[e] consecutive rows for expert e) times each expert's
     FP4 weight: y[rows of e] = x[rows of e] @ dequantize(W_e)^T.
 
     Args:
-        x: bfloat16 [M, K], M = sum(counts). codes: uint8 [E, N, K/2]; scales: float8_e4m3fn
-            [E, N, K/16]; g: float32 [E], one global scale per expert.
+        x: bfloat16 [M, K]. codes: uint8 [E, N, K/2]; scales: float8_e4m3fn [E, N, K/16];
+            g: float32 [E], one global scale per expert. counts: int64 [E] summing to M, on x's
+            device (the Triton path builds its tile list there, without a host synchronisation).
     Returns:
         bfloat16 [M, N].
     """
     e, n, half_k = codes.shape
-    if x.dim() != 2 or x.shape[1] != 2 * half_k or x.dtype != torch.bfloat16 or len(counts) != e \
-            or sum(counts) != x.shape[0]:
-        raise ValueError(f"fp4_grouped_linear: x {x.dtype} {tuple(x.shape)} and counts (sum {sum(counts)}, "
-                         f"{len(counts)} experts) do not fit weights {tuple(codes.shape)}")
+    m = x.shape[0]
+    if x.dim() != 2 or x.shape[1] != 2 * half_k or x.dtype != torch.bfloat16 or tuple(counts.shape) != (e,):
+        raise ValueError(f"fp4_grouped_linear: x {x.dtype} {tuple(x.shape)} and counts {tuple(counts.shape)} "
+                         f"do not fit weights {tuple(codes.shape)}")
     if not _use_triton(x, backend):
-        y = x.new_empty(x.shape[0], n)
+        sizes = counts.tolist()
+        if sum(sizes) != m:
+            raise ValueError(f"fp4_grouped_linear: counts sum to {sum(sizes)}, x has {m} rows")
+        y = x.new_empty(m, n)
         start = 0
-        for i, c in enumerate(counts):
+        for i, c in enumerate(sizes):
             if c:
                 w = QTensor(codes[i], scales[i], g[i], Format.NVFP4, torch.Size((n, 2 * half_k)))
                 y[start:start + c] = x[start:start + c] @ dequantize(w, torch.bfloat16, backend="torch").T
             start += c
         return y
     k = x.shape[1]
-    block_m = 16 if x.shape[0] <= 16 * e else 64
-    tiles, start = [], 0
-    for i, c in enumerate(counts):  # one tile list on the host: each tile is one expert's rows
-        for t0 in range(start, start + c, block_m):
-            tiles.append((i, t0, min(t0 + block_m, start + c)))
-        start += c
-    y = torch.empty((x.shape[0], n), dtype=torch.bfloat16, device=x.device)
-    if not tiles:
+    block_m = 16 if m <= 16 * e else 64
+    y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+    if m == 0:
         return y
-    tile_info = torch.tensor(tiles, dtype=torch.int32, device=x.device)
+    # Tiles of at most block_m rows of one expert, listed on the device: tile t belongs to the
+    # expert whose cumulative tile count first exceeds t; tiles past the last are empty.
+    counts = counts.to(x.device, torch.int64)
+    row_end = counts.cumsum(0)
+    row_start = row_end - counts
+    n_tiles = (counts + block_m - 1) // block_m
+    tile_end = n_tiles.cumsum(0)
+    max_tiles = triton.cdiv(m, block_m) + e
+    t = torch.arange(max_tiles, device=x.device)
+    expert = torch.searchsorted(tile_end, t, right=True).clamp(max=e - 1)
+    r0 = row_start[expert] + (t - (tile_end - n_tiles)[expert]) * block_m
+    r1 = torch.minimum(r0 + block_m, row_end[expert])
+    r1 = torch.where(t < tile_end[-1], r1, r0)  # past the last tile: no rows
+    tile_info = torch.stack([expert, r0, r1], 1).to(torch.int32).contiguous()
     block_n, block_k = 64, 128 if k % 128 == 0 else 64 if k % 64 == 0 else 32 if k % 32 == 0 else 16
-    _fp4_grouped_kernel[(len(tiles), triton.cdiv(n, block_n))](
+    _fp4_grouped_kernel[(max_tiles, triton.cdiv(n, block_n))](
         x.contiguous(), codes, scales.view(torch.uint8), g.float().contiguous(), tile_info, y, n, k,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, INTERPRET=_interpreting(),
         num_warps=4, enable_fp_fusion=False,

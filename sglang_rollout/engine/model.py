@@ -41,6 +41,28 @@ def _fake_quant_rows(x: torch.Tensor) -> torch.Tensor:
     return dequantize(quantize(x, "nvfp4", scale="row", check_finite=False), x.dtype)
 
 
+class _Batch:
+    """Index tensors of one forward, built once: token ids, positions, cache slots [N], and for
+    decode-only batches the block tables [B, max_blocks] and sequence lengths [B]."""
+
+    def __init__(self, segments: list[Segment], block_size: int, dev):
+        self.segments = segments
+        lengths = [len(s.token_ids) for s in segments]
+        width = max(len(s.block_table) for s in segments)
+        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in segments],
+                              dtype=torch.int32)
+        seg_of = torch.repeat_interleave(torch.arange(len(segments)), torch.tensor(lengths))
+        starts = torch.tensor([s.start for s in segments])
+        first = torch.tensor([0] + lengths[:-1]).cumsum(0)
+        pos = starts[seg_of] + torch.arange(len(seg_of)) - first[seg_of]
+        self.ids = torch.tensor([t for s in segments for t in s.token_ids], device=dev)
+        self.pos = pos.to(dev)
+        self.slots = (tables[seg_of, pos // block_size].long() * block_size + pos % block_size).to(dev)
+        self.decode_only = len(seg_of) == len(segments)
+        self.tables = tables.to(dev)
+        self.lens = (starts + torch.tensor(lengths)).to(torch.int32).to(dev)
+
+
 class ModelRunner:
     """kernels: "torch" (dequantize whole weights, gather and dequantize KV rows, SDPA) or
     "triton" (FP4 GEMMs that dequantize in registers; decode-only batches read the FP4 KV cache
@@ -85,9 +107,8 @@ class ModelRunner:
         """
         cfg, w, dev = self.cfg, self.w, self.w.device
         nq, ng, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        ids = torch.tensor([t for s in segments for t in s.token_ids], device=dev)
-        pos = torch.cat([torch.arange(s.start, s.start + len(s.token_ids)) for s in segments]).to(dev)
-        slots = [self.cache.slots(s.block_table, s.start, s.start + len(s.token_ids)) for s in segments]
+        batch = _Batch(segments, self.cache.block_size, dev)  # index tensors built once per forward
+        ids, pos, slots = batch.ids, batch.pos, batch.slots
         n = ids.numel()
         captured, routed = {}, {}
         x = w.dense("embedding.word_embeddings.weight")[ids]
@@ -107,7 +128,7 @@ class ModelRunner:
                 kq, vq = PagedKVCache.quantize_rows(kk), PagedKVCache.quantize_rows(v)
             else:
                 kq, vq = kk, v
-            ctx = self._attention(L, segments, slots, q, kq, vq)
+            ctx = self._attention(L, batch, q, kq, vq)
             ctx = ctx.reshape(n, nq * d)
             x = x + self._linear(self._site(rows, L, "proj", ctx), p + "self_attention.linear_proj.weight")
             x = x + self._moe(L, p, F.rms_norm(x, (cfg.hidden_size,), w.dense(p + "pre_mlp_layernorm.weight"),
@@ -118,21 +139,16 @@ class ModelRunner:
             x = x[last]
         return (x @ w.dense("output_layer.weight").T).float(), captured, routed
 
-    def _attention(self, L, segments, slots, q, kq, vq):
+    def _attention(self, L, batch, q, kq, vq):
         """Write the segments' K/V into the cache, then attend over each sequence's cache."""
         n, nq, d = q.shape
-        self.cache.write(L, torch.cat(slots), kq, vq)  # the segments' tokens are packed in order
-        decode_only = n == len(segments)
-        if decode_only and self.backend != "torch" and (self.backend == "triton" or q.is_cuda):
-            width = max(len(s.block_table) for s in segments)
-            tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in segments],
-                                  dtype=torch.int32, device=q.device)
-            lens = torch.tensor([s.start + 1 for s in segments], dtype=torch.int32, device=q.device)
-            return paged_decode_attention(q, self.cache.k[L], self.cache.v[L], tables, lens, self.cache.block_size,
-                                          backend="triton")
+        self.cache.write(L, batch.slots, kq, vq)
+        if batch.decode_only and self.backend != "torch" and (self.backend == "triton" or q.is_cuda):
+            return paged_decode_attention(q, self.cache.k[L], self.cache.v[L], batch.tables, batch.lens,
+                                          self.cache.block_size, backend="triton")
         ctx = torch.empty(n, nq, d, dtype=q.dtype, device=q.device)
         offset = 0
-        for seg in segments:
+        for seg in batch.segments:
             m = len(seg.token_ids)
             keys, values = self.cache.read(L, self.cache.slots(seg.block_table, 0, seg.start + m))
             ctx[offset:offset + m] = self._attend(q[offset:offset + m], keys, values, seg.start)
@@ -153,9 +169,8 @@ class ModelRunner:
         if self.fp4:
             return fp4_grouped_linear(x, w.codes, w.scales, w.g, counts, backend=self.backend)
         if x.is_cuda and self.backend != "torch":
-            offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
-            return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
-        return torch.cat([chunk @ w[e].T for e, chunk in enumerate(x.split(counts))])
+            return torch._grouped_mm(x, w.transpose(1, 2), offs=counts.cumsum(0).to(torch.int32))
+        return torch.cat([chunk @ w[e].T for e, chunk in enumerate(x.split(counts.tolist()))])
 
     def _moe(self, L, p, h, rows, routed):
         """Top-k routing, then every (token, slot) row through its expert as two grouped GEMMs
@@ -168,7 +183,7 @@ class ModelRunner:
         routed[L] = top
         order = torch.sort(top.reshape(-1), stable=True).indices
         tok, slot = order // k, order % k
-        counts = torch.bincount(top.reshape(-1), minlength=cfg.num_experts).tolist()
+        counts = torch.bincount(top.reshape(-1), minlength=cfg.num_experts)  # stays on the device
         gate_up = self._experts(self._site(rows, L, "fc1", h)[tok], L, "fc1", counts)
         g_, u_ = gate_up.chunk(2, -1)
         act = F.silu(g_) * u_

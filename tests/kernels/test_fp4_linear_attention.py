@@ -107,10 +107,13 @@ def test_fp4_grouped_linear_is_each_experts_matmul(counts):
     dev = triton_device()
     for backend in ("torch", "triton"):
         on = "cpu" if backend == "torch" else dev
-        y = fp4_grouped_linear(x.to(on), codes.to(on), scales.to(on), gs.to(on), counts, backend=backend).cpu()
+        y = fp4_grouped_linear(x.to(on), codes.to(on), scales.to(on), gs.to(on), torch.tensor(counts, device=on),
+                               backend=backend).cpu()
         if dev == "cpu" or backend == "torch":
             assert torch.equal(y, want), backend
         else:  # other GEMM accumulation order on the GPU: within one bf16 rounding
             torch.testing.assert_close(y.float(), want.float(), atol=1e-2, rtol=2 * BF16_ULP)
+    with pytest.raises(ValueError, match="counts sum to"):
+        fp4_grouped_linear(x, codes, scales, gs, torch.tensor(counts[:-1] + [counts[-1] + 1]))
     with pytest.raises(ValueError, match="do not fit"):
-        fp4_grouped_linear(x, codes, scales, gs, counts[:-1] + [counts[-1] + 1])
+        fp4_grouped_linear(x, codes, scales, gs, torch.tensor(counts[:-1]))
