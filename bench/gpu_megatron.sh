@@ -2,14 +2,7 @@
 # What one two-GPU session runs (device tool, nvidia-h200-x2) for the Megatron integration:
 # the Megatron test file on NCCL (one GPU per rank), then the training-step benchmark on one GPU.
 #   bash bench/gpu_megatron.sh      # wheels (megatron-core, torchao) in .whl/
-set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-rm -rf /tmp/site  # a warm machine keeps the last install; pip would not replace it
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . >/dev/null
-export PYTHONPATH=/tmp/site
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+source bench/gpu_setup.sh
 python3 -c 'import torch, triton, megatron.core as m; print("torch", torch.__version__, "triton", triton.__version__, "megatron-core", m.__version__)'
 python3 -m pytest -q -p no:cacheprovider -rfEs tests/megatron_trace/test_megatron_qat.py \
   "tests/kernels/test_fp4_quantize.py::test_row_shards_with_the_whole_rows_amax_quantize_as_the_whole_rows" \

@@ -3,14 +3,7 @@
 # paged-attention kernel tests on the GPU, an engine generation on CUDA against the CPU engine,
 # then bench/rollout_throughput.py.
 #   bash bench/gpu_rollout.sh       # wheels (torchao) in .whl/
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-rm -rf /tmp/site  # a warm machine keeps the last install; pip would not replace it
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . >/dev/null
-export PYTHONPATH=/tmp/site
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+source bench/gpu_setup.sh
 python3 -m pytest -q -p no:cacheprovider -rfEs tests/kernels/test_fp4_linear_attention.py 2>&1 | tee "$OUT/pytest_rollout_gpu.log" | tail -n 8
 python3 - <<'PY' 2>&1 | tee "$OUT/engine_cuda.log"
 import sys, torch
