@@ -114,8 +114,10 @@ def _fp4_linear_triton(x: torch.Tensor, w: QTensor) -> torch.Tensor:
 
 if triton is not None:
 
+    # K is a compile-time constant (a model dimension): Triton 3.6's interpreter cannot loop to a
+    # runtime bound inside a nested jit function.
     @triton.jit
-    def _fp4_tile_product(acc, x_ptr, codes_ptr, scales_ptr, g, rm, m_ok, rn, n_ok, K,
+    def _fp4_tile_product(acc, x_ptr, codes_ptr, scales_ptr, g, rm, m_ok, rn, n_ok, K: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
         """acc += x[rm, :] @ dequantize(W[rn, :])^T, W's codes/scales at the given pointers."""
         for k0 in range(0, K, BLOCK_K):
@@ -140,7 +142,7 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _fp4_linear_kernel(x_ptr, codes_ptr, scales_ptr, g_ptr, y_ptr, M, N, K,
+    def _fp4_linear_kernel(x_ptr, codes_ptr, scales_ptr, g_ptr, y_ptr, M, N, K: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            INTERPRET: tl.constexpr):
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -154,7 +156,7 @@ if triton is not None:
         tl.store(y_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], y, mask=m_ok[:, None] & n_ok[None, :])
 
     @triton.jit
-    def _fp4_grouped_kernel(x_ptr, codes_ptr, scales_ptr, g_ptr, tiles_ptr, y_ptr, N, K,
+    def _fp4_grouped_kernel(x_ptr, codes_ptr, scales_ptr, g_ptr, tiles_ptr, y_ptr, N, K: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             INTERPRET: tl.constexpr):
         tile, pid_n = tl.program_id(0), tl.program_id(1)

@@ -52,6 +52,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, block_si
         q.contiguous(), *kp, *vp, block_tables, seq_lens, out, block_tables.shape[1], scale,
         HQ=hq, HKV=hkv, G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK_SIZE=block_size,
         BLOCK_T=32, IS_FP4=fp4, INTERPRET=_interpreting(), num_warps=4,
+        # the interpreter (Triton 3.6) needs a Python loop bound; compiled kernels loop to each length
+        MAX_LEN=int(seq_lens.max()) if _interpreting() else 0,
     )
     return out
 
@@ -107,7 +109,7 @@ if triton is not None:
     def _decode_kernel(q_ptr, kc_ptr, ks_ptr, kg_ptr, vc_ptr, vs_ptr, vg_ptr, tables_ptr, lens_ptr, out_ptr,
                        MAX_BLOCKS, scale, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                        D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, IS_FP4: tl.constexpr,
-                       INTERPRET: tl.constexpr):
+                       INTERPRET: tl.constexpr, MAX_LEN: tl.constexpr):
         """The G query heads of KV head h of sequence b (padded to G_PAD rows for the MMA),
         online softmax over BLOCK_T cached tokens at a time."""
         b, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
@@ -120,7 +122,7 @@ if triton is not None:
         m_i = tl.full((G_PAD,), -float("inf"), dtype=tl.float32)
         l_i = tl.zeros((G_PAD,), dtype=tl.float32)
         acc = tl.zeros((G_PAD, D), dtype=tl.float32)
-        for t0 in range(0, n, BLOCK_T):
+        for t0 in range(0, MAX_LEN if INTERPRET else n, BLOCK_T):  # blocks past n are fully masked
             t = t0 + tl.arange(0, BLOCK_T)
             ok = t < n
             block = tl.load(tables_ptr + b * MAX_BLOCKS + t // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
