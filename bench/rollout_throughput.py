@@ -63,6 +63,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--bandwidth", type=float, default=COPY_BANDWIDTH)
     ap.add_argument("--memory-gib", type=float, default=None, help="KV-cache budget (default: 60%% of free memory)")
+    ap.add_argument("--cuda-graphs", action="store_true", help="also time decode replayed as a CUDA graph")
     ap.add_argument("--record", action="store_true")
     args = ap.parse_args()
 
@@ -70,7 +71,7 @@ def main() -> None:
 
     from megatron_trace.model_config import PRESETS
     from sglang_rollout.engine import EngineConfig, TraceEngine
-    from sglang_rollout.engine.model import Segment
+    from sglang_rollout.engine.model import DecodeGraph, Segment
 
     cfg = PRESETS[args.model]
     if args.layers:
@@ -100,31 +101,44 @@ def main() -> None:
                        "date": datetime.date.today().isoformat(), "model": args.model, "layers": cfg.num_layers,
                        "floor_tokens_per_s": batch / floor_seconds(cfg, batch, context, precision == "fp4",
                                                                    args.bandwidth)}
-                if need > engine.cache.allocator.num_free:
-                    row |= {"tokens_per_s": None, "note": f"KV cache does not fit ({need} blocks of {num_blocks})"}
+                if need + 1 > engine.cache.allocator.num_free:
+                    row |= {"tokens_per_s": None, "mode": "eager",
+                            "note": f"KV cache does not fit ({need} blocks of {num_blocks})"}
                     rows.append(row)
                     print(f"{precision:5s} batch {batch:4d} context {context:5d}: does not fit", flush=True)
                     continue
                 tables = [engine.cache.allocator.allocate(need // batch) for _ in range(batch)]
-                times = []
-                for i in tqdm(range(args.warmup + args.steps), desc=f"{precision} b{batch} c{context}", leave=False):
-                    segs = [Segment([1], context + i, t) for t in tables]
-                    if cuda:
-                        torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    engine.runner.forward(segs)
-                    if cuda:
-                        torch.cuda.synchronize()
-                    if i >= args.warmup:
-                        times.append(time.perf_counter() - t0)
+                modes = ["eager"] + (["cuda_graph"] if args.cuda_graphs and cuda else [])
+                for mode in modes:
+                    if mode == "cuda_graph":
+                        (scratch,) = engine.cache.allocator.allocate(1)
+                        graph = DecodeGraph(engine.runner, batch, need // batch, scratch)
+                        step_fn = graph.run
+                    else:
+                        step_fn = engine.runner.forward
+                    times = []
+                    for i in tqdm(range(args.warmup + args.steps), desc=f"{precision} b{batch} c{context} {mode}",
+                                  leave=False):
+                        segs = [Segment([1], context + i, t) for t in tables]
+                        if cuda:
+                            torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        step_fn(segs)
+                        if cuda:
+                            torch.cuda.synchronize()
+                        if i >= args.warmup:
+                            times.append(time.perf_counter() - t0)
+                    if mode == "cuda_graph":
+                        del graph
+                        engine.cache.allocator.release([scratch])
+                    step = statistics.median(times)
+                    r = dict(row, mode=mode, tokens_per_s=batch / step, step_s=step)
+                    rows.append(r)
+                    floor = r["floor_tokens_per_s"]
+                    print(f"{precision:5s} batch {batch:4d} context {context:5d} {mode:10s}: {batch / step:10.1f} "
+                          f"tokens/s (floor {floor:10.1f}; {floor / (batch / step):6.1f}x slower)", flush=True)
                 for t in tables:
                     engine.cache.allocator.release(t)
-                step = statistics.median(times)
-                row |= {"tokens_per_s": batch / step, "step_s": step}
-                rows.append(row)
-                floor = row["floor_tokens_per_s"]
-                print(f"{precision:5s} batch {batch:4d} context {context:5d}: {batch / step:10.1f} tokens/s "
-                      f"(floor {floor:10.1f}; {floor / (batch / step):6.1f}x slower)", flush=True)
         del engine
         if cuda:
             torch.cuda.empty_cache()
@@ -134,13 +148,14 @@ def main() -> None:
         cmd = "python bench/rollout_throughput.py " + " ".join(sys.argv[1:])
         lines = [f"# Decode throughput, {rows[0]['date']}, {gpu}", "", f"`{cmd}`", "",
                  f"{args.model} width, {cfg.num_layers} layers, random weights; floor at {args.bandwidth / 1e12:.2f} TB/s.",
-                 "", "| precision | batch | context | tokens/s | floor tokens/s | floor / measured |",
-                 "|---|---|---|---|---|---|"]
+                 "", "| precision | batch | context | decode | tokens/s | floor tokens/s | floor / measured |",
+                 "|---|---|---|---|---|---|---|"]
         for r in rows:
             tps, floor = r["tokens_per_s"], r["floor_tokens_per_s"]
             measured = "does not fit" if tps is None else f"{tps:.1f}"
             ratio = "" if tps is None else f"{floor / tps:.1f}"
-            lines.append(f"| {r['precision']} | {r['batch']} | {r['context']} | {measured} | {floor:.1f} | {ratio} |")
+            lines.append(f"| {r['precision']} | {r['batch']} | {r['context']} | {r['mode']} | {measured} | {floor:.1f} | "
+                         f"{ratio} |")
         (RESULTS / "rollout_throughput.md").write_text("\n".join(lines) + "\n")
 
 

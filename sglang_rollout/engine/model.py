@@ -61,6 +61,7 @@ class _Batch:
         self.decode_only = len(seg_of) == len(segments)
         self.tables = tables.to(dev)
         self.lens = (starts + torch.tensor(lengths)).to(torch.int32).to(dev)
+        self.last = None if self.decode_only else (torch.tensor(lengths).cumsum(0) - 1).to(dev)
 
 
 class ModelRunner:
@@ -105,10 +106,15 @@ class ModelRunner:
             captured site rows {(layer, site): [R, K]} for `capture_layers` (R = N, or N * kv_heads
             for k/v, N * top_k for fc2), routed experts {layer: int64 [N, top_k]}.
         """
-        cfg, w, dev = self.cfg, self.w, self.w.device
+        batch = _Batch(segments, self.cache.block_size, self.w.device)  # index tensors built once per forward
+        return self.forward_batch(batch, capture_layers, all_logits)
+
+    def forward_batch(self, batch, capture_layers=frozenset(), all_logits: bool = False):
+        """`forward` on prebuilt index tensors (`_Batch` or the static buffers of a `DecodeGraph`).
+        Decode-only batches run without host synchronisation, so they can be graph-captured."""
+        cfg, w = self.cfg, self.w
         nq, ng, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        batch = _Batch(segments, self.cache.block_size, dev)  # index tensors built once per forward
-        ids, pos, slots = batch.ids, batch.pos, batch.slots
+        ids, pos = batch.ids, batch.pos
         n = ids.numel()
         captured, routed = {}, {}
         x = w.dense("embedding.word_embeddings.weight")[ids]
@@ -134,9 +140,8 @@ class ModelRunner:
             x = x + self._moe(L, p, F.rms_norm(x, (cfg.hidden_size,), w.dense(p + "pre_mlp_layernorm.weight"),
                                                cfg.rms_norm_eps), rows, routed)
         x = F.rms_norm(x, (cfg.hidden_size,), w.dense("decoder.final_layernorm.weight"), cfg.rms_norm_eps)
-        if not all_logits:
-            last = torch.tensor([len(s.token_ids) for s in segments], device=dev).cumsum(0) - 1
-            x = x[last]
+        if not all_logits and batch.last is not None:
+            x = x[batch.last]
         return (x @ w.dense("output_layer.weight").T).float(), captured, routed
 
     def _attention(self, L, batch, q, kq, vq):
@@ -183,7 +188,9 @@ class ModelRunner:
         routed[L] = top
         order = torch.sort(top.reshape(-1), stable=True).indices
         tok, slot = order // k, order % k
-        counts = torch.bincount(top.reshape(-1), minlength=cfg.num_experts)  # stays on the device
+        # per-expert row counts, on the device (bincount would synchronise to size its output)
+        counts = torch.zeros(cfg.num_experts, dtype=torch.int64, device=h.device).scatter_add_(
+            0, top.reshape(-1), torch.ones(n * k, dtype=torch.int64, device=h.device))
         gate_up = self._experts(self._site(rows, L, "fc1", h)[tok], L, "fc1", counts)
         g_, u_ = gate_up.chunk(2, -1)
         act = F.silu(g_) * u_
@@ -195,3 +202,50 @@ class ModelRunner:
         out = torch.zeros_like(h)
         out.index_add_(0, tok, (y * gate[tok, slot, None]).to(h.dtype))
         return out
+
+
+class DecodeGraph:
+    """One decode step for a fixed batch size, captured as a CUDA graph.
+
+    Token ids, positions, cache slots, block tables [B, max_blocks] and lengths live in static
+    buffers that `run` fills before each replay; the outputs (logits, routed experts) are the
+    graph's static outputs, overwritten by the next replay. Warm-up and capture write K/V only
+    into `scratch_block`, a cache block reserved for it.
+    """
+
+    def __init__(self, runner: ModelRunner, batch_size: int, max_blocks: int, scratch_block: int):
+        dev = runner.w.device
+        bs = runner.cache.block_size
+        self.runner, self.batch_size, self.max_blocks, self.scratch = runner, batch_size, max_blocks, scratch_block
+        self.ids = torch.zeros(batch_size, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(batch_size, dtype=torch.long, device=dev)
+        self.slots = torch.full((batch_size,), scratch_block * bs, dtype=torch.long, device=dev)
+        self.tables = torch.full((batch_size, max_blocks), scratch_block, dtype=torch.int32, device=dev)
+        self.lens = torch.ones(batch_size, dtype=torch.int32, device=dev)
+        self.decode_only, self.last = True, None
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # compile the Triton kernels and warm the allocator
+            for _ in range(2):
+                runner.forward_batch(self)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits, _, self.routed = runner.forward_batch(self)
+
+    def run(self, segments: list[Segment]):
+        """(logits [len(segments), V], routed experts) of one decode step of these sequences;
+        fewer sequences than the batch size are padded with the scratch block."""
+        n, bs = len(segments), self.runner.cache.block_size
+        if n > self.batch_size or any(len(s.token_ids) != 1 or len(s.block_table) > self.max_blocks for s in segments):
+            raise ValueError(f"DecodeGraph({self.batch_size}, max_blocks={self.max_blocks}) cannot run this batch")
+        pos = [s.start for s in segments] + [0] * (self.batch_size - n)
+        tables = [s.block_table + [self.scratch] * (self.max_blocks - len(s.block_table)) for s in segments]
+        tables += [[self.scratch] * self.max_blocks] * (self.batch_size - n)
+        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)]
+        for buf, vals in ((self.ids, [s.token_ids[0] for s in segments] + [0] * (self.batch_size - n)),
+                          (self.pos, pos), (self.slots, slots), (self.lens, [p + 1 for p in pos])):
+            buf.copy_(torch.tensor(vals, dtype=buf.dtype), non_blocking=True)
+        self.tables.copy_(torch.tensor(tables, dtype=torch.int32), non_blocking=True)
+        self.graph.replay()
+        return self.logits[:n], {layer: t[:n] for layer, t in self.routed.items()}
