@@ -4,7 +4,7 @@
 # then bench/rollout_throughput.py.
 #   bash bench/gpu_rollout.sh       # wheels (torchao) in .whl/
 source bench/gpu_setup.sh
-python3 -m pytest -q -p no:cacheprovider -rfEs tests/kernels/test_fp4_linear_attention.py 2>&1 | tee "$OUT/pytest_rollout_gpu.log" | tail -n 8
+python3 -m pytest -q -p no:cacheprovider -rfEs tests/kernels/test_fp4_linear_attention.py tests/sglang_rollout/test_engine_gpu.py 2>&1 | tee "$OUT/pytest_rollout_gpu.log" | tail -n 8
 python3 - <<'PY' 2>&1 | tee "$OUT/engine_cuda.log"
 import sys, torch
 sys.path.insert(0, ".")
@@ -24,6 +24,6 @@ for a, b in zip(outs["cpu"].samples, outs["cuda"].samples):
           float((a.logprobs - b.logprobs).abs().max()) if a.tokens == b.tokens else None)
 print("guidance bytes cpu/cuda:", outs["cpu"].guidance.nbytes, outs["cuda"].guidance.nbytes)
 PY
-python3 bench/rollout_throughput.py ${ROLLOUT_ARGS:---model qwen3-30b-a3b --layers 4 --steps 5 --warmup 2 --record} \
+python3 bench/rollout_throughput.py ${ROLLOUT_ARGS:---model qwen3-30b-a3b --layers 4 --steps 5 --warmup 2 --cuda-graphs --record} \
   2>&1 | tee "$OUT/rollout_throughput.log" | grep -v -e '%|'
 cp bench/results/rollout_throughput.* "$OUT/" 2>/dev/null || true
