@@ -41,10 +41,14 @@ SITES = ("qkv", "k", "v", "proj", "fc1", "fc2")
 
 
 class _PromptJob:
-    """A prompt to prefill and the samples that fork from it."""
+    """A prompt to prefill and the samples that fork from it. `blocks` is its worst case: the
+    prompt's blocks during prefill plus each sample's own blocks at full length; jobs are only
+    admitted while the worst cases of all admitted jobs fit the cache, so a running sequence
+    never finds the cache full."""
 
-    def __init__(self, prompt: Sequence, children: list[Sequence], records_prompt: bool):
-        self.prompt, self.children, self.records_prompt = prompt, children, records_prompt
+    def __init__(self, prompt: Sequence, children: list[Sequence], records_prompt: bool, blocks: int):
+        self.prompt, self.children, self.records_prompt, self.blocks = prompt, children, records_prompt, blocks
+        self.unfinished = len(children)
 
 
 class TraceEngine:
@@ -59,6 +63,7 @@ class TraceEngine:
         self.runner = ModelRunner(model, self.weights, self.cache, fp4, config.kernels)
         self.guided_layers = frozenset(LayerPolicy.parse(config.guide).select(model.num_layers))
         self.weight_version = -1
+        self._committed = 0  # worst-case KV blocks of the admitted jobs
 
     # -- weights ------------------------------------------------------------------------------
     def update_weights(self, state_dict, version: int) -> None:
@@ -104,10 +109,18 @@ class TraceEngine:
             groups = [children] if self.share_prompts else [[c] for c in children]
             for i, kids in enumerate(groups):
                 prompt = Sequence(f"{req.group_id}/prompt{i}", req.group_id, list(req.prompt_ids), len(req.prompt_ids))
-                jobs.append(_PromptJob(prompt, kids, records_prompt=i == 0))
+                job = _PromptJob(prompt, kids, i == 0, self._worst_blocks(len(req.prompt_ids), len(kids), sampling))
+                for kid in kids:
+                    kid.job = job
+                jobs.append(job)
         guidance = GuidanceBatch()
         self._run(jobs, sampling, guidance, results)
         return RolloutOutput([results[sid] for sid in order], guidance)
+
+    def _worst_blocks(self, prompt_len: int, samples: int, sampling: SamplingParams) -> int:
+        bs = self.config.block_size
+        own = math.ceil((prompt_len + sampling.max_new_tokens) / bs) - (prompt_len // bs if self.share_prompts else 0)
+        return math.ceil(prompt_len / bs) + samples * own
 
     def _check_request(self, req: GroupRequest, sampling: SamplingParams) -> str | None:
         n = len(req.prompt_ids)
@@ -122,6 +135,12 @@ class TraceEngine:
         if n + sampling.max_new_tokens > limit:
             return (f"prompt of {n} tokens + max_new_tokens {sampling.max_new_tokens} exceeds the context "
                     f"of {limit} tokens")
+        if n > self.config.max_batch_tokens:
+            return f"prompt of {n} tokens exceeds max_batch_tokens={self.config.max_batch_tokens}"
+        per_job = req.n if self.share_prompts else 1
+        need = self._worst_blocks(n, per_job, sampling)
+        if need > self.config.num_blocks:
+            return f"{per_job} samples of this prompt need up to {need} KV blocks; the cache holds {self.config.num_blocks}"
         return None
 
     def _ensure_blocks(self, seq: Sequence, upto: int) -> None:
@@ -139,25 +158,16 @@ class TraceEngine:
                 segments.append(Segment([seq.tokens[-1]], seq.num_tokens - 1, seq.block_table))
                 owners.append(seq)
             budget = self.config.max_batch_tokens - len(segments)
-            admitted = []
-            while jobs and len(jobs[0].prompt.tokens) <= budget:
-                job = jobs[0]
-                blocks = math.ceil(job.prompt.num_tokens / bs) + len(job.children)
-                if blocks > self.cache.allocator.num_free:
-                    if not running and not admitted:
-                        raise MemoryError(f"a prompt of {job.prompt.num_tokens} tokens with {len(job.children)} "
-                                          f"samples needs {blocks} KV blocks; the cache has "
-                                          f"{self.cache.allocator.num_free} free")
-                    break
-                jobs.popleft()
+            while jobs and len(jobs[0].prompt.tokens) <= budget and \
+                    self._committed + jobs[0].blocks <= self.config.num_blocks:
+                job = jobs.popleft()
+                self._committed += job.blocks
                 self._ensure_blocks(job.prompt, job.prompt.num_tokens)
                 segments.append(Segment(job.prompt.tokens, 0, job.prompt.block_table))
                 owners.append(job)
                 budget -= job.prompt.num_tokens
-                admitted.append(job)
-            if not segments:
-                raise RuntimeError(f"a prompt longer than max_batch_tokens={self.config.max_batch_tokens} cannot be "
-                                   "prefilled")
+            if not segments:  # _check_request keeps every job admissible into an empty engine
+                raise RuntimeError("the scheduler found no work it could run")
             logits, captured, routed = self.runner.forward(segments, self.guided_layers)
             # one device-to-host copy per layer and site, not one per sequence
             captured = {key: t.cpu() for key, t in captured.items()}
@@ -219,6 +229,9 @@ class TraceEngine:
     def _finish(self, seq: Sequence, results, guidance) -> None:
         self.cache.allocator.release(seq.block_table)
         seq.block_table = []
+        seq.job.unfinished -= 1
+        if seq.job.unfinished == 0:
+            self._committed -= seq.job.blocks
         results[seq.seq_id] = SampleResult(seq.seq_id, seq.group_id, seq.prompt_len, seq.response,
                                            torch.tensor(seq.logprobs, dtype=torch.float32), seq.finish_reason,
                                            self.weight_version)

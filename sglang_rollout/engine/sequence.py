@@ -32,6 +32,7 @@ class Sequence:
     # per (layer, site): list of row chunks [r, K] of this sequence's tokens, in token order
     rows: dict = field(default_factory=dict)
     experts: dict = field(default_factory=dict)  # layer -> list of [r, top_k]
+    job: object = None  # the prompt job a sample forked from
 
     @property
     def num_tokens(self) -> int:

@@ -144,6 +144,17 @@ def test_bad_requests_fail_alone_with_a_reason(sd):
     assert "outside the vocabulary" in reasons["oov"] and "999" in reasons["oov"]
     assert "exceeds the context" in reasons["long"]
     assert reasons["empty"] == "empty prompt"
+    # a small cache: requests queue for blocks instead of failing; one that can never fit fails alone
+    small = TraceEngine(CFG, EngineConfig(precision="bf16", block_size=4, num_blocks=12, max_batch_tokens=8))
+    small.update_weights(sd, 0)
+    out = small.generate([GroupRequest("a", (1, 2, 3), n=2), GroupRequest("b", (4, 5, 6, 7, 8), n=2),
+                          GroupRequest("huge", (1, 2, 3), n=9), GroupRequest("wide", tuple(range(9)), n=1)],
+                         SamplingParams(max_new_tokens=6))
+    reasons = {s.group_id: s.error for s in out.samples}
+    assert reasons["a"] is None and reasons["b"] is None
+    assert all(len(s.tokens) == 6 for s in out.samples if s.group_id in ("a", "b"))
+    assert "need up to" in reasons["huge"] and "max_batch_tokens" in reasons["wide"]
+    assert small.cache.allocator.num_free == 12 and small._committed == 0
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0)
     with pytest.raises(ValueError, match="precision"):
