@@ -1,0 +1,1 @@
+"""RL on top of the trainer and the engine: mismatch metrics and the mismatch experiment."""
