@@ -23,7 +23,8 @@ def test_metrics_by_hand():
     assert m["log_ppl_diff"] == pytest.approx(((-1.75 + 1.5) + (-0.1 + 0.5)) / 2, rel=1e-12)
     assert m["train_rollout_logprob_abs_diff"] == pytest.approx(0.3, rel=1e-12)
     assert m["is_ratio_clip_frac"] == 0.0 and m["tokens"] == 3
-    assert mismatch_metrics(train, rollout, clip=1.5)["is_ratio_clip_frac"] == pytest.approx(2 / 3)
+    assert mismatch_metrics(train, rollout, clip=1.5)["is_ratio_clip_frac"] == pytest.approx(1 / 3)  # e^0.5 > 1.5
+    assert mismatch_metrics(train, rollout, clip=1.4)["is_ratio_clip_frac"] == pytest.approx(2 / 3)  # e^-0.4 < 1/1.4
 
 
 def test_identical_policies_have_no_mismatch_and_bad_input_is_refused():
