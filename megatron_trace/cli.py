@@ -1,0 +1,118 @@
+"""`trace-rl`: the command line. Subcommands so far: `mismatch` (the headline experiment).
+
+The rollout backend is named by dotted path (`--engine module:Class`), so this package does not
+import the rollout side (the layering is kernels <- megatron_trace <- sglang_rollout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+import torch
+
+DEFAULT_ENGINE = "sglang_rollout.engine:TraceEngine"
+
+
+def _load(path: str):
+    module, _, name = path.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise SystemExit(f"--engine {path!r}: cannot import it ({e})") from None
+
+
+def _init_one_process() -> None:
+    """torch.distributed with one rank (gloo, or NCCL on a GPU) and Megatron's parallel state."""
+    import torch.distributed as dist
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from .megatron.cpu_patches import initialize_model_parallel_cpu
+
+    if not dist.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if torch.cuda.is_available():
+            torch.cuda.set_device(0)
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    initialize_model_parallel_cpu()  # patches only without CUDA
+
+
+def mismatch_main(args: argparse.Namespace) -> dict:
+    from .megatron.model import build_model
+    from .megatron.weights import load_full_state_dict
+    from .model_config import PRESETS
+    from .rl.mismatch import MODES, run_mismatch
+    from .rollout import SamplingParams
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise SystemExit(f"--modes: unknown {bad}; choose from {','.join(MODES)}")
+    if args.model not in PRESETS:
+        raise SystemExit(f"--model: unknown preset {args.model!r}; choose from {sorted(PRESETS)}")
+    cfg = PRESETS[args.model]
+    engine_cls = _load(args.engine)
+    from sglang_rollout.engine import EngineConfig  # noqa: F401 - checked by _load's import above
+
+    _init_one_process()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(args.seed)
+    trainer = build_model(cfg, "bf16", grouped_gemm=True)
+    state_dict = {k: v.detach().to("cpu", copy=True) for k, v in trainer.state_dict().items()
+                  if not k.endswith("_extra_state")}  # the seeded random initialisation
+    load_full_state_dict(trainer, state_dict)
+    prompts = [tuple(torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=gen).tolist())
+               for _ in range(args.prompts)]
+
+    def make_engine(precision, guide, coding):
+        config_cls = importlib.import_module(args.engine.partition(":")[0]).EngineConfig
+        return engine_cls(cfg, config_cls(precision=precision, guide=guide, coding=coding, device=device,
+                                          model_id=args.model, num_blocks=4096))
+
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, seed=args.seed)
+    results = run_mismatch(trainer, make_engine, state_dict, prompts, modes=modes, guide=args.guide,
+                           coding=args.coding, samples_per_prompt=args.samples, sampling=sampling)
+    cols = ["k3_kl", "train_rollout_logprob_abs_diff", "flip_rate", "residual_flip_rate", "guidance_bits_per_element"]
+    print(f"{'mode':8s} " + " ".join(f"{c:>31s}" for c in cols))
+    for mode, m in results.items():
+        print(f"{mode:8s} " + " ".join(f"{m[c]:31.3g}" if c in m else f"{'-':>31s}" for c in cols))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(args.json).with_suffix(".tmp")
+        tmp.write_text(json.dumps(results, indent=1, default=str) + "\n")
+        tmp.replace(args.json)  # never a half-written file
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="trace-rl", description="TRACE: FP4 RL of MoE models")
+    sub = ap.add_subparsers(dest="command", required=True)
+    mm = sub.add_parser("mismatch", help="engine vs trainer log-prob mismatch per precision mode")
+    mm.add_argument("--model", default="tiny", help="model preset (random weights, seeded)")
+    mm.add_argument("--modes", default="bf16,fp4,fp4-qat,trace")
+    mm.add_argument("--guide", default="all", help="trace mode's layer policy: all, deep:K, layers:i,j, none")
+    mm.add_argument("--coding", default="dense", choices=["dense", "sparse"])
+    mm.add_argument("--seed", type=int, default=0, help="weights, prompts and sampling")
+    mm.add_argument("--prompts", type=int, default=4)
+    mm.add_argument("--prompt-len", type=int, default=16)
+    mm.add_argument("--samples", type=int, default=2, help="samples per prompt")
+    mm.add_argument("--max-new-tokens", type=int, default=24)
+    mm.add_argument("--engine", default=DEFAULT_ENGINE, help="rollout backend class, module:Class")
+    mm.add_argument("--json", default=None, help="write {mode: metrics} here")
+    args = ap.parse_args(argv)
+    torch.manual_seed(getattr(args, "seed", 0))
+    if args.command == "mismatch":
+        mismatch_main(args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,139 @@
+"""The mismatch experiment: one rollout and one training forward per precision mode.
+
+Modes (engine / trainer):
+    bf16     BF16 engine   / BF16 trainer
+    fp4      FP4 engine    / BF16 trainer (no QAT)
+    fp4-qat  FP4 engine    / FP4 QAT trainer, round to nearest
+    trace    FP4 engine    / FP4 QAT trainer following the engine's guidance
+Every mode replays the engine's routing (rollout routing replay), so the numbers isolate the
+rounding. Flip rates compare, at every FP4 site of every layer, the trainer's codes with the
+engine's (from dense guidance captured for all layers): an element counts as flipped when its
+mantissa bit or its block scale differs (adjacent E2M1 codes always differ in that bit).
+The trainer must be a one-process Megatron model (tensor, expert and pipeline parallel size 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from trace_kernels.fp4 import quantize, unpack_bits, unpack_codes
+
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from ..megatron import qat
+from ..megatron.context import MicroBatchGuidance
+from ..megatron.model import set_precision, token_logprobs
+from ..rollout import GroupRequest, SamplingParams
+from .metrics import mismatch_metrics
+
+MODES = ("bf16", "fp4", "fp4-qat", "trace")
+ENGINE_PRECISION = {"bf16": "bf16", "fp4": "fp4", "fp4-qat": "fp4", "trace": "fp4"}
+TRAINER_PRECISION = {"bf16": "bf16", "fp4": "bf16", "fp4-qat": "fp4", "trace": "trace"}
+
+
+@dataclass
+class _FlipCounter:
+    """Observer counting, per layer, elements whose trainer code disagrees with the engine's."""
+
+    reference: MicroBatchGuidance
+    rne: dict
+    actual: dict
+    total: dict
+
+    def __call__(self, site, x, q, guidance):
+        ref = self.reference.site(site.layer, site.name)
+        if ref is None:
+            return
+        rows = torch.arange(x.shape[0], device=x.device)
+        if site.name == "fc2":  # dispatched rows: expert-major, tokens ascending -> (token, slot)
+            if not site.all_experts:
+                raise ValueError("the mismatch experiment needs the grouped-GEMM experts (build_model(grouped_gemm=True))")
+            top = self.reference.routed_experts[site.layer].to(x.device)
+            rows = torch.sort(top.reshape(-1), stable=True).indices
+        ref = ref.select_rows(rows).to(x.device)
+        ref_bits = unpack_bits(ref.bits).reshape(x.shape)
+        own = quantize(x, "nvfp4", scale="row", check_finite=False)
+        for store, qt in ((self.rne, own), (self.actual, q)):
+            bits = unpack_codes(qt.codes) & 1
+            scale_diff = (qt.block_scales.view(torch.uint8) != ref.scales).repeat_interleave(16, dim=1)
+            store[site.layer] = store.get(site.layer, 0) + int(((bits != ref_bits) | scale_diff).sum())
+        self.total[site.layer] = self.total.get(site.layer, 0) + x.numel()
+
+
+def run_mismatch(trainer, make_engine, state_dict, prompts: list[tuple[int, ...]], *, modes=MODES,
+                 guide: str = "all", coding: str = "dense", samples_per_prompt: int = 2,
+                 sampling: SamplingParams = SamplingParams(max_new_tokens=16)) -> dict[str, dict]:
+    """{mode: metrics} for each mode (see module docstring).
+
+    Args:
+        trainer: a one-process TraceGPTModel holding `state_dict`'s weights.
+        make_engine(precision, guide, coding) -> a RolloutBackend (weights not yet loaded).
+        state_dict: full Megatron state dict, loaded into each engine.
+        prompts: token ids of each prompt; each gets `samples_per_prompt` samples.
+        guide / coding: the guidance the trace mode applies (layer policy, "dense"/"sparse").
+    Returns:
+        per mode: mismatch_metrics' keys plus flip_rate, residual_flip_rate (trace only),
+        flip_rate_by_layer and guidance_bits_per_element (trace only).
+    """
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise ValueError(f"unknown mismatch modes {bad}; choose from {MODES}")
+    requests = [GroupRequest(f"p{i}", tuple(p), samples_per_prompt) for i, p in enumerate(prompts)]
+    dev = next(trainer.parameters()).device
+    results = {}
+    for mode in modes:
+        fp4 = ENGINE_PRECISION[mode] == "fp4"
+        engine = make_engine(ENGINE_PRECISION[mode], "all" if fp4 else "none", "dense")
+        engine.update_weights(state_dict, 0)
+        out = engine.generate(requests, sampling)
+        errors = [s.error for s in out.samples if s.error]
+        if errors:
+            raise ValueError(f"rollout failed: {errors[0]}")
+        ids = [s.sample_id for s in out.samples]
+        reference = MicroBatchGuidance.from_batch(out.guidance, ids)
+        applied, bits = None, None
+        if mode == "trace":
+            batch = out.guidance
+            if (guide, coding) != ("all", "dense"):  # the same samples again, recorded as configured
+                engine = make_engine("fp4", guide, coding)
+                engine.update_weights(state_dict, 0)
+                batch = engine.generate(requests, sampling).guidance
+            applied = MicroBatchGuidance.from_batch(batch, ids)
+            records = [r for o in (*batch.groups.values(), *batch.samples.values()) for r in o.records.values()]
+            elems = sum(r.header.rows * r.header.cols for r in records)
+            bits = 8 * sum(r.nbytes for r in records) / elems if elems else 0.0
+        replay_only = MicroBatchGuidance(reference.num_tokens, routed_experts=reference.routed_experts)
+        counter = _FlipCounter(reference, {}, {}, {})
+        seqs = [torch.tensor(list(requests[int(s.group_id[1:])].prompt_ids) + s.tokens) for s in out.samples]
+        tokens = torch.cat(seqs)[None].to(dev)
+        positions = torch.cat([torch.arange(len(q)) for q in seqs])[None].to(dev)
+        cu = torch.tensor([0] + [len(q) for q in seqs]).cumsum(0).int().to(dev)
+        psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                              max_seqlen_q=max(map(len, seqs)), max_seqlen_kv=max(map(len, seqs)))
+        set_precision(trainer, TRAINER_PRECISION[mode])
+        if fp4 and TRAINER_PRECISION[mode] != "bf16":
+            qat.observers.append(counter)
+        try:
+            with torch.no_grad():
+                lp = token_logprobs(trainer, tokens, positions, torch.roll(tokens, -1, 1), packed_seq_params=psp,
+                                    guidance=(applied if applied is not None else replay_only).to(dev))
+        finally:
+            qat.observers.clear()
+        lp = lp.reshape(-1).cpu()
+        train, offset = [], 0
+        for s, q in zip(out.samples, seqs, strict=True):
+            train.append(lp[offset + s.prompt_len - 1: offset + len(q) - 1])
+            offset += len(q)
+        m = mismatch_metrics(train, [s.logprobs for s in out.samples])
+        total = sum(counter.total.values())
+        if total:
+            m["flip_rate"] = sum(counter.rne.values()) / total
+            m["flip_rate_by_layer"] = {layer: counter.rne[layer] / n for layer, n in sorted(counter.total.items())}
+            if mode == "trace":
+                m["residual_flip_rate"] = sum(counter.actual.values()) / total
+        if bits is not None:
+            m["guidance_bits_per_element"] = bits
+        results[mode] = m
+    return results
+
