@@ -61,7 +61,6 @@ def mismatch_main(args: argparse.Namespace) -> dict:
         raise SystemExit(f"--model: unknown preset {args.model!r}; choose from {sorted(PRESETS)}")
     cfg = PRESETS[args.model]
     engine_cls = _load(args.engine)
-    from sglang_rollout.engine import EngineConfig  # noqa: F401 - checked by _load's import above
 
     _init_one_process()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -106,7 +105,8 @@ def main(argv: list[str] | None = None) -> None:
     mm.add_argument("--prompt-len", type=int, default=16)
     mm.add_argument("--samples", type=int, default=2, help="samples per prompt")
     mm.add_argument("--max-new-tokens", type=int, default=24)
-    mm.add_argument("--engine", default=DEFAULT_ENGINE, help="rollout backend class, module:Class")
+    mm.add_argument("--engine", default=DEFAULT_ENGINE,
+                    help="rollout backend class, module:Class; the module also exports its EngineConfig")
     mm.add_argument("--json", default=None, help="write {mode: metrics} here")
     args = ap.parse_args(argv)
     torch.manual_seed(getattr(args, "seed", 0))
