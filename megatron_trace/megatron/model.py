@@ -161,6 +161,22 @@ def set_precision(model: torch.nn.Module, precision: Precision | str) -> None:
             m.precision = precision  # its fc1_input site is among fp4_sites
 
 
+def pack_sequences(seqs: list[torch.Tensor], device=None):
+    """Sequences of token ids packed into one THD micro-batch.
+
+    Returns (input_ids int64 [1, T], position_ids int64 [1, T] restarting at each sequence,
+    PackedSeqParams with cu_seqlens int32 [len(seqs) + 1]).
+    """
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    ids = torch.cat(seqs)[None].to(device)
+    pos = torch.cat([torch.arange(len(s)) for s in seqs])[None].to(device)
+    cu = torch.tensor([0] + [len(s) for s in seqs]).cumsum(0).int().to(device)
+    longest = max(len(s) for s in seqs)
+    return ids, pos, PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                                     max_seqlen_kv=longest)
+
+
 def token_logprobs(model: TraceGPTModel, input_ids: torch.Tensor, position_ids: torch.Tensor,
                    targets: torch.Tensor, **forward_kwargs) -> torch.Tensor:
     """log p(targets[b, s] | input_ids[b, :s+1]) under the model, float32 [B, S].

@@ -19,11 +19,9 @@ from dataclasses import dataclass
 import torch
 from trace_kernels.fp4 import quantize, unpack_bits, unpack_codes
 
-from megatron.core.packed_seq_params import PackedSeqParams
-
 from ..megatron import qat
 from ..megatron.context import MicroBatchGuidance
-from ..megatron.model import set_precision, token_logprobs
+from ..megatron.model import pack_sequences, set_precision, token_logprobs
 from ..rollout import GroupRequest, SamplingParams
 from .metrics import mismatch_metrics
 
@@ -106,11 +104,7 @@ def run_mismatch(trainer, make_engine, state_dict, prompts: list[tuple[int, ...]
         replay_only = MicroBatchGuidance(reference.num_tokens, routed_experts=reference.routed_experts)
         counter = _FlipCounter(reference, {}, {}, {})
         seqs = [torch.tensor(list(requests[int(s.group_id[1:])].prompt_ids) + s.tokens) for s in out.samples]
-        tokens = torch.cat(seqs)[None].to(dev)
-        positions = torch.cat([torch.arange(len(q)) for q in seqs])[None].to(dev)
-        cu = torch.tensor([0] + [len(q) for q in seqs]).cumsum(0).int().to(dev)
-        psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                              max_seqlen_q=max(map(len, seqs)), max_seqlen_kv=max(map(len, seqs)))
+        tokens, positions, psp = pack_sequences(seqs, dev)
         set_precision(trainer, TRAINER_PRECISION[mode])
         if fp4 and TRAINER_PRECISION[mode] != "bf16":
             qat.observers.append(counter)

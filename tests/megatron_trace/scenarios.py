@@ -91,14 +91,9 @@ def device() -> torch.device:
 
 
 def packed_inputs(seqs):
-    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron_trace.megatron.model import pack_sequences
 
-    ids = torch.cat(seqs)[None].to(device())
-    pos = torch.cat([torch.arange(len(s)) for s in seqs])[None].to(device())
-    cu = torch.tensor([0] + [len(s) for s in seqs]).cumsum(0).int().to(device())
-    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                          max_seqlen_q=max(len(s) for s in seqs), max_seqlen_kv=max(len(s) for s in seqs))
-    return ids, pos, psp
+    return pack_sequences(seqs, device())
 
 
 class CodeChecker:
