@@ -1,0 +1,76 @@
+"""GRPO: group-normalised advantages, the clipped policy loss (DAPO's clip-higher as an option)
+and the rollout corrections for the train-rollout mismatch.
+
+Shapes: T tokens of a micro-batch (response tokens only, packed), N samples; `sample_of` int64
+[T] names each token's sample. Loss aggregation is token-mean over the kept tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CORRECTIONS = ("none", "tis", "mis")
+
+
+def grpo_advantages(rewards: torch.Tensor, group_size: int, *, eps: float = 1e-6,
+                    normalize_std: bool = True) -> torch.Tensor:
+    """(r - mean of its group) / (std of its group + eps), groups of `group_size` consecutive
+    samples. rewards: float [N] with N a multiple of group_size. Returns float32 [N]."""
+    if rewards.dim() != 1 or group_size < 1 or rewards.numel() % group_size:
+        raise ValueError(f"grpo_advantages: {tuple(rewards.shape)} rewards do not form groups of {group_size}")
+    r = rewards.double().view(-1, group_size)
+    adv = r - r.mean(1, keepdim=True)
+    if normalize_std and group_size > 1:
+        adv = adv / (r.std(1, keepdim=True) + eps)  # unbiased std, as GRPO's reference code
+    return adv.reshape(-1).float()
+
+
+def rollout_correction(logp_train_old: torch.Tensor, logp_rollout: torch.Tensor, sample_of: torch.Tensor,
+                       mode: str = "none", threshold: float = 2.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token importance weights and keep mask correcting for the rollout policy, as verl names them.
+
+    r = logp_train_old - logp_rollout (the trainer's log-probs before the update against the engine's).
+    none: weight 1, all kept.
+    tis:  token-level truncated IS, weight min(exp(r), threshold), all kept.
+    mis:  sequence-level masked IS, weight exp(sum of the sample's r) for samples whose sequence
+          ratio lies in [1 / threshold, threshold]; the others are rejected (kept = False: out of
+          both the loss and its token count).
+    Returns (weights float32 [T], no gradient; keep bool [T]).
+    """
+    if mode not in CORRECTIONS:
+        raise ValueError(f"unknown rollout correction {mode!r}; choose from {CORRECTIONS}")
+    if not (logp_train_old.shape == logp_rollout.shape == sample_of.shape) or logp_rollout.dim() != 1:
+        raise ValueError("rollout_correction: log-probs and sample ids must all be [T]")
+    r = (logp_train_old.double() - logp_rollout.double()).detach()
+    if mode == "none":
+        return torch.ones_like(r, dtype=torch.float32), torch.ones_like(r, dtype=torch.bool)
+    if mode == "tis":
+        return r.exp().clamp(max=threshold).float(), torch.ones_like(r, dtype=torch.bool)
+    n = int(sample_of.max()) + 1
+    seq_log_ratio = torch.zeros(n, dtype=torch.float64, device=r.device).index_add_(0, sample_of, r)
+    seq_ratio = seq_log_ratio.exp()
+    keep = (seq_ratio >= 1 / threshold) & (seq_ratio <= threshold)
+    return seq_ratio[sample_of].float(), keep[sample_of]
+
+
+def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, *,
+                clip_low: float = 0.2, clip_high: float | None = None, weights: torch.Tensor | None = None,
+                keep: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO-clip policy loss, token mean over kept tokens.
+
+    ratio = exp(logp - logp_old); per token max(-A ratio, -A clip(ratio, 1 - clip_low, 1 + clip_high))
+    times the rollout-correction weight. clip_high defaults to clip_low (DAPO's clip-higher sets
+    it larger). All inputs [T]; advantages per token. Returns (loss, {"clip_frac", "kept_frac"}).
+    """
+    clip_high = clip_low if clip_high is None else clip_high
+    weights = torch.ones_like(logp) if weights is None else weights
+    keep = torch.ones_like(logp, dtype=torch.bool) if keep is None else keep
+    ratio = (logp - logp_old.detach()).exp()
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
+    per_token = torch.maximum(unclipped, clipped) * weights
+    kept = keep.to(per_token.dtype)
+    denom = kept.sum().clamp(min=1)
+    loss = (per_token * kept).sum() / denom
+    clip_frac = float(((clipped > unclipped) & keep).sum() / denom)
+    return loss, {"clip_frac": clip_frac, "kept_frac": float(kept.mean())}

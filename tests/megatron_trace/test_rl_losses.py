@@ -1,0 +1,58 @@
+"""GRPO advantages, rollout corrections and the clipped policy loss against float64 by hand."""
+
+import math
+import statistics
+
+import pytest
+import torch
+
+from megatron_trace.rl.losses import grpo_advantages, policy_loss, rollout_correction
+
+
+def test_grpo_advantages_normalise_within_each_group():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 5.0])
+    adv = grpo_advantages(rewards, group_size=4)
+    for g, rs in enumerate(([1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 5.0])):
+        mu, sd = statistics.mean(rs), statistics.stdev(rs)
+        assert adv[4 * g:4 * g + 4].tolist() == pytest.approx([(r - mu) / (sd + 1e-6) for r in rs], rel=1e-6)
+    assert grpo_advantages(torch.ones(4), 2).abs().max() == 0  # equal rewards: no signal
+    assert grpo_advantages(rewards, 4, normalize_std=False)[7] == pytest.approx(5 - 2.75)
+    with pytest.raises(ValueError, match="groups of 3"):
+        grpo_advantages(rewards, 3)
+
+
+def test_rollout_corrections_follow_their_definitions():
+    old = torch.tensor([-1.0, -2.0, -0.5, -3.0], dtype=torch.float64)
+    roll = torch.tensor([-1.5, -1.0, -0.5, -1.0], dtype=torch.float64)
+    sample_of = torch.tensor([0, 0, 1, 1])
+    w, keep = rollout_correction(old, roll, sample_of, "none")
+    assert w.tolist() == [1, 1, 1, 1] and keep.all()
+    w, keep = rollout_correction(old, roll, sample_of, "tis", threshold=1.5)
+    assert w.tolist() == pytest.approx([min(math.exp(0.5), 1.5), math.exp(-1.0), 1.0, math.exp(-2.0)], rel=1e-6)
+    assert keep.all()
+    w, keep = rollout_correction(old, roll, sample_of, "mis", threshold=2.0)
+    # sample 0: exp(0.5 - 1.0) = 0.61 kept; sample 1: exp(0 - 2) = 0.14 < 1/2 rejected
+    assert w.tolist() == pytest.approx([math.exp(-0.5)] * 2 + [math.exp(-2.0)] * 2, rel=1e-6)
+    assert keep.tolist() == [True, True, False, False]
+    with pytest.raises(ValueError, match="unknown rollout correction"):
+        rollout_correction(old, roll, sample_of, "icepop")
+
+
+def test_policy_loss_by_hand_with_clip_higher_and_rejection():
+    logp_old = torch.log(torch.tensor([0.5, 0.5, 0.5], dtype=torch.float64))
+    logp = torch.log(torch.tensor([0.65, 0.3, 0.55], dtype=torch.float64)).requires_grad_()
+    adv = torch.tensor([1.0, -1.0, 2.0], dtype=torch.float64)
+    loss, info = policy_loss(logp, logp_old, adv, clip_low=0.2, clip_high=0.28)
+    ratios = [1.3, 0.6, 1.1]
+    clipped = [min(max(r, 0.8), 1.28) for r in ratios]
+    per = [max(-a * r, -a * c) for a, r, c in zip([1.0, -1.0, 2.0], ratios, clipped, strict=True)]
+    assert float(loss.detach()) == pytest.approx(sum(per) / 3, rel=1e-9)
+    assert info["clip_frac"] == pytest.approx(2 / 3)  # token 0 above 1.28, token 1 below 0.8
+    loss.backward()
+    # clipped tokens pass no gradient; the third gets -A * ratio / 3 (d ratio / d logp = ratio)
+    assert logp.grad.tolist() == pytest.approx([0.0, 0.0, -2.0 * 1.1 / 3], rel=1e-9)
+    keep = torch.tensor([True, False, True])
+    weights = torch.tensor([2.0, 1.0, 0.5], dtype=torch.float64)
+    loss, info = policy_loss(logp.detach(), logp_old, adv, clip_low=0.2, clip_high=0.28, weights=weights, keep=keep)
+    assert float(loss) == pytest.approx((2.0 * per[0] + 0.5 * per[2]) / 2, rel=1e-9)  # rejected: not counted
+    assert info["kept_frac"] == pytest.approx(2 / 3)
