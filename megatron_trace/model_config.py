@@ -9,6 +9,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+# Full-state-dict names of the weights at FP4 sites (DESIGN.md section 3); the rest stay BF16.
+FP4_WEIGHT_SUFFIXES = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight")
+
 
 @dataclass(frozen=True)
 class ModelConfig:

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 from trace_kernels.fp4 import Format, QTensor, dequantize, quantize
 
-from megatron_trace.model_config import ModelConfig
+from megatron_trace.model_config import FP4_WEIGHT_SUFFIXES, ModelConfig
 
-FP4_SUFFIXES = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight")
+FP4_SUFFIXES = FP4_WEIGHT_SUFFIXES
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
