@@ -118,7 +118,6 @@ class TraceEngine:
         return RolloutOutput([results[sid] for sid in order], guidance)
 
     def _worst_blocks(self, prompt_len: int, samples: int, sampling: SamplingParams) -> int:
-        bs = self.config.block_size
         own = math.ceil((prompt_len + sampling.max_new_tokens) / bs) - (prompt_len // bs if self.share_prompts else 0)
         return math.ceil(prompt_len / bs) + samples * own
 
@@ -150,7 +149,6 @@ class TraceEngine:
 
     def _run(self, jobs, sampling, guidance, results) -> None:
         running: list[Sequence] = []  # samples decoding (or feeding their last token)
-        bs = self.config.block_size
         while jobs or running:
             segments, owners = [], []
             for seq in running:
