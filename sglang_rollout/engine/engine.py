@@ -118,6 +118,7 @@ class TraceEngine:
         return RolloutOutput([results[sid] for sid in order], guidance)
 
     def _worst_blocks(self, prompt_len: int, samples: int, sampling: SamplingParams) -> int:
+        bs = self.config.block_size
         own = math.ceil((prompt_len + sampling.max_new_tokens) / bs) - (prompt_len // bs if self.share_prompts else 0)
         return math.ceil(prompt_len / bs) + samples * own
 
