@@ -1,4 +1,5 @@
-"""`trace-rl`: the command line. Subcommands so far: `mismatch` (the headline experiment).
+"""`trace-rl`: the command line. `train` (the embedded default) and `mismatch` (the headline
+experiment).
 
 The rollout backend is named by dotted path (`--engine module:Class`), so this package does not
 import the rollout side (the layering is kernels <- megatron_trace <- sglang_rollout).
@@ -46,6 +47,39 @@ def _init_one_process() -> None:
     initialize_model_parallel_cpu()  # patches only without CUDA
 
 
+def _engine_factory(path: str, cfg, model_id: str):
+    """make_engine(precision, guide, coding) for the backend class at `path` (module:Class, the
+    module also exporting its EngineConfig)."""
+    engine_cls = _load(path)
+    config_cls = importlib.import_module(path.partition(":")[0]).EngineConfig
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def make_engine(precision, guide, coding):
+        return engine_cls(cfg, config_cls(precision=precision, guide=guide, coding=coding, device=device,
+                                          model_id=model_id, num_blocks=4096))
+    return make_engine
+
+
+def train_main(args: argparse.Namespace) -> list[dict]:
+    from .model_config import PRESETS
+    from .rl.train import load_config, train
+
+    try:
+        cfg = load_config(args.config, args.set or [])
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    _init_one_process()
+    model_cfg = PRESETS[cfg.model.preset]
+    history = train(cfg, _engine_factory(cfg.engine, model_cfg, cfg.model.preset), model_cfg)
+    if history:
+        k = max(1, len(history) // 4)
+        first = sum(m["reward"] for m in history[:k]) / k
+        last = sum(m["reward"] for m in history[-k:]) / k
+        print(f"reward: first {k} steps {first:.3f} -> last {k} steps {last:.3f}; "
+              f"k3_kl last {history[-1]['k3_kl']:.2e}; metrics in {cfg.output_dir}/metrics.jsonl")
+    return history
+
+
 def mismatch_main(args: argparse.Namespace) -> dict:
     from .megatron.model import build_model
     from .megatron.weights import load_full_state_dict
@@ -60,10 +94,8 @@ def mismatch_main(args: argparse.Namespace) -> dict:
     if args.model not in PRESETS:
         raise SystemExit(f"--model: unknown preset {args.model!r}; choose from {sorted(PRESETS)}")
     cfg = PRESETS[args.model]
-    engine_cls = _load(args.engine)
 
     _init_one_process()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(args.seed)
     trainer = build_model(cfg, "bf16", grouped_gemm=True)
     state_dict = {k: v.detach().to("cpu", copy=True) for k, v in trainer.state_dict().items()
@@ -72,10 +104,7 @@ def mismatch_main(args: argparse.Namespace) -> dict:
     prompts = [tuple(torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=gen).tolist())
                for _ in range(args.prompts)]
 
-    def make_engine(precision, guide, coding):
-        config_cls = importlib.import_module(args.engine.partition(":")[0]).EngineConfig
-        return engine_cls(cfg, config_cls(precision=precision, guide=guide, coding=coding, device=device,
-                                          model_id=args.model, num_blocks=4096))
+    make_engine = _engine_factory(args.engine, cfg, args.model)
 
     sampling = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, seed=args.seed)
     results = run_mismatch(trainer, make_engine, state_dict, prompts, modes=modes, guide=args.guide,
@@ -108,10 +137,15 @@ def main(argv: list[str] | None = None) -> None:
     mm.add_argument("--engine", default=DEFAULT_ENGINE,
                     help="rollout backend class, module:Class; the module also exports its EngineConfig")
     mm.add_argument("--json", default=None, help="write {mode: metrics} here")
+    tr = sub.add_parser("train", help="the embedded default: SFT warm-up, then GRPO with FP4 TRACE rollouts")
+    tr.add_argument("--config", default=None, help="YAML file {section: {key: value}}")
+    tr.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override one config key")
     args = ap.parse_args(argv)
     torch.manual_seed(getattr(args, "seed", 0))
     if args.command == "mismatch":
         mismatch_main(args)
+    elif args.command == "train":
+        train_main(args)
 
 
 if __name__ == "__main__":

@@ -56,6 +56,10 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
                         head_dim=16, moe_intermediate_size=32, num_experts=4, top_k=2, rope_theta=10000.0,
                         max_position_embeddings=512),
+    # the embedded default: the arithmetic task's 18-token alphabet, a little wider than "tiny"
+    "demo": ModelConfig(vocab_size=32, hidden_size=128, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=32, moe_intermediate_size=64, num_experts=4, top_k=2, rope_theta=10000.0,
+                        max_position_embeddings=512),
     "qwen3-30b-a3b": ModelConfig(vocab_size=151936, hidden_size=2048, num_layers=48, num_attention_heads=32,
                                  num_key_value_heads=4, head_dim=128, moe_intermediate_size=768, num_experts=128,
                                  top_k=8),

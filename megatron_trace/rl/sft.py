@@ -1,0 +1,25 @@
+"""Supervised warm-up (`trace-rl sft`): teach the tiny model the task's format and some answers,
+so that RL starts with a reward signal. Cross entropy on the answer tokens only."""
+
+from __future__ import annotations
+
+import torch
+
+from ..megatron.model import pack_sequences, set_precision, token_logprobs
+
+
+def sft_step(trainer, optimizer, examples: list[tuple[list[int], list[bool]]], precision: str = "bf16") -> float:
+    """One optimizer step on packed examples ((tokens, loss mask) pairs); returns the mean loss
+    over masked tokens. The mask marks tokens to predict (a token's log-prob sits one before)."""
+    dev = next(trainer.parameters()).device
+    seqs = [torch.tensor(t) for t, _ in examples]
+    tokens, positions, psp = pack_sequences(seqs, dev)
+    targets = torch.roll(tokens, -1, 1)
+    mask = torch.cat([torch.tensor(m[1:] + [False]) for _, m in examples]).to(dev)
+    set_precision(trainer, precision)
+    logp = token_logprobs(trainer, tokens, positions, targets, packed_seq_params=psp).reshape(-1)
+    loss = -(logp * mask).sum() / mask.sum().clamp(min=1)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return float(loss.detach())
