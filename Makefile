@@ -32,7 +32,7 @@ $(VENV)/.test: $(VENV)/.megatron setup.cfg pyproject.toml
 	touch $@
 
 demo: $(VENV)/.base
-	$(PY) bench/fp4_quantize.py
+	OMP_NUM_THREADS=1 $(VENV)/bin/trace-rl train
 
 test: $(VENV)/.test
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q

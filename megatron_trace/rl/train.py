@@ -35,19 +35,19 @@ class TaskSection:
 
 @dataclass
 class SFTSection:
-    steps: int = 600
+    steps: int = 1000
     batch: int = 64
     lr: float = 3e-3
 
 
 @dataclass
 class RLSection:
-    steps: int = 20
-    prompts_per_step: int = 16
+    steps: int = 40
+    prompts_per_step: int = 32
     group_size: int = 4
     max_new_tokens: int = 5
     temperature: float = 1.0
-    lr: float = 2e-4
+    lr: float = 3e-4
     precision: str = "trace"  # bf16, fp4, fp4-qat, trace
     guide: str = "all"
     coding: str = "dense"
