@@ -19,6 +19,7 @@ import torch
 from ..model_config import ModelConfig
 from ..rollout import SamplingParams
 from .optim import MasterAdamW
+from .report import plot_report
 from .step import StepConfig, rl_step, sync_weights
 
 
@@ -156,6 +157,7 @@ def train(cfg: TrainConfig, make_engine, model_cfg: ModelConfig, progress: bool 
     step_cfg = StepConfig(cfg.rl.precision, cfg.rl.group_size, cfg.rl.clip_low, cfg.rl.clip_high, cfg.rl.correction)
     history = []
     metrics_path = out_dir / "metrics.jsonl"
+    metrics_path.write_text("")  # a new run (resuming is not implemented yet): no rows of an old one
     bar = tqdm(range(cfg.rl.steps), desc=f"rl ({cfg.rl.precision})", disable=not progress)
     for step in bar:
         problems = task.problems(cfg.rl.prompts_per_step)
@@ -169,4 +171,6 @@ def train(cfg: TrainConfig, make_engine, model_cfg: ModelConfig, progress: bool 
         with metrics_path.open("a") as f:
             f.write(json.dumps(m) + "\n")
         bar.set_postfix(reward=f"{m['reward']:.2f}", k3=f"{m['k3_kl']:.1e}")
+    if history:
+        plot_report(history, out_dir / "report.png", f"{cfg.model.preset}, {cfg.rl.precision} mode")
     return history

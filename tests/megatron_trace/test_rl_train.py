@@ -44,3 +44,4 @@ def test_a_short_run_writes_its_metrics(tmp_path, precision):
         assert 0 <= r["reward"] <= 1 and r["weight_sync_bytes"] > 0 and r["step_s"] > 0
     if precision == "trace":  # the guided trainer forward follows the engine
         assert all(r["k3_kl"] < 1e-9 for r in rows)
+    assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
