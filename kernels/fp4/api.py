@@ -292,15 +292,21 @@ def block_clip_bound(q: QTensor) -> torch.Tensor:
     return (CLIP_THRESHOLD * u).reshape(*q.shape[:-1], -1)
 
 
+def ste_mask(x: torch.Tensor, q: QTensor) -> torch.Tensor:
+    """bool of x's shape: where the straight-through gradient passes, |x| < 7 * block scale * g
+    (elements beyond were clipped; see `block_clip_bound`). q is x's quantization."""
+    bound = block_clip_bound(q)
+    xb = x.detach().float().reshape(*bound.shape, q.block_size)
+    return (xb.abs() < bound.unsqueeze(-1)).reshape(x.shape)
+
+
 class _FakeQuantizeSTE(torch.autograd.Function):
     """quantize_fn(x) -> QTensor, then dequantize; gradient passes where x was not clipped."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, quantize_fn, backend: str) -> torch.Tensor:
         q = quantize_fn(x.detach())
-        bound = block_clip_bound(q)
-        xb = x.detach().float().reshape(*bound.shape, q.block_size)
-        ctx.save_for_backward((xb.abs() < bound.unsqueeze(-1)).reshape(x.shape))
+        ctx.save_for_backward(ste_mask(x, q))
         return dequantize(q, x.dtype, backend=backend)
 
     @staticmethod

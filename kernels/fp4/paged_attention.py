@@ -58,13 +58,15 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, block_si
     return out
 
 
-def _rows(cache, slots):
+def read_cache_rows(cache: dict, slots: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """BF16 K or V rows [n, Hkv, d] of a paged cache at `slots` (int64 [n]), dequantized when the
+    cache is FP4 ("codes", "scales", "g") and read as they are when it is BF16 ("rows")."""
     if "rows" in cache:
         return cache["rows"][slots]
     codes = cache["codes"][slots]
     q = QTensor(codes, cache["scales"][slots].view(torch.float8_e4m3fn), cache["g"][slots], Format.NVFP4,
                 torch.Size((*codes.shape[:-1], codes.shape[-1] * 2)))
-    return dequantize(q, torch.bfloat16, backend="torch")
+    return dequantize(q, torch.bfloat16, backend=backend)
 
 
 def _reference(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale):
@@ -74,8 +76,8 @@ def _reference(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale):
         n = int(seq_lens[i])
         pos = torch.arange(n, device=q.device)
         slots = block_tables[i].long()[pos // block_size] * block_size + pos % block_size
-        k = _rows(k_cache, slots).float().repeat_interleave(group, 1)  # [n, Hq, d]
-        v = _rows(v_cache, slots).float().repeat_interleave(group, 1)
+        k = read_cache_rows(k_cache, slots, "torch").float().repeat_interleave(group, 1)  # [n, Hq, d]
+        v = read_cache_rows(v_cache, slots, "torch").float().repeat_interleave(group, 1)
         p = torch.softmax(torch.einsum("hd,nhd->hn", q[i].float(), k) * scale, -1)
         out[i] = torch.einsum("hn,nhd->hd", p, v).to(q.dtype)
     return out

@@ -25,13 +25,13 @@ import torch
 import torch.distributed as dist
 from trace_kernels.fp4 import (
     QTensor,
-    block_clip_bound,
     dequantize,
     fake_quantize,
     fake_quantize_guided,
     quantize,
     quantize_guided,
 )
+from trace_kernels.fp4.api import ste_mask
 
 from ..guidance.codec import GuidanceFormatError
 from ..guidance.rows import RowGuidance
@@ -118,8 +118,7 @@ def _cached(params: list[torch.Tensor], compute):
             w = params[0] if len(params) == 1 else torch.stack(params)
             q = compute(w)
             w_q = dequantize(q, w.dtype).reshape(w.shape)
-            bound = block_clip_bound(q)
-            inside = (w.float().reshape(*bound.shape, q.block_size).abs() < bound.unsqueeze(-1)).reshape(w.shape)
+            inside = ste_mask(w, q)
         hit = _weight_cache[key] = (version, w_q, inside)
     return _CachedSTE.apply(hit[1], hit[2], *params)
 

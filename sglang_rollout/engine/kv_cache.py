@@ -9,7 +9,8 @@ d/16], g [slots, kv_heads, 1]; slot = block * block_size + offset.
 from __future__ import annotations
 
 import torch
-from trace_kernels.fp4 import Format, QTensor, dequantize, quantize
+from trace_kernels.fp4 import QTensor, quantize
+from trace_kernels.fp4.paged_attention import read_cache_rows
 
 
 class BlockAllocator:
@@ -81,18 +82,9 @@ class PagedKVCache:
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """BF16 K and V [n, kv_heads, d] at `slots` (dequantized in fp4)."""
-        out = []
-        for cache in (self.k[layer], self.v[layer]):
-            dev = next(iter(cache.values())).device
-            s = slots.to(dev)
-            if self.fp4:
-                codes = cache["codes"][s]
-                q = QTensor(codes, cache["scales"][s].view(torch.float8_e4m3fn), cache["g"][s], Format.NVFP4,
-                            torch.Size((*codes.shape[:-1], codes.shape[-1] * 2)))
-                out.append(dequantize(q, torch.bfloat16))
-            else:
-                out.append(cache["rows"][s])
-        return out[0], out[1]
+        k, v = self.k[layer], self.v[layer]
+        s = slots.to(next(iter(k.values())).device)
+        return read_cache_rows(k, s), read_cache_rows(v, s)
 
     def copy_block(self, src: int, dst: int, n: int) -> None:
         """Copy the first n token slots of block src into block dst, every layer (copy on fork)."""

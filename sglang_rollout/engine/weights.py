@@ -110,9 +110,6 @@ class EngineWeights:
         t = self.tensors[name]
         return dequantize(t, torch.bfloat16) if isinstance(t, QTensor) else t
 
-    def nbytes(self) -> int:
-        return sum(t.codes.numel() + t.block_scales.numel() + 4 if isinstance(t, QTensor) else t.numel() * t.element_size()
-                   for t in self.tensors.values())
 
 
 @dataclass(frozen=True)
