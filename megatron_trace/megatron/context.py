@@ -21,9 +21,9 @@ import torch
 
 from ..guidance.batch import GuidanceBatch
 from ..guidance.codec import GuidanceFormatError
+from ..guidance.record import SITES
 from ..guidance.rows import RowGuidance
 
-ROWS_PER_TOKEN = {"qkv": "1", "proj": "1", "fc1": "1", "fc2": "top_k", "k": "kv_heads", "v": "kv_heads"}
 
 
 @dataclass
@@ -49,8 +49,8 @@ class MicroBatchGuidance:
                 raise GuidanceFormatError(f"routed experts of layer {layer} must be integer [{self.num_tokens}, top_k], "
                                           f"got {ids.dtype} {tuple(ids.shape)}")
         for (layer, site), rg in self.sites.items():
-            if site not in ROWS_PER_TOKEN:
-                raise GuidanceFormatError(f"unknown FP4 site {site!r} (layer {layer}); sites are {list(ROWS_PER_TOKEN)}")
+            if site not in SITES:
+                raise GuidanceFormatError(f"unknown FP4 site {site!r} (layer {layer}); sites are {list(SITES)}")
             if rg.num_rows % self.num_tokens:
                 raise GuidanceFormatError(f"layer {layer} site {site}: {rg.num_rows} guidance rows do not divide "
                                           f"into {self.num_tokens} tokens")

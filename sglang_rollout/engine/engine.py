@@ -37,8 +37,6 @@ from .sampler import sample, sample_stream
 from .sequence import Sequence, Status
 from .weights import EngineWeights
 
-SITES = ("qkv", "k", "v", "proj", "fc1", "fc2")
-
 
 class _PromptJob:
     """A prompt to prefill and the samples that fork from it. `blocks` is its worst case: the
