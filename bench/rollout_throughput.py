@@ -31,12 +31,12 @@ COPY_BANDWIDTH = 4.25e12  # H200 device copy measured in bench/results/fp4_quant
 
 
 def random_weights(cfg, device, seed=0):
-    from sglang_rollout.engine.weights import expected_shapes
+    from megatron_trace.model_config import full_weight_shapes
 
     g = torch.Generator(device=device).manual_seed(seed)
     return {name: (torch.randn(shape, generator=g, device=device) * (shape[-1] ** -0.5 if len(shape) == 2 else 0.1)
                    + (0 if len(shape) == 2 else 1)).to(torch.bfloat16 if len(shape) == 2 else torch.float32)
-            for name, shape in expected_shapes(cfg).items()}
+            for name, shape in full_weight_shapes(cfg).items()}
 
 
 def floor_seconds(cfg, batch, context, fp4, bandwidth):

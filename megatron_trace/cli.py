@@ -1,5 +1,5 @@
-"""`trace-rl`: the command line. `train` (the embedded default) and `mismatch` (the headline
-experiment).
+"""`trace-rl`: the command line. `train` (the embedded default), `mismatch` (the headline
+experiment) and `audit` (every site's precision in trainer, engine and exported checkpoints).
 
 The rollout backend is named by dotted path (`--engine module:Class`), so this package does not
 import the rollout side (the layering is kernels <- megatron_trace <- sglang_rollout).
@@ -8,56 +8,15 @@ import the rollout side (the layering is kernels <- megatron_trace <- sglang_rol
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
-import os
-import socket
 import sys
 from pathlib import Path
 
 import torch
 
-DEFAULT_ENGINE = "sglang_rollout.engine:TraceEngine"
-
-
-def _load(path: str):
-    module, _, name = path.partition(":")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise SystemExit(f"--engine {path!r}: cannot import it ({e})") from None
-
-
-def _init_one_process() -> None:
-    """torch.distributed with one rank (gloo, or NCCL on a GPU) and Megatron's parallel state."""
-    import torch.distributed as dist
-
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    from .megatron.cpu_patches import initialize_model_parallel_cpu
-
-    if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if torch.cuda.is_available():
-            torch.cuda.set_device(0)
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
-                                init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    initialize_model_parallel_cpu()  # patches only without CUDA
-
-
-def _engine_factory(path: str, cfg, model_id: str):
-    """make_engine(precision, guide, coding) for the backend class at `path` (module:Class, the
-    module also exporting its EngineConfig)."""
-    engine_cls = _load(path)
-    config_cls = importlib.import_module(path.partition(":")[0]).EngineConfig
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-
-    def make_engine(precision, guide, coding):
-        return engine_cls(cfg, config_cls(precision=precision, guide=guide, coding=coding, device=device,
-                                          model_id=model_id, num_blocks=4096))
-    return make_engine
+from .backend import DEFAULT_ENGINE, engine_factory
+from .checkpoint.cli import add_audit_parser, audit_main
+from .megatron.spawn import init_one_process
 
 
 def train_main(args: argparse.Namespace) -> list[dict]:
@@ -68,9 +27,9 @@ def train_main(args: argparse.Namespace) -> list[dict]:
         cfg = load_config(args.config, args.set or [])
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    _init_one_process()
+    init_one_process()
     model_cfg = PRESETS[cfg.model.preset]
-    history = train(cfg, _engine_factory(cfg.engine, model_cfg, cfg.model.preset), model_cfg)
+    history = train(cfg, engine_factory(cfg.engine, model_cfg, cfg.model.preset), model_cfg)
     if history:
         k = max(1, len(history) // 4)
         first = sum(m["reward"] for m in history[:k]) / k
@@ -96,7 +55,7 @@ def mismatch_main(args: argparse.Namespace) -> dict:
         raise SystemExit(f"--model: unknown preset {args.model!r}; choose from {sorted(PRESETS)}")
     cfg = PRESETS[args.model]
 
-    _init_one_process()
+    init_one_process()
     gen = torch.Generator().manual_seed(args.seed)
     trainer = build_model(cfg, "bf16", grouped_gemm=True)
     state_dict = {k: v.detach().to("cpu", copy=True) for k, v in trainer.state_dict().items()
@@ -105,7 +64,7 @@ def mismatch_main(args: argparse.Namespace) -> dict:
     prompts = [tuple(torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=gen).tolist())
                for _ in range(args.prompts)]
 
-    make_engine = _engine_factory(args.engine, cfg, args.model)
+    make_engine = engine_factory(args.engine, cfg, args.model)
 
     sampling = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, seed=args.seed)
     results = run_mismatch(trainer, make_engine, state_dict, prompts, modes=modes, guide=args.guide,
@@ -141,12 +100,15 @@ def main(argv: list[str] | None = None) -> None:
     tr = sub.add_parser("train", help="the embedded default: SFT warm-up, then GRPO with FP4 TRACE rollouts")
     tr.add_argument("--config", default=None, help="YAML file {section: {key: value}}")
     tr.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override one config key")
+    add_audit_parser(sub)
     args = ap.parse_args(argv)
     torch.manual_seed(getattr(args, "seed", 0))
     if args.command == "mismatch":
         mismatch_main(args)
     elif args.command == "train":
         train_main(args)
+    elif args.command == "audit":
+        audit_main(args)
 
 
 if __name__ == "__main__":

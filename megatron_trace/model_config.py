@@ -10,7 +10,17 @@ import dataclasses
 from dataclasses import dataclass
 
 # Full-state-dict names of the weights at FP4 sites (DESIGN.md section 3); the rest stay BF16.
-FP4_WEIGHT_SUFFIXES = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight")
+FP4_WEIGHT_SITES = {"linear_qkv.weight": "qkv", "linear_proj.weight": "proj", "linear_fc1.weight": "fc1",
+                    "linear_fc2.weight": "fc2"}  # suffix -> guidance site (guidance.record.SITES)
+FP4_WEIGHT_SUFFIXES = tuple(FP4_WEIGHT_SITES)
+
+
+def fp4_site_of(name: str) -> tuple[int, str] | None:
+    """(layer, site) of a full weight name at an FP4 site, None for weights that stay BF16."""
+    for suffix, site in FP4_WEIGHT_SITES.items():
+        if name.endswith(suffix):
+            return int(name.split(".")[2]), site
+    return None
 
 
 @dataclass(frozen=True)
@@ -40,7 +50,7 @@ class ModelConfig:
         if not 0 < self.top_k <= self.num_experts:
             raise ValueError(f"ModelConfig.top_k={self.top_k} must be in 1..num_experts={self.num_experts}")
 
-    def replace(self, **changes) -> "ModelConfig":
+    def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
     @property
@@ -50,6 +60,24 @@ class ModelConfig:
         experts = self.num_experts * 3 * h * self.moe_intermediate_size
         per_layer = attn + experts + self.num_experts * h + 2 * h + 2 * a
         return self.num_layers * per_layer + self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
+
+
+def full_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight's full Megatron name (megatron/weights.py) and shape, in a fixed order."""
+    h, d, nq, ng, f = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, \
+        cfg.moe_intermediate_size
+    shapes = {"embedding.word_embeddings.weight": (cfg.vocab_size, h), "decoder.final_layernorm.weight": (h,),
+              "output_layer.weight": (cfg.vocab_size, h)}
+    for L in range(cfg.num_layers):
+        p = f"decoder.layers.{L}."
+        shapes |= {p + "input_layernorm.weight": (h,), p + "pre_mlp_layernorm.weight": (h,),
+                   p + "self_attention.linear_qkv.weight": ((nq + 2 * ng) * d, h),
+                   p + "self_attention.q_layernorm.weight": (d,), p + "self_attention.k_layernorm.weight": (d,),
+                   p + "self_attention.linear_proj.weight": (h, nq * d), p + "mlp.router.weight": (cfg.num_experts, h)}
+        for e in range(cfg.num_experts):
+            shapes[p + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = (2 * f, h)
+            shapes[p + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = (h, f)
+    return shapes
 
 
 PRESETS: dict[str, ModelConfig] = {

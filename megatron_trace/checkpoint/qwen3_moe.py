@@ -1,15 +1,18 @@
-"""HF Qwen3-MoE <-> full Megatron state dicts, and the model config from an HF config.
+"""Qwen3-MoE: the model config from an HF config.json, and the HF <-> Megatron tensor mapping.
 
-Full Megatron keys are those of a one-process `TraceGPTModel` (see megatron/weights.py). The
-fused QKV weight interleaves query groups: for each KV head g, its query heads' rows, then its
-key rows, then its value rows. An expert's fc1 weight is [gate; up], as HF's `gate_up_proj[e]`.
+HF names are those of the checkpoints on disk (the Hub layout, which `transformers` writes with
+`save_pretrained`): one `gate_proj` / `up_proj` / `down_proj` per expert. Megatron names are the
+full names of megatron/weights.py. Every Megatron tensor is made of the rows of one or more HF
+tensors (`hf_parts`): the fused QKV weight interleaves query groups (for each KV head g: its query
+heads' rows, then its key rows, then its value rows) and an expert's fc1 weight is [gate; up].
+The mapping works on one tensor at a time, so conversions stream.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..model_config import ModelConfig
+from ..model_config import ModelConfig, full_weight_shapes
 
 _HF_FIELDS = {  # ModelConfig field -> HF config key
     "vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_layers": "num_hidden_layers",
@@ -18,72 +21,130 @@ _HF_FIELDS = {  # ModelConfig field -> HF config key
     "top_k": "num_experts_per_tok", "rope_theta": "rope_theta", "rms_norm_eps": "rms_norm_eps",
     "max_position_embeddings": "max_position_embeddings", "tie_word_embeddings": "tie_word_embeddings",
 }
+_REQUIRED_VALUES = {"hidden_act": "silu", "attention_bias": False, "norm_topk_prob": True, "decoder_sparse_step": 1}
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
-    """ModelConfig from an HF Qwen3-MoE config.json dict. Raises ValueError naming an unsupported
-    or missing field (dense layers, unnormalised top-k, shared experts)."""
+    """ModelConfig from an HF Qwen3-MoE config.json dict.
+
+    Raises:
+        ValueError: naming a missing field or one whose value TRACE does not implement (dense
+            layers, unnormalised top-k, attention bias, another activation, sliding window).
+    """
     hf = dict(hf)
     # transformers 5 writes rope_parameters and num_local_experts; Qwen's config.json the older names
     if "rope_theta" not in hf and isinstance(hf.get("rope_parameters"), dict):
         hf["rope_theta"] = hf["rope_parameters"].get("rope_theta")
     hf.setdefault("num_experts", hf.get("num_local_experts"))
+    if hf.get("model_type", "qwen3_moe") != "qwen3_moe":
+        raise ValueError(f"HF config model_type={hf['model_type']!r}; only qwen3_moe is implemented")
     missing = [k for k in _HF_FIELDS.values() if hf.get(k) is None and k != "tie_word_embeddings"]
     if missing:
         raise ValueError(f"HF config lacks {missing}")
-    if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
-        raise ValueError("HF config has dense (mlp_only_layers / decoder_sparse_step) layers; TRACE models are all-MoE")
-    if not hf.get("norm_topk_prob", True):
-        raise ValueError("HF config has norm_topk_prob=false; TRACE's router renormalises the top-k weights")
-    return ModelConfig(**{f: hf.get(k, False) if f == "tie_word_embeddings" else hf[k] for f, k in _HF_FIELDS.items()})
+    for key, want in _REQUIRED_VALUES.items():
+        if key in hf and hf[key] != want:
+            raise ValueError(f"HF config has {key}={hf[key]!r}; TRACE's Qwen3-MoE needs {want!r}")
+    if hf.get("mlp_only_layers"):
+        raise ValueError("HF config has dense layers (mlp_only_layers); TRACE models are all-MoE")
+    if hf.get("use_sliding_window"):
+        raise ValueError("HF config has use_sliding_window=true; TRACE attends over the whole context")
+    if (rope := hf.get("rope_parameters") or hf.get("rope_scaling")) and rope.get("rope_type", "default") != "default":
+        raise ValueError(f"HF config has rope_type={rope['rope_type']!r}; only plain RoPE is implemented")
+    return ModelConfig(**{f: bool(hf.get(k, False)) if f == "tie_word_embeddings" else hf[k]
+                          for f, k in _HF_FIELDS.items()})
 
 
-def hf_to_megatron(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """HF Qwen3-MoE state dict -> full Megatron state dict (same tensors, fused/renamed)."""
-    nq, ng, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
-           "decoder.final_layernorm.weight": hf["model.norm.weight"],
-           "output_layer.weight": hf["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]}
-    for L in range(cfg.num_layers):
-        h, m = f"model.layers.{L}.", f"decoder.layers.{L}."
-        q = hf[h + "self_attn.q_proj.weight"].view(ng, nq // ng * d, -1)
-        k = hf[h + "self_attn.k_proj.weight"].view(ng, d, -1)
-        v = hf[h + "self_attn.v_proj.weight"].view(ng, d, -1)
-        out |= {m + "input_layernorm.weight": hf[h + "input_layernorm.weight"],
-                m + "self_attention.linear_qkv.weight": torch.cat([q, k, v], 1).reshape(-1, q.shape[-1]),
-                m + "self_attention.q_layernorm.weight": hf[h + "self_attn.q_norm.weight"],
-                m + "self_attention.k_layernorm.weight": hf[h + "self_attn.k_norm.weight"],
-                m + "self_attention.linear_proj.weight": hf[h + "self_attn.o_proj.weight"],
-                m + "pre_mlp_layernorm.weight": hf[h + "post_attention_layernorm.weight"],
-                m + "mlp.router.weight": hf[h + "mlp.gate.weight"]}
-        gate_up, down = hf[h + "mlp.experts.gate_up_proj"], hf[h + "mlp.experts.down_proj"]
-        for e in range(cfg.num_experts):
-            out[m + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = gate_up[e]
-            out[m + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = down[e]
+def hf_config(cfg: ModelConfig) -> dict:
+    """An HF config.json for a model that has none (trained from a preset)."""
+    out = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "torch_dtype": "bfloat16",
+           "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0, "norm_topk_prob": True,
+           "decoder_sparse_step": 1, "mlp_only_layers": [], "intermediate_size": 4 * cfg.hidden_size,
+           "use_sliding_window": False, "initializer_range": 0.02, "use_cache": True}
+    return out | {k: getattr(cfg, f) for f, k in _HF_FIELDS.items()}
+
+
+def hf_dtype(hf: dict) -> torch.dtype:
+    """The dtype an HF checkpoint stores its weights in (config.json's dtype / torch_dtype; BF16
+    if neither). Megatron keeps norms in FP32; they go back in this dtype."""
+    name = hf.get("dtype") or hf.get("torch_dtype") or "bfloat16"
+    dtype = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"HF config has dtype={name!r}, not a floating-point torch dtype")
+    return dtype
+
+
+def hf_parts(name: str, cfg: ModelConfig) -> list[tuple[str, torch.Tensor | None]]:
+    """The HF tensors that Megatron tensor `name` is made of, as (HF name, row indices into `name`
+    as int64 [rows], or None for the whole tensor)."""
+    nq, ng, d, f = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.moe_intermediate_size
+    fixed = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
+             "decoder.final_layernorm.weight": "model.norm.weight",
+             "output_layer.weight": "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"}
+    if name in fixed:
+        return [(fixed[name], None)]
+    parts = name.split(".")
+    if parts[:2] != ["decoder", "layers"]:
+        raise KeyError(f"no HF tensor for Megatron tensor {name!r}")
+    h, rest = f"model.layers.{parts[2]}.", ".".join(parts[3:])
+    if rest == "self_attention.linear_qkv.weight":
+        rows = torch.arange((nq + 2 * ng) * d).view(ng, nq // ng + 2, d)
+        q, k, v = rows[:, :-2].reshape(-1), rows[:, -2].reshape(-1), rows[:, -1].reshape(-1)
+        return [(h + "self_attn.q_proj.weight", q), (h + "self_attn.k_proj.weight", k),
+                (h + "self_attn.v_proj.weight", v)]
+    if rest.startswith("mlp.experts.local_experts."):
+        e, linear = parts[6], parts[7]
+        x = f"{h}mlp.experts.{e}."
+        if linear == "linear_fc1":
+            return [(x + "gate_proj.weight", torch.arange(f)), (x + "up_proj.weight", torch.arange(f, 2 * f))]
+        if linear == "linear_fc2":
+            return [(x + "down_proj.weight", None)]
+    renames = {"input_layernorm.weight": "input_layernorm.weight",
+               "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+               "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+               "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+               "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+               "mlp.router.weight": "mlp.gate.weight"}
+    if rest not in renames:
+        raise KeyError(f"no HF tensor for Megatron tensor {name!r}")
+    return [(h + renames[rest], None)]
+
+
+def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor's name and shape under `cfg`."""
+    out = {}
+    for name, shape in full_weight_shapes(cfg).items():
+        for hf_name, rows in hf_parts(name, cfg):
+            out[hf_name] = shape if rows is None else (len(rows), *shape[1:])
     return out
 
 
+def to_megatron(name: str, parts: list[torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+    """Megatron tensor `name` from its HF parts (in the order of `hf_parts`)."""
+    spec = hf_parts(name, cfg)
+    if spec[0][1] is None:
+        return parts[0]
+    out = parts[0].new_empty(sum(len(rows) for _, rows in spec), *parts[0].shape[1:])
+    for (_, rows), part in zip(spec, parts):
+        out[rows] = part
+    return out
+
+
+def to_hf(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> list[tuple[str, torch.Tensor]]:
+    """The HF tensors of Megatron tensor `name` (rows selected along dim 0; any tensor with the
+    Megatron tensor's rows, e.g. packed FP4 codes or block scales, splits the same way)."""
+    return [(hf_name, tensor if rows is None else tensor[rows]) for hf_name, rows in hf_parts(name, cfg)]
+
+
+def hf_to_megatron(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """HF Qwen3-MoE state dict (on-disk layout) -> full Megatron state dict."""
+    return {name: to_megatron(name, [hf[h] for h, _ in hf_parts(name, cfg)], cfg) for name in full_weight_shapes(cfg)}
+
+
 def megatron_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Inverse of `hf_to_megatron`."""
-    nq, ng, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    out = {"model.embed_tokens.weight": sd["embedding.word_embeddings.weight"],
-           "model.norm.weight": sd["decoder.final_layernorm.weight"]}
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = sd["output_layer.weight"]
-    for L in range(cfg.num_layers):
-        h, m = f"model.layers.{L}.", f"decoder.layers.{L}."
-        qkv = sd[m + "self_attention.linear_qkv.weight"].view(ng, (nq // ng + 2) * d, -1)
-        q, k, v = qkv.split([nq // ng * d, d, d], dim=1)
-        out |= {h + "input_layernorm.weight": sd[m + "input_layernorm.weight"],
-                h + "self_attn.q_proj.weight": q.reshape(nq * d, -1), h + "self_attn.k_proj.weight": k.reshape(ng * d, -1),
-                h + "self_attn.v_proj.weight": v.reshape(ng * d, -1),
-                h + "self_attn.q_norm.weight": sd[m + "self_attention.q_layernorm.weight"],
-                h + "self_attn.k_norm.weight": sd[m + "self_attention.k_layernorm.weight"],
-                h + "self_attn.o_proj.weight": sd[m + "self_attention.linear_proj.weight"],
-                h + "post_attention_layernorm.weight": sd[m + "pre_mlp_layernorm.weight"],
-                h + "mlp.gate.weight": sd[m + "mlp.router.weight"],
-                h + "mlp.experts.gate_up_proj": torch.stack(
-                    [sd[m + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] for e in range(cfg.num_experts)]),
-                h + "mlp.experts.down_proj": torch.stack(
-                    [sd[m + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] for e in range(cfg.num_experts)])}
+    """Inverse of `hf_to_megatron` (a tied output layer is not written)."""
+    out = {}
+    for name in full_weight_shapes(cfg):
+        if name == "output_layer.weight" and cfg.tie_word_embeddings:
+            continue
+        out |= dict(to_hf(name, sd[name], cfg))
     return out

@@ -113,7 +113,7 @@ class RowGuidance:
         return cls(cat_field("g"), cat_field("scales"), cat_field("bits"), first.scale_lsb,
                    cat_field("scale_known"), cat_field("bit_known"), cat_field("row_ids"))
 
-    def with_row_ids(self) -> "RowGuidance":
+    def with_row_ids(self) -> RowGuidance:
         """The same rows, numbered 0..R-1."""
         return replace(self, row_ids=torch.arange(self.num_rows, device=self.g.device))
 

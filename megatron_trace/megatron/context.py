@@ -25,7 +25,6 @@ from ..guidance.record import SITES
 from ..guidance.rows import RowGuidance
 
 
-
 @dataclass
 class MicroBatchGuidance:
     """Guidance of one micro-batch of `num_tokens` tokens.
@@ -58,11 +57,11 @@ class MicroBatchGuidance:
     def site(self, layer: int, site: str) -> RowGuidance | None:
         return self.sites.get((layer, site))
 
-    def to(self, device) -> "MicroBatchGuidance":
+    def to(self, device) -> MicroBatchGuidance:
         return MicroBatchGuidance(self.num_tokens, {k: v.to(device) for k, v in self.sites.items()},
                                   {k: v.to(device) for k, v in self.routed_experts.items()})
 
-    def for_layers(self, layers) -> "MicroBatchGuidance":
+    def for_layers(self, layers) -> MicroBatchGuidance:
         """Only the given (0-based) layers: what one pipeline stage needs."""
         keep = set(layers)
         return MicroBatchGuidance(self.num_tokens, {k: v for k, v in self.sites.items() if k[0] in keep},
@@ -70,7 +69,7 @@ class MicroBatchGuidance:
 
     @classmethod
     def from_batch(cls, batch: GuidanceBatch, sample_ids: list[str], *, layers=None,
-                   weight_version: int | None = None) -> "MicroBatchGuidance":
+                   weight_version: int | None = None) -> MicroBatchGuidance:
         """Concatenate samples (prompt rows, then response rows, sample after sample) in the
         order they are packed into the micro-batch.
 

@@ -22,19 +22,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Dict, Optional
+from typing import Any
 
 import torch
 
-__all__ = ["apply_cpu_patches", "initialize_model_parallel_cpu", "destroy_model_parallel_cpu"]
+__all__ = ["apply_cpu_patches", "destroy_model_parallel_cpu", "initialize_model_parallel_cpu"]
 
 _APPLIED = False
 _CPU = torch.device("cpu")
 # Originals of everything replaced, keyed by a readable name (kept for debugging / introspection).
-_ORIGINALS: Dict[str, Any] = {}
-_MODE: Optional["_CudaToCpuMode"] = None
+_ORIGINALS: dict[str, Any] = {}
+_MODE: _CudaToCpuMode | None = None
 # How often the CPU-only code paths of P6/P7 ran (lets tests assert a path was exercised).
-PATCH_HITS: Dict[str, int] = {}
+PATCH_HITS: dict[str, int] = {}
 
 
 def _hit(name: str) -> None:
@@ -46,7 +46,7 @@ def _hit(name: str) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def _replace(owner: Any, name: str, new: Any, key: Optional[str] = None) -> None:
+def _replace(owner: Any, name: str, new: Any, key: str | None = None) -> None:
     """setattr(owner, name, new), remembering the original once."""
     key = key or f"{getattr(owner, '__name__', owner)}.{name}"
     if key not in _ORIGINALS:
@@ -102,10 +102,10 @@ def _patch_p1_rng() -> None:
         """Track the rng state (CPU generator)."""
         self._is_initialized = True
         if seed in self.seeds_:
-            raise Exception("seed {} already exists".format(seed))
+            raise Exception(f"seed {seed} already exists")
         self.seeds_.add(seed)
         if name in self.states_:
-            raise Exception("cuda rng state {} already exists".format(name))
+            raise Exception(f"cuda rng state {name} already exists")
         orig = torch.get_rng_state()
         _seed_cpu_generator(seed)
         self.states_[name] = torch.get_rng_state()
@@ -116,7 +116,7 @@ def _patch_p1_rng() -> None:
         """Same as megatron's fork, minus the 'CPU RNG state changed within GPU RNG context'
         warning, which would fire on every draw now that both are the same generator."""
         if name not in self.states_:
-            raise Exception("cuda rng state {} is not added".format(name))
+            raise Exception(f"cuda rng state {name} is not added")
         orig_state = torch.get_rng_state()
         orig_name = self._current_state_name
         if orig_name != "default-rng":
@@ -416,7 +416,7 @@ def apply_cpu_patches() -> None:
 
 
 def initialize_model_parallel_cpu(
-    tp: int = 1, pp: int = 1, ep: int = 1, etp: Optional[int] = None, seed: int = 1234
+    tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, seed: int = 1234
 ) -> None:
     """Patch, then ``parallel_state.initialize_model_parallel`` on the already-initialised gloo
     default process group, then ``torch.manual_seed(seed)`` + megatron's

@@ -142,7 +142,7 @@ def fake_quant_rows(x_RK: torch.Tensor, guidance: RowGuidance | None = None, gro
 observers: list = []
 
 
-def _observe(site: "FP4Site", x_RK: torch.Tensor, guidance: RowGuidance | None, group) -> None:
+def _observe(site: FP4Site, x_RK: torch.Tensor, guidance: RowGuidance | None, group) -> None:
     x = x_RK.detach()
     if guidance is not None:
         q: QTensor = quantize_guided(x, *guidance.resolve(x), check_finite=False)

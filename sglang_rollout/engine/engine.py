@@ -15,6 +15,7 @@ from collections import deque
 import torch
 from trace_kernels.fp4 import quantize
 
+from megatron_trace.checkpoint.audit import table_from_weights
 from megatron_trace.guidance import (
     GroupGuidance,
     GuidanceBatch,
@@ -74,17 +75,36 @@ class TraceEngine:
         self.weights.load(state_dict)
         self.weight_version = version
 
+    def quantization_table(self) -> dict[str, str]:
+        """{HF module: "fp4" | "bf16"} for every linear and KV site (checkpoint.audit's view)."""
+        return table_from_weights(self.cfg, lambda name: self.runner.fp4 and self.weights.is_fp4(name),
+                                  self.cache.fp4)
+
     # -- scoring ------------------------------------------------------------------------------
+    def _forward_whole(self, tokens: list[int], capture_layers=frozenset()):
+        """One full-sequence forward of `tokens`, nothing kept in the cache afterwards."""
+        blocks = self.cache.allocator.allocate(math.ceil(len(tokens) / self.config.block_size))
+        try:
+            return self.runner.forward([Segment(list(tokens), 0, blocks)], capture_layers, all_logits=True)
+        finally:
+            self.cache.allocator.release(blocks)
+
     def score(self, tokens: list[int]) -> torch.Tensor:
         """log p(tokens[i + 1] | tokens[:i + 1]) from one full-sequence forward (no sampling,
         nothing kept in the cache): float32 [len(tokens) - 1]."""
-        blocks = self.cache.allocator.allocate(math.ceil(len(tokens) / self.config.block_size))
-        try:
-            logits, _, _ = self.runner.forward([Segment(list(tokens), 0, blocks)], all_logits=True)
-        finally:
-            self.cache.allocator.release(blocks)
+        logits, _, _ = self._forward_whole(tokens)
         nxt = torch.tensor(tokens[1:], device=logits.device)
         return torch.log_softmax(logits[:-1], -1).gather(1, nxt[:, None])[:, 0].cpu()
+
+    def activation_amax(self, sequences: list[list[int]]) -> dict[tuple[int, str], float]:
+        """The largest |x| at each FP4 site's input (guidance.record.SITES) over full forwards of
+        `sequences`: {(layer, site): amax}. Calibrates the static input scales of an FP4 export."""
+        amax: dict[tuple[int, str], float] = {}
+        for tokens in sequences:
+            _, captured, _ = self._forward_whole(tokens, frozenset(range(self.cfg.num_layers)))
+            for key, rows in captured.items():
+                amax[key] = max(amax.get(key, 0.0), rows.float().abs().max().item())
+        return amax
 
     # -- generation ---------------------------------------------------------------------------
     def generate(self, requests: list[GroupRequest], sampling: SamplingParams) -> RolloutOutput:

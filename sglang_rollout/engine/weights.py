@@ -15,27 +15,13 @@ from dataclasses import dataclass
 import torch
 from trace_kernels.fp4 import Format, QTensor, dequantize, quantize
 
-from megatron_trace.model_config import FP4_WEIGHT_SUFFIXES, ModelConfig
+from megatron_trace.model_config import (
+    FP4_WEIGHT_SUFFIXES,
+    ModelConfig,
+    full_weight_shapes,
+)
 
 FP4_SUFFIXES = FP4_WEIGHT_SUFFIXES
-
-
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every weight's full name and shape."""
-    h, d, nq, ng, f = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, \
-        cfg.moe_intermediate_size
-    shapes = {"embedding.word_embeddings.weight": (cfg.vocab_size, h), "decoder.final_layernorm.weight": (h,),
-              "output_layer.weight": (cfg.vocab_size, h)}
-    for L in range(cfg.num_layers):
-        p = f"decoder.layers.{L}."
-        shapes |= {p + "input_layernorm.weight": (h,), p + "pre_mlp_layernorm.weight": (h,),
-                   p + "self_attention.linear_qkv.weight": ((nq + 2 * ng) * d, h),
-                   p + "self_attention.q_layernorm.weight": (d,), p + "self_attention.k_layernorm.weight": (d,),
-                   p + "self_attention.linear_proj.weight": (h, nq * d), p + "mlp.router.weight": (cfg.num_experts, h)}
-        for e in range(cfg.num_experts):
-            shapes[p + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = (2 * f, h)
-            shapes[p + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = (h, f)
-    return shapes
 
 
 class EngineWeights:
@@ -43,7 +29,7 @@ class EngineWeights:
 
     def __init__(self, cfg: ModelConfig, fp4: bool, device: str):
         self.cfg, self.fp4, self.device = cfg, fp4, torch.device(device)
-        self.shapes = expected_shapes(cfg)
+        self.shapes = full_weight_shapes(cfg)
         self.tensors: dict[str, torch.Tensor | QTensor] = {}
         self.stacked: dict[tuple[int, str], torch.Tensor | StackedFP4] = {}  # (layer, "fc1"/"fc2") -> all experts
         for L in range(cfg.num_layers):

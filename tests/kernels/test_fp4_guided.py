@@ -15,7 +15,13 @@ from trace_kernels.fp4 import (
 )
 
 from . import spec64
-from .helpers import BACKENDS, assert_same_qtensor, e2m1_sweep, heavy_tailed, triton_device
+from .helpers import (
+    BACKENDS,
+    assert_same_qtensor,
+    e2m1_sweep,
+    heavy_tailed,
+    triton_device,
+)
 
 
 def guided_on(backend, x, g, s, bits):

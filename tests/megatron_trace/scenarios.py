@@ -144,8 +144,9 @@ class CodeChecker:
 
 
 def run_layout(rank, *, cfg, sd, batches, modes, dispatcher="alltoall", recompute=None, backward=False,
-               params_dtype=torch.bfloat16, grouped_gemm=False):
-    """Build this rank's stage, load `sd`, and for each of this data-parallel rank's batches
+               params_dtype=torch.bfloat16, grouped_gemm=False, checkpoint=None):
+    """Build this rank's stage, load `sd` (or the Megatron checkpoint directory `checkpoint`), and
+    for each of this data-parallel rank's batches
     (batches[dp_rank::dp_size]; a batch is a dict with "seqs" and, for trace mode, "guidance",
     "sample_ids", "codes") run each mode's forward, and backward after the last mode.
 
@@ -168,7 +169,12 @@ def run_layout(rank, *, cfg, sd, batches, modes, dispatcher="alltoall", recomput
 
     model = build_model(cfg, "bf16", dispatcher=dispatcher, recompute=recompute, params_dtype=params_dtype,
                         grouped_gemm=grouped_gemm)
-    load_full_state_dict(model, sd)
+    if checkpoint is None:
+        load_full_state_dict(model, sd)
+    else:
+        from megatron_trace.checkpoint.dist import load_model
+
+        load_model(model, checkpoint)
     offset = get_transformer_layer_offset(model.config)
     stage_layers = range(offset, offset + len(model.decoder.layers))
     dp, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()

@@ -14,11 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_trace.megatron.spawn import spawn, world_size
 from megatron_trace.model_config import PRESETS
 
 from . import qwen3_moe_reference as ref
 from . import scenarios as sc
-from .dist_harness import spawn, world_size
 
 CFG = PRESETS["tiny"]
 SITES = [(layer, site) for layer in range(CFG.num_layers) for site in sc.SITE_ORDER]

@@ -2,7 +2,7 @@
 
 import json
 
-from .dist_harness import spawn
+from megatron_trace.megatron.spawn import spawn
 
 
 def run_cli(rank, argv):

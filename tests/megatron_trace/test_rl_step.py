@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from .dist_harness import spawn
+from megatron_trace.megatron.spawn import spawn
 
 
 def reward_low_ids(prompt, response):
@@ -15,7 +15,13 @@ def run_steps(rank, *, precision, correction):
     from megatron_trace.megatron.model import build_model
     from megatron_trace.model_config import PRESETS
     from megatron_trace.rl.losses import grpo_advantages
-    from megatron_trace.rl.step import StepConfig, response_logprobs, rollout, sync_weights, train_on
+    from megatron_trace.rl.step import (
+        StepConfig,
+        response_logprobs,
+        rollout,
+        sync_weights,
+        train_on,
+    )
     from megatron_trace.rollout import SamplingParams
     from sglang_rollout.engine import EngineConfig, TraceEngine
 

@@ -4,9 +4,8 @@ import json
 
 import pytest
 
+from megatron_trace.megatron.spawn import spawn
 from megatron_trace.rl.train import load_config
-
-from .dist_harness import spawn
 
 
 def test_config_defaults_run_and_bad_keys_are_named(tmp_path):

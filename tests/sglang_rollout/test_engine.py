@@ -193,7 +193,7 @@ def test_trainer_follows_the_engine_with_guidance(sd):
     """The chain of the project: engine FP4 decode -> guidance -> Megatron's trace-mode forward.
     Without guidance the trainer's FP4 log-probs drift from the engine's (rounding flips from
     other kernels and reduction orders); with guidance on every layer they agree far better."""
-    from ..megatron_trace.dist_harness import spawn
+    from megatron_trace.megatron.spawn import spawn
 
     e = engine(sd, "fp4", guide="all")
     out = e.generate(REQUESTS, SamplingParams(max_new_tokens=12, seed=4))

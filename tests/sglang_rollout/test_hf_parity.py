@@ -4,48 +4,37 @@ locally, no download), and the HF <-> Megatron state-dict mapping."""
 from __future__ import annotations
 
 import torch
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from safetensors import safe_open
 
+from megatron_trace.checkpoint.hf import HFCheckpoint
 from megatron_trace.checkpoint.qwen3_moe import (
     config_from_hf,
     hf_to_megatron,
     megatron_to_hf,
 )
-from megatron_trace.model_config import PRESETS
 from sglang_rollout.engine import EngineConfig, TraceEngine
 
-CFG = PRESETS["tiny"]
+from ..hf_models import CFG, save_hf_tiny
 
 
-def hf_tiny(seed=0):
-    torch.manual_seed(seed)
-    hf_cfg = Qwen3MoeConfig(
-        vocab_size=CFG.vocab_size, hidden_size=CFG.hidden_size, intermediate_size=128,
-        moe_intermediate_size=CFG.moe_intermediate_size, num_hidden_layers=CFG.num_layers,
-        num_attention_heads=CFG.num_attention_heads, num_key_value_heads=CFG.num_key_value_heads,
-        head_dim=CFG.head_dim, num_experts=CFG.num_experts, num_experts_per_tok=CFG.top_k, norm_topk_prob=True,
-        decoder_sparse_step=1, mlp_only_layers=[], rope_theta=CFG.rope_theta, rms_norm_eps=CFG.rms_norm_eps,
-        max_position_embeddings=CFG.max_position_embeddings, tie_word_embeddings=False, initializer_range=0.2)
-    model = Qwen3MoeForCausalLM(hf_cfg).eval()
-    with torch.no_grad():  # give the norms non-trivial weights
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-    return hf_cfg, model
+def test_config_and_state_dict_map_both_ways(tmp_path):
+    """transformers' own on-disk checkpoint -> full Megatron state dict -> the same HF tensors."""
+    model = save_hf_tiny(tmp_path)
+    assert config_from_hf(model.config.to_dict()) == CFG
+    ckpt = HFCheckpoint(tmp_path)
+    on_disk = {}
+    for file in tmp_path.glob("*.safetensors"):
+        with safe_open(file, framework="pt") as f:
+            on_disk |= {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+    back = megatron_to_hf(dict(ckpt.items()), CFG)
+    assert set(back) == set(on_disk) and all(torch.equal(back[k], on_disk[k]) for k in on_disk)
+    full = hf_to_megatron(on_disk, CFG)
+    assert all(torch.equal(full[k], v) for k, v in ckpt.items())
 
 
-def test_config_and_state_dict_map_both_ways():
-    hf_cfg, model = hf_tiny()
-    assert config_from_hf(hf_cfg.to_dict()) == CFG
-    hf_sd = model.state_dict()
-    back = megatron_to_hf(hf_to_megatron(hf_sd, CFG), CFG)
-    assert set(back) == set(hf_sd) and all(torch.equal(back[k], hf_sd[k]) for k in hf_sd)
-
-
-def test_engine_bf16_matches_transformers_qwen3_moe():
-    hf_cfg, model = hf_tiny()
-    model = model.to(torch.bfloat16)
-    sd = hf_to_megatron({k: v.clone() for k, v in model.state_dict().items()}, CFG)
+def test_engine_bf16_matches_transformers_qwen3_moe(tmp_path):
+    model = save_hf_tiny(tmp_path)
+    sd = dict(HFCheckpoint(tmp_path).items())
     engine = TraceEngine(CFG, EngineConfig(precision="bf16", block_size=8, num_blocks=16))
     engine.update_weights(sd, 0)
     g = torch.Generator().manual_seed(1)

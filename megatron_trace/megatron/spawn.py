@@ -68,3 +68,18 @@ def spawn(fn, layout: dict, **kwargs) -> list:
     if errors:
         raise RuntimeError("\n".join(errors))
     return [res["ok"] for res in results]
+
+
+def init_one_process() -> None:
+    """torch.distributed with one rank (gloo, or NCCL on a GPU) and Megatron's parallel state."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from .cpu_patches import initialize_model_parallel_cpu
+
+    if not dist.is_initialized():
+        port = _free_port()
+        if torch.cuda.is_available():
+            torch.cuda.set_device(0)
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    initialize_model_parallel_cpu()  # patches only without CUDA

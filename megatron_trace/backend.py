@@ -1,0 +1,38 @@
+"""Rollout backends by dotted path (`module:Class`, the module also exporting its EngineConfig),
+so that megatron_trace never imports the rollout side (kernels <- megatron_trace <- sglang_rollout).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+DEFAULT_ENGINE = "sglang_rollout.engine:TraceEngine"
+
+
+def load_backend(path: str):
+    module, _, name = path.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise SystemExit(f"--engine {path!r}: cannot import it ({e})") from None
+
+
+def make_backend(path: str, cfg, **config):
+    """An engine of the backend class at `path` for model config `cfg`, configured by its module's
+    EngineConfig(**config)."""
+    engine_cls = load_backend(path)
+    config_cls = importlib.import_module(path.partition(":")[0]).EngineConfig
+    return engine_cls(cfg, config_cls(**config))
+
+
+def engine_factory(path: str, cfg, model_id: str):
+    """make_engine(precision, guide, coding) for the backend class at `path`."""
+    load_backend(path)  # fail now, not at the first rollout
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def make_engine(precision, guide, coding):
+        return make_backend(path, cfg, precision=precision, guide=guide, coding=coding, device=device,
+                            model_id=model_id, num_blocks=4096)
+    return make_engine

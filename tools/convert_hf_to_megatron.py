@@ -1,0 +1,7 @@
+"""`trace-convert-hf-to-megatron`: the same main as the console entry point
+(see megatron_trace/checkpoint/cli.py)."""
+
+from megatron_trace.checkpoint.cli import convert_hf_main
+
+if __name__ == "__main__":
+    convert_hf_main()
