@@ -29,7 +29,13 @@ if not torch.cuda.is_available():  # must precede the kernels' definition
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tqdm import tqdm  # noqa: E402
-from trace_kernels.fp4 import dequantize, pack_bits, quantize, quantize_guided, unpack_codes  # noqa: E402
+from trace_kernels.fp4 import (  # noqa: E402
+    dequantize,
+    pack_bits,
+    quantize,
+    quantize_guided,
+    unpack_codes,
+)
 
 CASES = [("nvfp4", "row"), ("nvfp4", "tensor"), ("mxfp4", None)]
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -83,7 +89,10 @@ def copy_bandwidth(device: str) -> float:
 
 def torchao_quantizer():
     try:
-        from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize, per_tensor_amax_to_scale
+        from torchao.prototype.mx_formats.nvfp4_tensor import (
+            nvfp4_quantize,
+            per_tensor_amax_to_scale,
+        )
     except Exception:  # noqa: BLE001 - optional comparison; any import failure means "not available"
         return None
 

@@ -19,7 +19,13 @@ import torch
 from tqdm import tqdm
 from trace_kernels.fp4 import quantize, quantize_guided, unpack_codes
 
-from megatron_trace.guidance import Coding, calibrate_tau, capture, code_flips, guided_inputs
+from megatron_trace.guidance import (
+    Coding,
+    calibrate_tau,
+    capture,
+    code_flips,
+    guided_inputs,
+)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

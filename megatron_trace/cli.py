@@ -24,12 +24,15 @@ def train_main(args: argparse.Namespace) -> list[dict]:
     from .rl.train import load_config, train
 
     try:
-        cfg = load_config(args.config, args.set or [])
+        cfg = load_config(args.config, (args.set or []) + (["rl.steps=0"] if args.command == "sft" else []))
     except ValueError as e:
         raise SystemExit(str(e)) from None
     init_one_process()
     model_cfg = PRESETS[cfg.model.preset]
-    history = train(cfg, engine_factory(cfg.engine, model_cfg, cfg.model.preset), model_cfg)
+    try:
+        history = train(cfg, engine_factory(cfg.engine, model_cfg, cfg.model.preset), model_cfg)
+    except (ValueError, FileNotFoundError) as e:  # bad config for this run, an unusable checkpoint
+        raise SystemExit(f"error: {e}") from None
     if history:
         k = max(1, len(history) // 4)
         first = sum(m["reward"] for m in history[:k]) / k
@@ -97,15 +100,17 @@ def main(argv: list[str] | None = None) -> None:
     mm.add_argument("--engine", default=DEFAULT_ENGINE,
                     help="rollout backend class, module:Class; the module also exports its EngineConfig")
     mm.add_argument("--json", default=None, help="write {mode: metrics} here")
-    tr = sub.add_parser("train", help="the embedded default: SFT warm-up, then GRPO with FP4 TRACE rollouts")
-    tr.add_argument("--config", default=None, help="YAML file {section: {key: value}}")
-    tr.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override one config key")
+    for name, text in (("train", "the embedded default: SFT warm-up, then GRPO with FP4 TRACE rollouts"),
+                       ("sft", "the supervised warm-up alone; `train` with the same output_dir continues with RL")):
+        tr = sub.add_parser(name, help=text)
+        tr.add_argument("--config", default=None, help="YAML file {section: {key: value}}")
+        tr.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override one config key")
     add_audit_parser(sub)
     args = ap.parse_args(argv)
     torch.manual_seed(getattr(args, "seed", 0))
     if args.command == "mismatch":
         mismatch_main(args)
-    elif args.command == "train":
+    elif args.command in ("train", "sft"):
         train_main(args)
     elif args.command == "audit":
         audit_main(args)

@@ -14,7 +14,7 @@ The trainer must be a one-process Megatron model (tensor, expert and pipeline pa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from trace_kernels.fp4 import quantize, unpack_bits, unpack_codes
@@ -31,18 +31,28 @@ TRAINER_PRECISION = {"bf16": "bf16", "fp4": "bf16", "fp4-qat": "fp4", "trace": "
 
 
 @dataclass
-class _FlipCounter:
+class FlipCounter:
     """Observer counting, per layer, elements whose trainer code disagrees with the engine's."""
 
     reference: MicroBatchGuidance
-    rne: dict
-    actual: dict
-    total: dict
+    rne: dict = field(default_factory=dict)  # layer -> elements whose round-to-nearest code differs
+    actual: dict = field(default_factory=dict)  # layer -> elements whose applied code differs
+    total: dict = field(default_factory=dict)
+
+    def rates(self) -> dict:
+        """flip_rate (round to nearest vs the engine), residual_flip_rate (the trainer's actual
+        codes vs the engine's) and both by layer; {} when nothing was compared."""
+        total = sum(self.total.values())
+        if not total:
+            return {}
+        return {"flip_rate": sum(self.rne.values()) / total, "residual_flip_rate": sum(self.actual.values()) / total,
+                "flip_rate_by_layer": {L: self.rne[L] / n for L, n in sorted(self.total.items())},
+                "residual_flip_rate_by_layer": {L: self.actual[L] / n for L, n in sorted(self.total.items())}}
 
     def __call__(self, site, x, q, guidance):
         ref = self.reference.site(site.layer, site.name)
-        if ref is None:
-            return
+        if ref is None or ref.bit_known is not None or ref.scale_known is not None or ref.scale_lsb:
+            return  # only dense guidance names every element's code
         rows = torch.arange(x.shape[0], device=x.device)
         if site.name == "fc2":  # dispatched rows: expert-major, tokens ascending -> (token, slot)
             if not site.all_experts:
@@ -102,7 +112,7 @@ def run_mismatch(trainer, make_engine, state_dict, prompts: list[tuple[int, ...]
             elems = sum(r.header.rows * r.header.cols for r in records)
             bits = 8 * sum(r.nbytes for r in records) / elems if elems else 0.0
         replay_only = MicroBatchGuidance(reference.num_tokens, routed_experts=reference.routed_experts)
-        counter = _FlipCounter(reference, {}, {}, {})
+        counter = FlipCounter(reference)
         seqs = [torch.tensor(list(requests[int(s.group_id[1:])].prompt_ids) + s.tokens) for s in out.samples]
         tokens, positions, psp = pack_sequences(seqs, dev)
         set_precision(trainer, TRAINER_PRECISION[mode])
@@ -120,12 +130,11 @@ def run_mismatch(trainer, make_engine, state_dict, prompts: list[tuple[int, ...]
             train.append(lp[offset + s.prompt_len - 1: offset + len(q) - 1])
             offset += len(q)
         m = mismatch_metrics(train, [s.logprobs for s in out.samples])
-        total = sum(counter.total.values())
-        if total:
-            m["flip_rate"] = sum(counter.rne.values()) / total
-            m["flip_rate_by_layer"] = {layer: counter.rne[layer] / n for layer, n in sorted(counter.total.items())}
+        rates = counter.rates()
+        if rates:
+            m["flip_rate"], m["flip_rate_by_layer"] = rates["flip_rate"], rates["flip_rate_by_layer"]
             if mode == "trace":
-                m["residual_flip_rate"] = sum(counter.actual.values()) / total
+                m["residual_flip_rate"] = rates["residual_flip_rate"]
         if bits is not None:
             m["guidance_bits_per_element"] = bits
         results[mode] = m

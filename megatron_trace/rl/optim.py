@@ -28,3 +28,17 @@ class MasterAdamW:
         self.opt.step()
         for p, m in zip(self.params, self.master, strict=True):
             p.copy_(m)
+
+    def state_dict(self) -> dict:
+        """FP32 master weights and AdamW state (what a resumed run needs beyond the BF16 weights)."""
+        return {"master": [m.detach().clone() for m in self.master], "adamw": self.opt.state_dict()}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict()`'s content; the BF16 parameters are set from the masters."""
+        if [m.shape for m in state["master"]] != [m.shape for m in self.master]:
+            raise ValueError("optimizer state does not fit these parameters (different model or layout)")
+        for m, saved, p in zip(self.master, state["master"], self.params, strict=True):
+            m.copy_(saved)
+            p.copy_(m)
+        self.opt.load_state_dict(state["adamw"])

@@ -1,27 +1,51 @@
-"""The PNG report at the end of a run: reward, train-rollout mismatch and flip rates per step."""
+"""The PNG report: reward and train-rollout mismatch per step, and flip rates by layer, for one
+run or several (one line / bar group per precision mode)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 
-def plot_report(history: list[dict], path: str | Path, title: str = "") -> Path:
-    """Reward and k3_kl per RL step (log scale), side by side. Written atomically."""
+def plot_report(runs: dict[str, list[dict]] | list[dict], path: str | Path, title: str = "") -> Path:
+    """Reward and k3_kl per RL step (log scale), and the mean flip rate per layer (round to
+    nearest vs the engine; hatched: the residual after guidance). `runs`: {label: metrics rows}
+    or one run's rows. Written atomically."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    if not history:
+    runs = {"": runs} if isinstance(runs, list) else runs
+    if not runs or not all(runs.values()):
         raise ValueError("plot_report: no steps to plot")
-    steps = [m["step"] for m in history]
-    fig, (ax_r, ax_k) = plt.subplots(1, 2, figsize=(10, 3.6))
-    ax_r.plot(steps, [m["reward"] for m in history], marker=".")
+    fig, (ax_r, ax_k, ax_f) = plt.subplots(1, 3, figsize=(15, 3.8))
+    bars = []
+    for i, (label, rows) in enumerate(runs.items()):
+        color = f"C{i}"
+        steps = [m["step"] for m in rows]
+        ax_r.plot(steps, [m["reward"] for m in rows], marker=".", color=color, label=label or None)
+        ax_k.semilogy(steps, [max(m["k3_kl"], 1e-18) for m in rows], marker=".", color=color, label=label or None)
+        for key, hatch in (("flip_rate_by_layer", None), ("residual_flip_rate_by_layer", "//")):
+            per_step = [m[key] for m in rows if key in m]
+            if per_step:
+                layers = sorted(per_step[0], key=int)
+                mean = [sum(d[L] for d in per_step) / len(per_step) for L in layers]
+                bars.append((f"{label} {'residual' if hatch else 'flip'}".strip(), layers, mean, color, hatch))
+    width = 0.8 / max(1, len(bars))
+    for j, (name, layers, mean, color, hatch) in enumerate(bars):
+        ax_f.bar([int(L) + j * width for L in layers], mean, width, color=color, hatch=hatch,
+                 alpha=0.5 if hatch else 0.9, label=name)
     ax_r.set(xlabel="RL step", ylabel="mean reward", title="reward")
-    ax_k.semilogy(steps, [max(m["k3_kl"], 1e-18) for m in history], marker=".", color="tab:red")
     ax_k.set(xlabel="RL step", ylabel="k3_kl (train vs rollout)", title="train-rollout mismatch")
-    for ax in (ax_r, ax_k):
+    ax_f.set(xlabel="layer", ylabel="fraction of FP4 elements", title="flip rate by layer (mean over steps)")
+    if bars:
+        ax_f.set_xticks(sorted({int(L) for _, layers, *_ in bars for L in layers}))
+    else:
+        ax_f.text(0.5, 0.5, "no FP4 trainer in these runs", ha="center", va="center", transform=ax_f.transAxes)
+    for ax in (ax_r, ax_k, ax_f):
         ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     if title:
         fig.suptitle(title)
     fig.tight_layout()

@@ -7,18 +7,20 @@ on-policy: the trainer's log-probs before the update are the PPO "old" log-probs
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 from trace_kernels.fp4 import quantize
 
+from ..megatron import qat
 from ..megatron.context import MicroBatchGuidance
 from ..megatron.model import pack_sequences, set_precision, token_logprobs
 from ..model_config import FP4_WEIGHT_SUFFIXES
 from ..rollout import GroupRequest, RolloutOutput, SamplingParams
 from .losses import grpo_advantages, policy_loss, rollout_correction
 from .metrics import mismatch_metrics
-from .mismatch import TRAINER_PRECISION
+from .mismatch import TRAINER_PRECISION, FlipCounter
 
 
 @dataclass(frozen=True)
@@ -56,10 +58,16 @@ def sync_weights(trainer, engine, version: int) -> int:
 def rl_step(trainer, optimizer, engine, prompts: list[tuple[int, ...]], reward_fn, cfg: StepConfig,
             sampling: SamplingParams, step: int) -> dict:
     """Rollout, train on it, sync the new weights; returns the step's metrics."""
+    t0 = time.perf_counter()
     batch = rollout(engine, prompts, reward_fn, cfg, sampling, step)
+    t1 = time.perf_counter()
     metrics = train_on(trainer, optimizer, batch, cfg)
+    t2 = time.perf_counter()
     metrics["weight_sync_bytes"] = sync_weights(trainer, engine, engine.weight_version + 1)
-    return {"step": step, **metrics}
+    t3 = time.perf_counter()
+    tokens = sum(len(s.tokens) for s in batch.out.samples)
+    return {"step": step, **metrics, "response_tokens": tokens, "rollout_tokens_per_s": tokens / (t1 - t0),
+            "rollout_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2}
 
 
 @dataclass
@@ -83,9 +91,10 @@ def rollout(engine, prompts, reward_fn, cfg: StepConfig, sampling: SamplingParam
     return RolloutBatch(out, by_group, rewards)
 
 
-def response_logprobs(trainer, batch: RolloutBatch, cfg: StepConfig):
+def response_logprobs(trainer, batch: RolloutBatch, cfg: StepConfig, observer=None):
     """The trainer's log-probs of every response token (with gradient), the sample of each
-    token, and the rollout's log-probs: ([T], int64 [T], [T])."""
+    token, and the rollout's log-probs: ([T], int64 [T], [T]). `observer(full_guidance)`, if
+    given, makes a qat observer that watches the forward (e.g. a FlipCounter)."""
     dev, out = next(trainer.parameters()).device, batch.out
     seqs = [torch.tensor(list(batch.prompts[s.group_id]) + s.tokens) for s in out.samples]
     tokens, positions, psp = pack_sequences(seqs, dev)
@@ -93,8 +102,13 @@ def response_logprobs(trainer, batch: RolloutBatch, cfg: StepConfig):
     guidance = full if cfg.precision == "trace" else MicroBatchGuidance(full.num_tokens,
                                                                         routed_experts=full.routed_experts)
     set_precision(trainer, TRAINER_PRECISION[cfg.precision])
-    lp = token_logprobs(trainer, tokens, positions, torch.roll(tokens, -1, 1), packed_seq_params=psp,
-                        guidance=guidance.to(dev)).reshape(-1)
+    if observer is not None:
+        qat.observers.append(observer(full))
+    try:
+        lp = token_logprobs(trainer, tokens, positions, torch.roll(tokens, -1, 1), packed_seq_params=psp,
+                            guidance=guidance.to(dev)).reshape(-1)
+    finally:
+        qat.observers.clear()
     index, sample_of, offset = [], [], 0  # a response token's log-prob sits at the position before it
     for i, (s, q) in enumerate(zip(out.samples, seqs, strict=True)):
         index += range(offset + s.prompt_len - 1, offset + len(q) - 1)
@@ -108,7 +122,13 @@ def train_on(trainer, optimizer, batch: RolloutBatch, cfg: StepConfig) -> dict:
     """GRPO update on one rollout; returns reward, loss, clip/kept fractions and the mismatch."""
     out, rewards = batch.out, batch.rewards
     adv = grpo_advantages(rewards, cfg.group_size)
-    logp, sample_of, logp_rollout = response_logprobs(trainer, batch, cfg)
+    counters = []
+
+    def observe(full):  # flip rates wherever the engine sent dense guidance (measured or applied)
+        counters.append(FlipCounter(full.to(next(trainer.parameters()).device)))
+        return counters[-1]
+    fp4_trainer = TRAINER_PRECISION[cfg.precision] != "bf16"
+    logp, sample_of, logp_rollout = response_logprobs(trainer, batch, cfg, observe if fp4_trainer else None)
     weights, keep = rollout_correction(logp.detach(), logp_rollout, sample_of, cfg.correction,
                                       cfg.correction_threshold)
     loss, info = policy_loss(logp, logp.detach(), adv.to(logp.device)[sample_of], clip_low=cfg.clip_low,
@@ -117,6 +137,9 @@ def train_on(trainer, optimizer, batch: RolloutBatch, cfg: StepConfig) -> dict:
     loss.backward()
     optimizer.step()
     per_sample = [logp.detach()[sample_of == i].cpu() for i in range(len(out.samples))]
-    return {"reward": float(rewards.mean()), "loss": float(loss.detach()), **info,
-            "guidance_bytes_per_token": out.guidance.bytes_per_token(),
+    flips = counters[0].rates() if counters else {}
+    if flips and cfg.precision != "trace":  # nothing applied: the codes are the trainer's own
+        flips = {k: v for k, v in flips.items() if not k.startswith("residual")}
+    return {"reward": float(rewards.mean()), "loss": float(loss.detach()), **info, **flips,
+            "guidance_bytes_per_token": out.guidance.bytes_per_token() if cfg.precision == "trace" else 0.0,
             **mismatch_metrics(per_sample, [s.logprobs for s in out.samples])}

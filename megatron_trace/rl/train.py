@@ -55,6 +55,15 @@ class RLSection:
     correction: str = "none"  # none, tis, mis
     clip_low: float = 0.2
     clip_high: float = 0.28
+    measure_flips: bool = True  # fp4-qat: the engine also records dense guidance (not applied) to measure flips
+
+
+@dataclass
+class CheckpointSection:
+    every: int = 10  # RL steps between checkpoints (and at the end of each phase); 0: only at the ends
+    sft_every: int = 250  # SFT steps between checkpoints
+    keep: int = 2  # newest checkpoints kept
+    resume: bool = True  # continue from output_dir's latest checkpoint when there is one
 
 
 @dataclass
@@ -63,6 +72,7 @@ class TrainConfig:
     task: TaskSection = field(default_factory=TaskSection)
     sft: SFTSection = field(default_factory=SFTSection)
     rl: RLSection = field(default_factory=RLSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     engine: str = "sglang_rollout.engine:TraceEngine"
     output_dir: str = "runs/default"
     seed: int = 0
@@ -80,6 +90,8 @@ class TrainConfig:
             (self.rl.group_size >= 2, "rl.group_size", ">= 2 (GRPO normalises within groups)"),
             (self.task.digits >= 1, "task.digits", ">= 1"),
             (self.sft.steps >= 0 and self.rl.steps >= 0, "sft.steps / rl.steps", ">= 0"),
+            (self.checkpoint.every >= 0 and self.checkpoint.sft_every >= 0, "checkpoint.every / sft_every", ">= 0"),
+            (self.checkpoint.keep >= 1, "checkpoint.keep", ">= 1"),
         ]
         for ok, key, want in checks:
             if not ok:
@@ -98,6 +110,10 @@ def _set(obj, dotted: str, raw: str) -> None:
     if last not in fields or dataclasses.is_dataclass(getattr(obj, last)):
         raise ValueError(f"config: unknown key {dotted!r}")
     current = getattr(obj, last)
+    if isinstance(current, bool) and isinstance(raw, str):
+        if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
+            raise ValueError(f"config: {dotted} must be true or false, got {raw!r}")
+        raw = raw.lower() in ("true", "1", "yes")
     try:
         value = type(current)(raw) if not isinstance(raw, type(current)) else raw
     except ValueError:
@@ -130,11 +146,63 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> TrainConf
     return cfg
 
 
+def flat_config(cfg: TrainConfig) -> dict:
+    """{"section.key": value} of every setting."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        out |= {f"{f.name}.{k}": x for k, x in dataclasses.asdict(v).items()} if dataclasses.is_dataclass(v) \
+            else {f.name: v}
+    return out
+
+
+# settings a resumed run may change: how long it runs and how it checkpoints
+RESUMABLE = ("sft.steps", "rl.steps", "checkpoint.every", "checkpoint.sft_every", "checkpoint.keep",
+             "checkpoint.resume", "output_dir")
+
+
+class MetricsLog:
+    """metrics.jsonl (one JSON object per RL step) and TensorBoard scalars under output_dir/tb."""
+
+    def __init__(self, out_dir: Path, first_step: int):
+        self.path = out_dir / "metrics.jsonl"
+        rows = [line for line in self.path.read_text().splitlines() if line.strip()] if self.path.exists() else []
+        # a resumed run recomputes the steps after its checkpoint; a new run starts empty
+        kept = [r for r in rows if json.loads(r)["step"] < first_step]
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(r + "\n" for r in kept))
+        tmp.replace(self.path)
+        self.history = [json.loads(r) for r in kept]
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.tb = SummaryWriter(str(out_dir / "tb"), purge_step=first_step)
+
+    def write(self, m: dict) -> None:
+        self.history.append(m)
+        with self.path.open("a") as f:
+            f.write(json.dumps(m) + "\n")
+        for k, v in m.items():
+            if isinstance(v, (int, float)) and k != "step":
+                self.tb.add_scalar(k, v, m["step"])
+            elif isinstance(v, dict):  # per layer
+                for layer, x in v.items():
+                    self.tb.add_scalar(f"{k}/{layer}", x, m["step"])
+        self.tb.flush()
+
+
 def train(cfg: TrainConfig, make_engine, model_cfg: ModelConfig, progress: bool = True) -> list[dict]:
-    """Warm-up, then RL; metrics of every RL step are appended to output_dir/metrics.jsonl."""
+    """Warm-up, then RL; every RL step's metrics go to output_dir/metrics.jsonl and TensorBoard.
+    Checkpoints as `checkpoint` says; with checkpoint.resume a killed run continues from the
+    latest one as it would have. Returns the metrics of every RL step of the run."""
     from tqdm import tqdm
 
     from ..megatron.model import build_model
+    from .checkpoint import (
+        RunState,
+        latest_checkpoint,
+        load_checkpoint,
+        save_checkpoint,
+    )
     from .sft import sft_step
     from .tasks import ArithmeticTask
 
@@ -145,32 +213,65 @@ def train(cfg: TrainConfig, make_engine, model_cfg: ModelConfig, progress: bool 
     if task.tokenizer.vocab_size > model_cfg.vocab_size:
         raise ValueError(f"the task's tokenizer needs {task.tokenizer.vocab_size} ids, the model has {model_cfg.vocab_size}")
     trainer = build_model(model_cfg, "bf16", grouped_gemm=True)  # BF16 compute, as the engine
-    opt = MasterAdamW(trainer.parameters(), lr=cfg.sft.lr, weight_decay=0.0)
-    bar = tqdm(range(cfg.sft.steps), desc="sft", disable=not progress)
-    for _ in bar:
-        loss = sft_step(trainer, opt, [task.sft_example(p) for p in task.problems(cfg.sft.batch)])
-        bar.set_postfix(loss=f"{loss:.3f}")
-    engine = make_engine("bf16" if cfg.rl.precision == "bf16" else "fp4",
-                         cfg.rl.guide if cfg.rl.precision == "trace" else "none", cfg.rl.coding)
-    sync_weights(trainer, engine, 0)
+    run_config, state, saved = flat_config(cfg), RunState(), None
+    ckpt = latest_checkpoint(out_dir) if cfg.checkpoint.resume else None
+    if ckpt is not None:
+        saved = load_checkpoint(ckpt, trainer, run_config, RESUMABLE)
+        state = RunState(**saved["state"])
+        task.rng.setstate(saved["task_rng"])
+        torch.set_rng_state(saved["torch_rng"])
+        print(f"resuming from {ckpt} ({state.phase} step {state.step})")
+
+    def checkpoint(opt, phase, step, version):
+        save_checkpoint(out_dir, trainer, model_cfg, opt, task.rng, RunState(phase, step, version), run_config,
+                        cfg.checkpoint.keep)
+
+    if state.phase == "sft":
+        opt = MasterAdamW(trainer.parameters(), lr=cfg.sft.lr, weight_decay=0.0)
+        if saved is not None:
+            opt.load_state_dict(saved["optimizer"])
+        bar = tqdm(range(state.step, cfg.sft.steps), desc="sft", disable=not progress, initial=state.step,
+                   total=cfg.sft.steps)
+        for i in bar:
+            loss = sft_step(trainer, opt, [task.sft_example(p) for p in task.problems(cfg.sft.batch)])
+            bar.set_postfix(loss=f"{loss:.3f}")
+            if cfg.checkpoint.sft_every and (i + 1) % cfg.checkpoint.sft_every == 0 and i + 1 < cfg.sft.steps:
+                checkpoint(opt, "sft", i + 1, 0)
+        state, saved = RunState("rl", 0, 0), None
     opt = MasterAdamW(trainer.parameters(), lr=cfg.rl.lr, weight_decay=0.0)
+    if saved is not None:
+        opt.load_state_dict(saved["optimizer"])
+    elif cfg.sft.steps:
+        checkpoint(opt, "rl", 0, 0)  # the warmed-up model: RL restarts never redo the warm-up
+    if state.step >= cfg.rl.steps:  # nothing left to do (e.g. `trace-rl sft`)
+        return []
+    trace, measure = cfg.rl.precision == "trace", cfg.rl.measure_flips and cfg.rl.precision == "fp4-qat"
+    engine = make_engine("bf16" if cfg.rl.precision == "bf16" else "fp4",
+                         cfg.rl.guide if trace else "all" if measure else "none", cfg.rl.coding if trace else "dense")
+    sync_weights(trainer, engine, state.weight_version)
     step_cfg = StepConfig(cfg.rl.precision, cfg.rl.group_size, cfg.rl.clip_low, cfg.rl.clip_high, cfg.rl.correction)
-    history = []
-    metrics_path = out_dir / "metrics.jsonl"
-    metrics_path.write_text("")  # a new run (resuming is not implemented yet): no rows of an old one
-    bar = tqdm(range(cfg.rl.steps), desc=f"rl ({cfg.rl.precision})", disable=not progress)
+    log = MetricsLog(out_dir, state.step)
+    run_history = []
+    bar = tqdm(range(state.step, cfg.rl.steps), desc=f"rl ({cfg.rl.precision})", disable=not progress,
+               initial=state.step, total=cfg.rl.steps)
     for step in bar:
         problems = task.problems(cfg.rl.prompts_per_step)
         by_prompt = {tuple(task.prompt_ids(p)): p for p in problems}
+
+        def reward(prompt, resp, by_prompt=by_prompt):
+            return task.reward(by_prompt[tuple(prompt)], resp)
+
         t0 = time.perf_counter()
-        m = rl_step(trainer, opt, engine, list(by_prompt), lambda prompt, resp: task.reward(by_prompt[tuple(prompt)], resp),
-                    step_cfg, SamplingParams(temperature=cfg.rl.temperature, max_new_tokens=cfg.rl.max_new_tokens,
-                                             stop_token_ids=(2,), seed=cfg.seed * 100_003 + step), step)
+        m = rl_step(trainer, opt, engine, list(by_prompt), reward, step_cfg,
+                    SamplingParams(temperature=cfg.rl.temperature, max_new_tokens=cfg.rl.max_new_tokens,
+                                   stop_token_ids=(2,), seed=cfg.seed * 100_003 + step), step)
         m["step_s"] = time.perf_counter() - t0
-        history.append(m)
-        with metrics_path.open("a") as f:
-            f.write(json.dumps(m) + "\n")
+        log.write(m)
+        run_history.append(m)
         bar.set_postfix(reward=f"{m['reward']:.2f}", k3=f"{m['k3_kl']:.1e}")
-    if history:
-        plot_report(history, out_dir / "report.png", f"{cfg.model.preset}, {cfg.rl.precision} mode")
-    return history
+        if (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0) or step + 1 == cfg.rl.steps:
+            checkpoint(opt, "rl", step + 1, engine.weight_version)
+    log.tb.close()
+    if log.history:
+        plot_report(log.history, out_dir / "report.png", f"{cfg.model.preset}, {cfg.rl.precision} mode")
+    return run_history

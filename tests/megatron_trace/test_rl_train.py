@@ -1,6 +1,10 @@
 """`trace-rl train`: the configuration schema and a short end-to-end run."""
 
 import json
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -34,13 +38,63 @@ def run_train(rank, *, out_dir, precision):
           "--set", f"rl.precision={precision}", "--set", f"output_dir={out_dir}"])
 
 
-@pytest.mark.parametrize("precision", ["bf16", "trace"])
+@pytest.mark.parametrize("precision", ["bf16", "fp4-qat", "trace"])
 def test_a_short_run_writes_its_metrics(tmp_path, precision):
     spawn(run_train, {}, out_dir=str(tmp_path), precision=precision)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
     for r in rows:
         assert 0 <= r["reward"] <= 1 and r["weight_sync_bytes"] > 0 and r["step_s"] > 0
+        assert r["response_tokens"] > 0 and r["rollout_tokens_per_s"] > 0
+        assert r["rollout_s"] + r["train_s"] + r["sync_s"] <= r["step_s"]
     if precision == "trace":  # the guided trainer forward follows the engine
         assert all(r["k3_kl"] < 1e-9 for r in rows)
+        assert all(r["residual_flip_rate"] == 0 and r["guidance_bytes_per_token"] > 0 for r in rows)
+    if precision != "bf16":  # flips measured against the engine's dense records, per layer
+        assert all(0 < r["flip_rate"] < 0.2 and set(r["flip_rate_by_layer"]) == {"0", "1"} for r in rows)
+    if precision == "fp4-qat":  # recorded for the measurement only: nothing applied, nothing billed
+        assert all("residual_flip_rate" not in r and r["guidance_bytes_per_token"] == 0 for r in rows)
     assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _train_cmd(out_dir, *extra):
+    return [sys.executable, "-m", "megatron_trace.cli", "train", "--set", "sft.steps=20", "--set", "rl.steps=4",
+            "--set", "rl.prompts_per_step=4", "--set", "checkpoint.every=1", "--set", f"output_dir={out_dir}",
+            *extra]
+
+
+def _untimed(row):
+    return {k: v for k, v in row.items() if not k.endswith("_s")}  # wall-clock times and rates differ
+
+
+def _rows(out_dir):
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_killed_run_resumes_as_it_would_have_continued(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
+    subprocess.run(_train_cmd(tmp_path / "whole"), env=env, check=True, capture_output=True)
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(_train_cmd(killed), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    latest = killed / "checkpoints" / "latest"
+    deadline = time.time() + 300
+    while not (latest.exists() and latest.read_text().strip() == "rl-000002") and proc.poll() is None:
+        assert time.time() < deadline, "the run never reached its step-2 checkpoint"
+        time.sleep(0.05)
+    proc.kill()  # SIGKILL: no cleanup of any kind
+    proc.wait()
+    resumed = subprocess.run(_train_cmd(killed), env=env, check=True, capture_output=True, text=True)
+    assert "resuming from" in resumed.stdout
+    want, got = _rows(tmp_path / "whole"), _rows(killed)
+    assert [r["step"] for r in got] == [0, 1, 2, 3]
+    for w, g in zip(want, got, strict=True):
+        assert _untimed(g) == _untimed(w)
+    # TensorBoard has every step once, whatever was logged before the kill
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(killed / "tb"))
+    ea.Reload()
+    assert [e.step for e in ea.Scalars("reward")] == [0, 1, 2, 3]
+    # a changed setting that a resumed run cannot take is named
+    bad = subprocess.run(_train_cmd(killed, "--set", "rl.lr=0.1"), env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "config rl.lr was 0.0003, now 0.1" in bad.stderr

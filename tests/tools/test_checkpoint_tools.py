@@ -15,7 +15,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megatron_trace.checkpoint.cli import export_main
-from megatron_trace.checkpoint.convert import hf_to_megatron, layout_world, megatron_configs, megatron_to_hf
+from megatron_trace.checkpoint.convert import (
+    hf_to_megatron,
+    layout_world,
+    megatron_configs,
+    megatron_to_hf,
+)
 from megatron_trace.checkpoint.fp4_export import load_input_amax
 from megatron_trace.checkpoint.hf import HFCheckpoint
 from megatron_trace.checkpoint.qwen3_moe import hf_parts

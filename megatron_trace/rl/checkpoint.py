@@ -1,0 +1,89 @@
+"""Checkpoints of an RL run, and resuming from the latest one.
+
+A checkpoint is a directory `<output_dir>/checkpoints/<phase>-<step>/` holding
+    model/      the trainer as a Megatron distributed checkpoint (checkpoint.dist; loads under any
+                layout and exports with trace-export-fp4 --megatron),
+    state.pt    what else the run needs to continue exactly as it would have: the optimizer's
+                FP32 master weights and AdamW moments, the task's and torch's RNG states, the
+                phase and next step, the engine's weight version, and the run's configuration.
+It is written into a hidden temporary directory and renamed into place; then the one-line file
+`checkpoints/latest` is replaced atomically. A run killed at any point resumes from the last
+complete checkpoint; metrics rows written after it are dropped and computed again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+LATEST = "latest"
+
+
+@dataclass
+class RunState:
+    """phase: "sft" or "rl"; step: the next step of that phase; weight_version: the engine's."""
+
+    phase: str = "sft"
+    step: int = 0
+    weight_version: int = 0
+
+
+def save_checkpoint(out_dir: str | os.PathLike, trainer, model_cfg, optimizer, task_rng, state: RunState,
+                    run_config: dict, keep: int = 2) -> Path:
+    """Write one checkpoint of a one-process run (see module docstring); keep the newest `keep`."""
+    from ..checkpoint.dist import save_model
+
+    root = Path(out_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{state.phase}-{state.step:06d}"
+    tmp = root / f".partial-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    save_model(trainer, model_cfg, tmp / "model")
+    torch.save({"state": dataclasses.asdict(state), "optimizer": optimizer.state_dict(),
+                "task_rng": task_rng.getstate(), "torch_rng": torch.get_rng_state(), "config": run_config},
+               tmp / "state.pt")
+    if final.exists():  # left by a run killed before it updated `latest`: never the latest itself
+        shutil.rmtree(final)
+    tmp.rename(final)
+    pointer = root / f".{LATEST}-{uuid.uuid4().hex[:8]}"
+    pointer.write_text(final.name + "\n")
+    os.replace(pointer, root / LATEST)
+    for old in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))[:-keep]:
+        shutil.rmtree(old)
+    for stale in root.glob(".partial-*"):  # of killed saves
+        if stale != tmp:
+            shutil.rmtree(stale, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(out_dir: str | os.PathLike) -> Path | None:
+    """The directory `checkpoints/latest` names, or None for a run without checkpoints."""
+    pointer = Path(out_dir) / "checkpoints" / LATEST
+    if not pointer.exists():
+        return None
+    path = pointer.parent / pointer.read_text().strip()
+    if not (path / "state.pt").exists():
+        raise FileNotFoundError(f"{pointer} names {path.name}, which is not a complete checkpoint")
+    return path
+
+
+def load_checkpoint(path: Path, trainer, run_config: dict, resumable_keys: tuple[str, ...]) -> dict:
+    """Load the trainer's weights from checkpoint `path`; return its state.pt contents.
+
+    Raises ValueError naming the first configuration key that differs from the checkpoint's,
+    other than `resumable_keys` (e.g. the number of steps, which a resumed run may extend)."""
+    from ..checkpoint.dist import load_model
+
+    saved = torch.load(path / "state.pt", weights_only=False)
+    for key in sorted(set(saved["config"]) | set(run_config)):
+        if key not in resumable_keys and saved["config"].get(key) != run_config.get(key):
+            raise ValueError(f"cannot resume from {path}: config {key} was {saved['config'].get(key)!r}, "
+                             f"now {run_config.get(key)!r} (use a new output_dir or checkpoint.resume=false)")
+    load_model(trainer, path / "model")
+    return saved
