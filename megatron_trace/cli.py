@@ -38,7 +38,7 @@ def train_main(args: argparse.Namespace) -> list[dict]:
         first = sum(m["reward"] for m in history[:k]) / k
         last = sum(m["reward"] for m in history[-k:]) / k
         print(f"reward: first {k} steps {first:.3f} -> last {k} steps {last:.3f}; "
-              f"k3_kl last {history[-1]['k3_kl']:.2e}; metrics in {cfg.output_dir}/metrics.jsonl, "
+              f"k3_kl last {history[-1].get('k3_kl', float('nan')):.2e}; metrics in {cfg.output_dir}/metrics.jsonl, "
               f"plot in {cfg.output_dir}/report.png")
     return history
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
 import uuid
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from pathlib import Path
 import torch
 
 LATEST = "latest"
+PHASES = ("sft", "rl")
+_NAME = re.compile(r"(sft|rl)-(\d{6})")
 
 
 @dataclass
@@ -54,12 +57,18 @@ def save_checkpoint(out_dir: str | os.PathLike, trainer, model_cfg, optimizer, t
     pointer = root / f".{LATEST}-{uuid.uuid4().hex[:8]}"
     pointer.write_text(final.name + "\n")
     os.replace(pointer, root / LATEST)
-    for old in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))[:-keep]:
+    for old in _checkpoints(root)[:-keep]:
         shutil.rmtree(old)
     for stale in root.glob(".partial-*"):  # of killed saves
         if stale != tmp:
             shutil.rmtree(stale, ignore_errors=True)
     return final
+
+
+def _checkpoints(root: Path) -> list[Path]:
+    """The run's checkpoint directories, oldest first (every SFT one before every RL one)."""
+    found = [(PHASES.index(m[1]), int(m[2]), p) for p in root.iterdir() if (m := _NAME.fullmatch(p.name))]
+    return [p for *_, p in sorted(found)]
 
 
 def latest_checkpoint(out_dir: str | os.PathLike) -> Path | None:

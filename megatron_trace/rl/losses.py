@@ -74,3 +74,31 @@ def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Te
     loss = (per_token * kept).sum() / denom
     clip_frac = float(((clipped > unclipped) & keep).sum() / denom)
     return loss, {"clip_frac": clip_frac, "kept_frac": float(kept.mean())}
+
+
+KL_KINDS = ("k1", "k2", "k3")
+
+
+def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, kind: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from sampled tokens, as verl names them:
+    with d = logp_ref - logp, k1 = -d, k2 = d^2 / 2, k3 = exp(d) - d - 1 (unbiased, >= 0, verl's
+    "low_var_kl", clamped to [-10, 10] like it). Inputs [T]; gradient flows through `logp`."""
+    if kind not in KL_KINDS:
+        raise ValueError(f"unknown KL estimator {kind!r}; choose from {KL_KINDS}")
+    if logp.shape != logp_ref.shape:
+        raise ValueError(f"kl_penalty: log-probs {tuple(logp.shape)} and reference {tuple(logp_ref.shape)} differ")
+    d = logp_ref.detach() - logp
+    if kind == "k1":
+        return -d
+    if kind == "k2":
+        return 0.5 * d.square()
+    return (d.exp() - d - 1).clamp(-10, 10)
+
+
+def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """DAPO's dynamic-sampling filter: bool [N / group_size], True for groups whose rewards are
+    not all equal (the others have zero advantage and give no gradient)."""
+    if rewards.dim() != 1 or rewards.numel() % group_size:
+        raise ValueError(f"informative_groups: {tuple(rewards.shape)} rewards do not form groups of {group_size}")
+    r = rewards.view(-1, group_size)
+    return (r != r[:, :1]).any(1)

@@ -24,7 +24,9 @@ def plot_report(runs: dict[str, list[dict]] | list[dict], path: str | Path, titl
         color = f"C{i}"
         steps = [m["step"] for m in rows]
         ax_r.plot(steps, [m["reward"] for m in rows], marker=".", color=color, label=label or None)
-        ax_k.semilogy(steps, [max(m["k3_kl"], 1e-18) for m in rows], marker=".", color=color, label=label or None)
+        trained = [m for m in rows if "k3_kl" in m]  # a step dynamic sampling skipped has no trainer forward
+        ax_k.semilogy([m["step"] for m in trained], [max(m["k3_kl"], 1e-18) for m in trained], marker=".",
+                      color=color, label=label or None)
         for key, hatch in (("flip_rate_by_layer", None), ("residual_flip_rate_by_layer", "//")):
             per_step = [m[key] for m in rows if key in m]
             if per_step:

@@ -7,18 +7,26 @@ on-policy: the trainer's log-probs before the update are the PPO "old" log-probs
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
 import torch
 from trace_kernels.fp4 import quantize
 
+from ..guidance import GuidanceBatch
 from ..megatron import qat
 from ..megatron.context import MicroBatchGuidance
 from ..megatron.model import pack_sequences, set_precision, token_logprobs
 from ..model_config import FP4_WEIGHT_SUFFIXES
 from ..rollout import GroupRequest, RolloutOutput, SamplingParams
-from .losses import grpo_advantages, policy_loss, rollout_correction
+from .losses import (
+    grpo_advantages,
+    informative_groups,
+    kl_penalty,
+    policy_loss,
+    rollout_correction,
+)
 from .metrics import mismatch_metrics
 from .mismatch import TRAINER_PRECISION, FlipCounter
 
@@ -35,6 +43,10 @@ class StepConfig:
     clip_high: float = 0.28
     correction: str = "none"
     correction_threshold: float = 2.0
+    dynamic_sampling: bool = False  # DAPO: train only on groups whose rewards differ, sampling more to refill
+    max_rounds: int = 3  # rollout rounds per step at most, with dynamic sampling
+    kl_coef: float = 0.0  # weight of the KL penalty to the reference model (0: none)
+    kl_kind: str = "k3"  # losses.kl_penalty estimator
 
 
 def sync_weights(trainer, engine, version: int) -> int:
@@ -56,39 +68,92 @@ def sync_weights(trainer, engine, version: int) -> int:
 
 
 def rl_step(trainer, optimizer, engine, prompts: list[tuple[int, ...]], reward_fn, cfg: StepConfig,
-            sampling: SamplingParams, step: int) -> dict:
-    """Rollout, train on it, sync the new weights; returns the step's metrics."""
+            sampling: SamplingParams, step: int, more_prompts=None, reference=None) -> dict:
+    """Rollout, train on it, sync the new weights; returns the step's metrics.
+
+    more_prompts(n) -> n further prompts: refills with dynamic sampling (else the step trains on
+    the informative groups of its first round). reference: the frozen model of the KL penalty."""
     t0 = time.perf_counter()
     batch = rollout(engine, prompts, reward_fn, cfg, sampling, step)
+    sampled = [batch]
+    if cfg.dynamic_sampling:
+        batch = batch.informative()
+        for r in range(1, cfg.max_rounds):
+            if batch.num_groups >= len(prompts) or more_prompts is None:
+                break
+            extra = rollout(engine, more_prompts(len(prompts)), reward_fn, cfg, sampling, step, tag=f"r{r}")
+            sampled.append(extra)
+            batch = batch.merge(extra.informative())
+        batch = batch.first_groups(len(prompts))
     t1 = time.perf_counter()
-    metrics = train_on(trainer, optimizer, batch, cfg)
+    metrics = train_on(trainer, optimizer, batch, cfg, reference) if batch.num_groups else {"skipped": 1.0}
     t2 = time.perf_counter()
     metrics["weight_sync_bytes"] = sync_weights(trainer, engine, engine.weight_version + 1)
     t3 = time.perf_counter()
-    tokens = sum(len(s.tokens) for s in batch.out.samples)
+    every = torch.cat([b.rewards for b in sampled])
+    tokens = sum(len(s.tokens) for b in sampled for s in b.out.samples)
+    metrics["reward"] = float(every.mean())  # over everything sampled, filtered or not
+    if cfg.dynamic_sampling:
+        metrics |= {"rollout_rounds": len(sampled), "trained_groups": batch.num_groups}
     return {"step": step, **metrics, "response_tokens": tokens, "rollout_tokens_per_s": tokens / (t1 - t0),
             "rollout_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2}
 
 
 @dataclass
 class RolloutBatch:
-    """A rollout with its prompts (by group id) and rewards (float [N], sample order)."""
+    """A rollout with its prompts (by group id) and rewards (float [N], sample order); groups
+    of `group_size` consecutive samples."""
 
     out: RolloutOutput
     prompts: dict[str, tuple[int, ...]]
     rewards: torch.Tensor
+    group_size: int
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.out.samples) // self.group_size
+
+    def select(self, groups: list[int]) -> RolloutBatch:
+        """The batch of groups `groups` (indices, in that order), with their guidance."""
+        idx = [g * self.group_size + i for g in groups for i in range(self.group_size)]
+        samples = [self.out.samples[i] for i in idx]
+        gids = {s.group_id for s in samples}
+        guidance = GuidanceBatch({k: v for k, v in self.out.guidance.groups.items() if k in gids},
+                                 {s.sample_id: self.out.guidance.samples[s.sample_id] for s in samples
+                                  if s.sample_id in self.out.guidance.samples})
+        return RolloutBatch(RolloutOutput(samples, guidance), {k: v for k, v in self.prompts.items() if k in gids},
+                            self.rewards[idx], self.group_size)
+
+    def informative(self) -> RolloutBatch:
+        """Only the groups whose rewards differ (DAPO's dynamic-sampling filter)."""
+        keep = informative_groups(self.rewards, self.group_size)
+        return self.select(keep.nonzero().flatten().tolist())
+
+    def first_groups(self, n: int) -> RolloutBatch:
+        return self if self.num_groups <= n else self.select(list(range(n)))
+
+    def merge(self, other: RolloutBatch) -> RolloutBatch:
+        """Both batches' groups (group ids must differ)."""
+        if set(self.prompts) & set(other.prompts):
+            raise ValueError(f"rollout batches share group ids {sorted(set(self.prompts) & set(other.prompts))[:3]}")
+        guidance = GuidanceBatch(self.out.guidance.groups | other.out.guidance.groups,
+                                 self.out.guidance.samples | other.out.guidance.samples)
+        return RolloutBatch(RolloutOutput(self.out.samples + other.out.samples, guidance),
+                            self.prompts | other.prompts, torch.cat([self.rewards, other.rewards]), self.group_size)
 
 
-def rollout(engine, prompts, reward_fn, cfg: StepConfig, sampling: SamplingParams, step: int) -> RolloutBatch:
-    """`group_size` samples of each prompt, rewarded by reward_fn(prompt_ids, response_ids) -> float."""
-    requests = [GroupRequest(f"s{step}-p{i}", tuple(p), cfg.group_size) for i, p in enumerate(prompts)]
+def rollout(engine, prompts, reward_fn, cfg: StepConfig, sampling: SamplingParams, step: int,
+            tag: str = "") -> RolloutBatch:
+    """`group_size` samples of each prompt, rewarded by reward_fn(prompt_ids, response_ids) -> float.
+    Group ids are "s<step><tag>-p<i>", so the rounds of one step do not collide."""
+    requests = [GroupRequest(f"s{step}{tag}-p{i}", tuple(p), cfg.group_size) for i, p in enumerate(prompts)]
     out = engine.generate(requests, sampling)
     failed = [s.error for s in out.samples if s.error]
     if failed:
         raise ValueError(f"rollout failed: {failed[0]}")
     by_group = {r.group_id: r.prompt_ids for r in requests}
     rewards = torch.tensor([float(reward_fn(by_group[s.group_id], s.tokens)) for s in out.samples])
-    return RolloutBatch(out, by_group, rewards)
+    return RolloutBatch(out, by_group, rewards, cfg.group_size)
 
 
 def response_logprobs(trainer, batch: RolloutBatch, cfg: StepConfig, observer=None):
@@ -118,8 +183,16 @@ def response_logprobs(trainer, batch: RolloutBatch, cfg: StepConfig, observer=No
     return lp[index], sample_of, torch.cat([s.logprobs for s in out.samples]).to(dev)
 
 
-def train_on(trainer, optimizer, batch: RolloutBatch, cfg: StepConfig) -> dict:
-    """GRPO update on one rollout; returns reward, loss, clip/kept fractions and the mismatch."""
+def _billed_bytes_per_token(g: GuidanceBatch, applied: bool) -> float:
+    """Bytes per token the trainer needs: routed experts, plus the records when it applies them
+    (records captured only to measure flips are not billed)."""
+    return (g.nbytes if applied else g.nbytes - g.guidance_nbytes) / max(1, g.num_tokens)
+
+
+def train_on(trainer, optimizer, batch: RolloutBatch, cfg: StepConfig, reference=None) -> dict:
+    """GRPO update on one rollout; returns reward, loss, clip/kept fractions and the mismatch.
+    With cfg.kl_coef > 0 the loss adds kl_coef times the token-mean KL estimate to `reference`
+    (a frozen model of the same architecture, quantized like the policy's forward)."""
     out, rewards = batch.out, batch.rewards
     adv = grpo_advantages(rewards, cfg.group_size)
     counters = []
@@ -133,6 +206,18 @@ def train_on(trainer, optimizer, batch: RolloutBatch, cfg: StepConfig) -> dict:
                                       cfg.correction_threshold)
     loss, info = policy_loss(logp, logp.detach(), adv.to(logp.device)[sample_of], clip_low=cfg.clip_low,
                              clip_high=cfg.clip_high, weights=weights.to(logp.dtype), keep=keep)
+    if cfg.kl_coef:
+        if reference is None:
+            raise ValueError("kl_coef > 0 needs a reference model")
+        with torch.no_grad():
+            # the reference quantizes like the policy (round to nearest: the engine's records are the policy's)
+            ref_mode = "bf16" if TRAINER_PRECISION[cfg.precision] == "bf16" else "fp4-qat"
+            logp_ref, _, _ = response_logprobs(reference, batch, dataclasses.replace(cfg, precision=ref_mode))
+        kl = kl_penalty(logp, logp_ref, cfg.kl_kind)
+        kept = keep.to(kl.dtype)
+        kl_mean = (kl * kept).sum() / kept.sum().clamp(min=1)
+        loss = loss + cfg.kl_coef * kl_mean
+        info["kl_ref"] = float(kl_mean.detach())
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()
@@ -141,5 +226,5 @@ def train_on(trainer, optimizer, batch: RolloutBatch, cfg: StepConfig) -> dict:
     if flips and cfg.precision != "trace":  # nothing applied: the codes are the trainer's own
         flips = {k: v for k, v in flips.items() if not k.startswith("residual")}
     return {"reward": float(rewards.mean()), "loss": float(loss.detach()), **info, **flips,
-            "guidance_bytes_per_token": out.guidance.bytes_per_token() if cfg.precision == "trace" else 0.0,
+            "guidance_bytes_per_token": _billed_bytes_per_token(out.guidance, cfg.precision == "trace"),
             **mismatch_metrics(per_sample, [s.logprobs for s in out.samples])}

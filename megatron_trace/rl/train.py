@@ -55,6 +55,10 @@ class RLSection:
     correction: str = "none"  # none, tis, mis
     clip_low: float = 0.2
     clip_high: float = 0.28
+    dynamic_sampling: bool = False  # DAPO: train on groups whose rewards differ, sampling more to refill
+    max_rounds: int = 3  # rollout rounds per step at most (dynamic sampling)
+    kl_coef: float = 0.0  # KL penalty to the reference (the model RL starts from); 0: none
+    kl_kind: str = "k3"  # k1, k2 or k3 (verl's low_var_kl)
     measure_flips: bool = True  # fp4-qat: the engine also records dense guidance (not applied) to measure flips
 
 
@@ -79,7 +83,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         from ..model_config import PRESETS
-        from .losses import CORRECTIONS
+        from .losses import CORRECTIONS, KL_KINDS
         from .mismatch import MODES
 
         checks = [
@@ -88,6 +92,9 @@ class TrainConfig:
             (self.rl.correction in CORRECTIONS, "rl.correction", f"one of {CORRECTIONS}"),
             (self.rl.coding in ("dense", "sparse"), "rl.coding", "dense or sparse"),
             (self.rl.group_size >= 2, "rl.group_size", ">= 2 (GRPO normalises within groups)"),
+            (self.rl.max_rounds >= 1, "rl.max_rounds", ">= 1"),
+            (self.rl.kl_coef >= 0, "rl.kl_coef", ">= 0"),
+            (self.rl.kl_kind in KL_KINDS, "rl.kl_kind", f"one of {KL_KINDS}"),
             (self.task.digits >= 1, "task.digits", ">= 1"),
             (self.sft.steps >= 0 and self.rl.steps >= 0, "sft.steps / rl.steps", ">= 0"),
             (self.checkpoint.every >= 0 and self.checkpoint.sft_every >= 0, "checkpoint.every / sft_every", ">= 0"),
@@ -178,9 +185,10 @@ class MetricsLog:
         self.tb = SummaryWriter(str(out_dir / "tb"), purge_step=first_step)
 
     def write(self, m: dict) -> None:
-        self.history.append(m)
+        line = json.dumps(m)
+        self.history.append(json.loads(line))  # as a resumed run reads it back (layer keys as strings)
         with self.path.open("a") as f:
-            f.write(json.dumps(m) + "\n")
+            f.write(line + "\n")
         for k, v in m.items():
             if isinstance(v, (int, float)) and k != "step":
                 self.tb.add_scalar(k, v, m["step"])
@@ -188,6 +196,27 @@ class MetricsLog:
                 for layer, x in v.items():
                     self.tb.add_scalar(f"{k}/{layer}", x, m["step"])
         self.tb.flush()
+
+
+def _reference(trainer, model_cfg: ModelConfig, path: Path, resumed: bool):
+    """The frozen reference of the KL penalty: the model RL starts from, kept at `path` (a
+    Megatron checkpoint) so that a resumed run penalises against the same one."""
+    import shutil
+
+    from ..checkpoint.dist import load_model, save_model
+    from ..megatron.model import build_model
+    from ..megatron.weights import load_full_state_dict
+
+    reference = build_model(model_cfg, "bf16", grouped_gemm=True)
+    if resumed and path.exists():
+        load_model(reference, path)
+    else:
+        shutil.rmtree(path, ignore_errors=True)  # of an earlier run in this output_dir
+        load_full_state_dict(reference, {k: v for k, v in trainer.state_dict().items() if not k.endswith("_extra_state")})
+        save_model(reference, model_cfg, path)
+    for p in reference.parameters():
+        p.requires_grad_(False)
+    return reference
 
 
 def train(cfg: TrainConfig, make_engine, model_cfg: ModelConfig, progress: bool = True) -> list[dict]:
@@ -249,26 +278,36 @@ def train(cfg: TrainConfig, make_engine, model_cfg: ModelConfig, progress: bool 
     engine = make_engine("bf16" if cfg.rl.precision == "bf16" else "fp4",
                          cfg.rl.guide if trace else "all" if measure else "none", cfg.rl.coding if trace else "dense")
     sync_weights(trainer, engine, state.weight_version)
-    step_cfg = StepConfig(cfg.rl.precision, cfg.rl.group_size, cfg.rl.clip_low, cfg.rl.clip_high, cfg.rl.correction)
+    step_cfg = StepConfig(cfg.rl.precision, cfg.rl.group_size, cfg.rl.clip_low, cfg.rl.clip_high, cfg.rl.correction,
+                          dynamic_sampling=cfg.rl.dynamic_sampling, max_rounds=cfg.rl.max_rounds,
+                          kl_coef=cfg.rl.kl_coef, kl_kind=cfg.rl.kl_kind)
+    reference = _reference(trainer, model_cfg, out_dir / "checkpoints" / "reference", resumed=saved is not None) \
+        if cfg.rl.kl_coef else None
     log = MetricsLog(out_dir, state.step)
     run_history = []
     bar = tqdm(range(state.step, cfg.rl.steps), desc=f"rl ({cfg.rl.precision})", disable=not progress,
                initial=state.step, total=cfg.rl.steps)
+    by_prompt = {}  # prompt ids -> problem, for the reward
+
+    def draw(n):
+        problems = task.problems(n)
+        by_prompt.update({tuple(task.prompt_ids(p)): p for p in problems})
+        return [tuple(task.prompt_ids(p)) for p in problems]
+
+    def reward(prompt, resp):
+        return task.reward(by_prompt[tuple(prompt)], resp)
+
     for step in bar:
-        problems = task.problems(cfg.rl.prompts_per_step)
-        by_prompt = {tuple(task.prompt_ids(p)): p for p in problems}
-
-        def reward(prompt, resp, by_prompt=by_prompt):
-            return task.reward(by_prompt[tuple(prompt)], resp)
-
+        by_prompt.clear()
         t0 = time.perf_counter()
-        m = rl_step(trainer, opt, engine, list(by_prompt), reward, step_cfg,
+        m = rl_step(trainer, opt, engine, draw(cfg.rl.prompts_per_step), reward, step_cfg,
                     SamplingParams(temperature=cfg.rl.temperature, max_new_tokens=cfg.rl.max_new_tokens,
-                                   stop_token_ids=(2,), seed=cfg.seed * 100_003 + step), step)
+                                   stop_token_ids=(2,), seed=cfg.seed * 100_003 + step), step,
+                    more_prompts=draw, reference=reference)
         m["step_s"] = time.perf_counter() - t0
         log.write(m)
         run_history.append(m)
-        bar.set_postfix(reward=f"{m['reward']:.2f}", k3=f"{m['k3_kl']:.1e}")
+        bar.set_postfix(reward=f"{m['reward']:.2f}", k3=f"{m.get('k3_kl', float('nan')):.1e}")
         if (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0) or step + 1 == cfg.rl.steps:
             checkpoint(opt, "rl", step + 1, engine.weight_version)
     log.tb.close()

@@ -6,7 +6,13 @@ import statistics
 import pytest
 import torch
 
-from megatron_trace.rl.losses import grpo_advantages, policy_loss, rollout_correction
+from megatron_trace.rl.losses import (
+    grpo_advantages,
+    informative_groups,
+    kl_penalty,
+    policy_loss,
+    rollout_correction,
+)
 
 
 def test_grpo_advantages_normalise_within_each_group():
@@ -56,3 +62,30 @@ def test_policy_loss_by_hand_with_clip_higher_and_rejection():
     loss, info = policy_loss(logp.detach(), logp_old, adv, clip_low=0.2, clip_high=0.28, weights=weights, keep=keep)
     assert float(loss) == pytest.approx((2.0 * per[0] + 0.5 * per[2]) / 2, rel=1e-9)  # rejected: not counted
     assert info["kept_frac"] == pytest.approx(2 / 3)
+
+
+def test_kl_estimators_by_hand():
+    logp = torch.tensor([-1.0, -0.2, -3.0], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([-1.5, -0.2, -1.0], dtype=torch.float64)
+    d = [-0.5, 0.0, 2.0]
+    assert kl_penalty(logp, ref, "k1").tolist() == pytest.approx([0.5, 0.0, -2.0])
+    assert kl_penalty(logp, ref, "k2").tolist() == pytest.approx([x * x / 2 for x in d])
+    k3 = kl_penalty(logp, ref, "k3")
+    assert k3.tolist() == pytest.approx([math.exp(x) - x - 1 for x in d], rel=1e-12)
+    k3.sum().backward()  # d/dlogp (e^d - d - 1) = 1 - e^d
+    assert logp.grad.tolist() == pytest.approx([1 - math.exp(x) for x in d], rel=1e-12)
+    # the k3 estimator is unbiased: sampling from p, E[k3] = KL(p || q) for two categoricals
+    p, q = torch.tensor([0.7, 0.2, 0.1], dtype=torch.float64), torch.tensor([0.4, 0.4, 0.2], dtype=torch.float64)
+    exact = float((p * (p / q).log()).sum())
+    estimate = float((p * kl_penalty(p.log(), q.log(), "k3")).sum())
+    assert estimate == pytest.approx(exact, rel=1e-12)
+    with pytest.raises(ValueError, match="unknown KL estimator"):
+        kl_penalty(logp, ref, "k4")
+
+
+def test_informative_groups_drop_groups_with_equal_rewards():
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.5, 0.5, 1.0])
+    assert informative_groups(rewards, 3).tolist() == [False, False, True]
+    assert informative_groups(torch.tensor([0.0, 1.0]), 2).tolist() == [True]
+    with pytest.raises(ValueError, match="groups of 4"):
+        informative_groups(rewards, 4)

@@ -59,3 +59,48 @@ def test_a_step_in_each_precision_mode_ascends_the_policy_objective():
         assert r["version"] == 1 and r["empty"] == 0 and m["guidance_bytes_per_token"] > 0
         if precision == "trace":  # the trainer's first forward follows the engine's codes exactly
             assert m["k3_kl"] < 1e-9 and m["kept_frac"] == 1.0
+
+
+def run_dynamic_and_kl(rank):
+    from megatron_trace.megatron.model import build_model
+    from megatron_trace.megatron.weights import load_full_state_dict
+    from megatron_trace.model_config import PRESETS
+    from megatron_trace.rl.step import StepConfig, rl_step, sync_weights
+    from megatron_trace.rollout import SamplingParams
+    from sglang_rollout.engine import EngineConfig, TraceEngine
+
+    cfg = PRESETS["tiny"]
+    trainer = build_model(cfg, "bf16", grouped_gemm=True)
+    reference = build_model(cfg, "bf16", grouped_gemm=True)
+    load_full_state_dict(reference, {k: v for k, v in trainer.state_dict().items() if not k.endswith("_extra_state")})
+    engine = TraceEngine(cfg, EngineConfig(precision="bf16"))
+    sync_weights(trainer, engine, 0)
+    optimizer = torch.optim.SGD(trainer.parameters(), lr=0.05)
+    sampling = SamplingParams(max_new_tokens=8, seed=1)
+
+    def reward(prompt, response):  # prompts starting with 1 always score 0: no signal in their group
+        return 0.0 if prompt[0] == 1 else reward_low_ids(prompt, response)
+
+    asked = []
+
+    def more_prompts(n):
+        asked.append(n)
+        return [(1, 5), (7, 7, 7)][:n]
+
+    dyn = StepConfig(precision="bf16", dynamic_sampling=True, max_rounds=3, kl_coef=0.1)
+    first = rl_step(trainer, optimizer, engine, [(1, 2, 3, 4), (9, 8, 7)], reward, dyn, sampling, 0,
+                    more_prompts=more_prompts, reference=reference)
+    second = rl_step(trainer, optimizer, engine, [(6, 5), (9, 9)], reward, dyn, sampling, 1,
+                     more_prompts=more_prompts, reference=reference)
+    none = rl_step(trainer, optimizer, engine, [(1, 2), (1, 3)], reward, dyn, sampling, 2, reference=reference)
+    return first, second, none, asked
+
+
+def test_dynamic_sampling_refills_informative_groups_and_the_kl_penalty_starts_at_zero():
+    first, second, none, asked = spawn(run_dynamic_and_kl, {})[0]
+    # round 1 leaves one informative group of two; round 2 brings (7, 7, 7)'s group
+    assert first["rollout_rounds"] == 2 and first["trained_groups"] == 2 and asked[0] == 2
+    assert first["kl_ref"] == 0.0  # the policy still equals its reference
+    assert second["rollout_rounds"] == 1 and second["trained_groups"] == 2
+    assert second["kl_ref"] > 0 and math.isfinite(second["loss"])
+    assert none["skipped"] == 1.0 and none["trained_groups"] == 0 and none["reward"] == 0.0  # no refill source

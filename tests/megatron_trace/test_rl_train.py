@@ -52,15 +52,16 @@ def test_a_short_run_writes_its_metrics(tmp_path, precision):
         assert all(r["residual_flip_rate"] == 0 and r["guidance_bytes_per_token"] > 0 for r in rows)
     if precision != "bf16":  # flips measured against the engine's dense records, per layer
         assert all(0 < r["flip_rate"] < 0.2 and set(r["flip_rate_by_layer"]) == {"0", "1"} for r in rows)
-    if precision == "fp4-qat":  # recorded for the measurement only: nothing applied, nothing billed
-        assert all("residual_flip_rate" not in r and r["guidance_bytes_per_token"] == 0 for r in rows)
+    if precision == "fp4-qat":  # recorded for the measurement only: nothing applied, only routing billed
+        assert all("residual_flip_rate" not in r and 0 < r["guidance_bytes_per_token"] < 40 for r in rows)
     assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def _train_cmd(out_dir, *extra):
-    return [sys.executable, "-m", "megatron_trace.cli", "train", "--set", "sft.steps=20", "--set", "rl.steps=4",
+    return [sys.executable, "-m", "megatron_trace.cli", "train", "--set", "sft.steps=40", "--set", "rl.steps=4",
+            "--set", "task.digits=1",  # easy enough that every step has groups with a reward signal
             "--set", "rl.prompts_per_step=4", "--set", "checkpoint.every=1", "--set", f"output_dir={out_dir}",
-            *extra]
+            "--set", "rl.kl_coef=0.05", "--set", "rl.dynamic_sampling=true", *extra]
 
 
 def _untimed(row):
@@ -72,6 +73,8 @@ def _rows(out_dir):
 
 
 def test_a_killed_run_resumes_as_it_would_have_continued(tmp_path):
+    """With the KL reference and dynamic sampling on, a run killed after its step-2 checkpoint
+    and started again gives exactly the metrics of an uninterrupted run."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
     subprocess.run(_train_cmd(tmp_path / "whole"), env=env, check=True, capture_output=True)
     killed = tmp_path / "killed"
@@ -87,6 +90,9 @@ def test_a_killed_run_resumes_as_it_would_have_continued(tmp_path):
     assert "resuming from" in resumed.stdout
     want, got = _rows(tmp_path / "whole"), _rows(killed)
     assert [r["step"] for r in got] == [0, 1, 2, 3]
+    assert all(r["trained_groups"] > 0 and r["kl_ref"] > 0 for r in got)  # the reference and DAPO filter ran
+    kept = sorted(p.name for p in (killed / "checkpoints").iterdir())
+    assert kept == ["latest", "reference", "rl-000003", "rl-000004"]  # the newest two, no partial saves
     for w, g in zip(want, got, strict=True):
         assert _untimed(g) == _untimed(w)
     # TensorBoard has every step once, whatever was logged before the kill
