@@ -20,16 +20,15 @@ from .megatron.spawn import init_one_process
 
 
 def train_main(args: argparse.Namespace) -> list[dict]:
-    from .model_config import PRESETS
-    from .rl.train import load_config, train
+    from .rl.train import load_config, model_config, train
 
     try:
         cfg = load_config(args.config, (args.set or []) + (["rl.steps=0"] if args.command == "sft" else []))
     except ValueError as e:
         raise SystemExit(str(e)) from None
     init_one_process()
-    model_cfg = PRESETS[cfg.model.preset]
     try:
+        model_cfg = model_config(cfg)
         history = train(cfg, engine_factory(cfg.engine, model_cfg, cfg.model.preset), model_cfg)
     except (ValueError, FileNotFoundError) as e:  # bad config for this run, an unusable checkpoint
         raise SystemExit(f"error: {e}") from None

@@ -4,7 +4,7 @@ A checkpoint is a directory `<output_dir>/checkpoints/<phase>-<step>/` holding
     model/      the trainer as a Megatron distributed checkpoint (checkpoint.dist; loads under any
                 layout and exports with trace-export-fp4 --megatron),
     state.pt    what else the run needs to continue exactly as it would have: the optimizer's
-                FP32 master weights and AdamW moments, the task's and torch's RNG states, the
+                FP32 master weights and AdamW moments, the task's draw state and torch's RNG state, the
                 phase and next step, the engine's weight version, and the run's configuration.
 It is written into a hidden temporary directory and renamed into place; then the one-line file
 `checkpoints/latest` is replaced atomically. A run killed at any point resumes from the last
@@ -37,7 +37,7 @@ class RunState:
     weight_version: int = 0
 
 
-def save_checkpoint(out_dir: str | os.PathLike, trainer, model_cfg, optimizer, task_rng, state: RunState,
+def save_checkpoint(out_dir: str | os.PathLike, trainer, model_cfg, optimizer, task_state: dict, state: RunState,
                     run_config: dict, keep: int = 2) -> Path:
     """Write one checkpoint of a one-process run (see module docstring); keep the newest `keep`."""
     from ..checkpoint.dist import save_model
@@ -49,7 +49,7 @@ def save_checkpoint(out_dir: str | os.PathLike, trainer, model_cfg, optimizer, t
     tmp.mkdir()
     save_model(trainer, model_cfg, tmp / "model")
     torch.save({"state": dataclasses.asdict(state), "optimizer": optimizer.state_dict(),
-                "task_rng": task_rng.getstate(), "torch_rng": torch.get_rng_state(), "config": run_config},
+                "task": task_state, "torch_rng": torch.get_rng_state(), "config": run_config},
                tmp / "state.pt")
     if final.exists():  # left by a run killed before it updated `latest`: never the latest itself
         shutil.rmtree(final)

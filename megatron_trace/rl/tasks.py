@@ -1,8 +1,10 @@
-"""The embedded default's task: multi-digit arithmetic with a verifiable reward, and its
-character tokenizer (small enough for the tiny model's vocabulary).
+"""RL tasks: prompts with reference answers, a tokenizer, and a verifiable reward.
 
-A problem is "a+b=" (or "-", "*"); the answer is the exact integer result followed by <eos>.
-The reward is 1 for exactly the right answer, else 0.
+`ArithmeticTask` is the embedded default: "a+b=" (or "-", "*") with the exact integer result
+as the answer, tokenized by `CharTokenizer` (small enough for the tiny model's vocabulary).
+`JsonlTask` reads real prompts and answers from a JSONL file and scores responses with any
+reward function of `rewards` (e.g. the math verifier); `HFTokenizer` wraps a model's own.
+A task's `state_dict()` is what a resumed run needs to draw the same problems next.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ class CharTokenizer:
     def __init__(self, chars: str = CHARS):
         self.chars = chars
         self.ids = {c: i + 3 for i, c in enumerate(chars)}
+
+    bos_id, eos_id = BOS, EOS
 
     @property
     def vocab_size(self) -> int:
@@ -78,3 +82,90 @@ class ArithmeticTask:
     def reward(self, p: Problem, response_ids: list[int]) -> float:
         """1.0 when the response (up to <eos>) is exactly the answer."""
         return float(self.tokenizer.decode(response_ids) == p.answer)
+
+    def state_dict(self) -> dict:
+        return {"rng": self.rng.getstate()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rng.setstate(state["rng"])
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer (from a model directory) behind CharTokenizer's interface."""
+
+    def __init__(self, path: str):
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            raise ValueError("task.tokenizer names a Hugging Face tokenizer; install transformers") from None
+        self.tok = AutoTokenizer.from_pretrained(path)
+        if self.tok.eos_token_id is None:
+            raise ValueError(f"tokenizer {path} has no eos token; RL needs one to end responses")
+        self.bos_id, self.eos_id = self.tok.bos_token_id, self.tok.eos_token_id
+        self.vocab_size = len(self.tok)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        """Text up to the first eos."""
+        ids = ids[: ids.index(self.eos_id)] if self.eos_id in ids else ids
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+
+class JsonlTask:
+    """Problems from a JSONL file of {"prompt": str, "answer": str}, drawn in a seeded order
+    without replacement (reshuffled every epoch), scored by reward_fn(prompt, response, answer).
+
+    Raises ValueError naming the file and line of a malformed record."""
+
+    def __init__(self, path: str, tokenizer, reward_fn, seed: int = 0):
+        import json
+
+        self.problems_all: list[Problem] = []
+        for i, line in enumerate(open(path, encoding="utf-8").read().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                prompt, answer = rec["prompt"], rec["answer"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ValueError(f"{path}:{i}: expected a JSON object with 'prompt' and 'answer'") from None
+            if not isinstance(prompt, str) or not isinstance(answer, (str, int, float)) or not prompt:
+                raise ValueError(f"{path}:{i}: 'prompt' must be a non-empty string and 'answer' a string or number")
+            self.problems_all.append(Problem(prompt, str(answer)))
+        if not self.problems_all:
+            raise ValueError(f"{path}: no problems")
+        self.tokenizer, self.reward_fn, self.rng = tokenizer, reward_fn, random.Random(seed)
+        for p in self.problems_all:  # fail now on text the tokenizer cannot encode
+            tokenizer.encode(p.prompt + p.answer)
+        self.order: list[int] = []
+
+    def problems(self, n: int) -> list[Problem]:
+        out = []
+        while len(out) < n:
+            if not self.order:
+                self.order = list(range(len(self.problems_all)))
+                self.rng.shuffle(self.order)
+            out.append(self.problems_all[self.order.pop()])
+        return out
+
+    def prompt_ids(self, p: Problem) -> list[int]:
+        bos = [] if self.tokenizer.bos_id is None else [self.tokenizer.bos_id]
+        return bos + self.tokenizer.encode(p.prompt)
+
+    def sft_example(self, p: Problem) -> tuple[list[int], list[bool]]:
+        """(tokens, loss mask): prompt, answer, eos; the loss on the answer and eos."""
+        prompt = self.prompt_ids(p)
+        answer = [*self.tokenizer.encode(p.answer), self.tokenizer.eos_id]
+        return prompt + answer, [False] * len(prompt) + [True] * len(answer)
+
+    def reward(self, p: Problem, response_ids: list[int]) -> float:
+        return float(self.reward_fn(p.prompt, self.tokenizer.decode(response_ids), p.answer))
+
+    def state_dict(self) -> dict:
+        return {"rng": self.rng.getstate(), "order": list(self.order)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rng.setstate(state["rng"])
+        self.order = list(state["order"])

@@ -25,13 +25,19 @@ from .step import StepConfig, rl_step, sync_weights
 
 @dataclass
 class ModelSection:
-    preset: str = "demo"  # a key of model_config.PRESETS
+    preset: str = "demo"  # a key of model_config.PRESETS (random initialisation, then SFT)
+    hf: str = ""  # or an HF Qwen3-MoE checkpoint directory: its config.json and weights
+    megatron: str = ""  # or a Megatron checkpoint directory (e.g. another run's checkpoints/rl-000000/model)
 
 
 @dataclass
 class TaskSection:
-    digits: int = 2
-    ops: str = "+"
+    kind: str = "arithmetic"  # arithmetic (built in) or jsonl
+    digits: int = 2  # arithmetic: operand digits
+    ops: str = "+"  # arithmetic: operators
+    path: str = ""  # jsonl: a file of {"prompt": ..., "answer": ...}
+    reward: str = "math"  # jsonl: exact, math or package.module:function(prompt, response, answer)
+    tokenizer: str = "char"  # jsonl: char (the built-in alphabet) or an HF tokenizer directory
 
 
 @dataclass
@@ -96,6 +102,13 @@ class TrainConfig:
             (self.rl.kl_coef >= 0, "rl.kl_coef", ">= 0"),
             (self.rl.kl_kind in KL_KINDS, "rl.kl_kind", f"one of {KL_KINDS}"),
             (self.task.digits >= 1, "task.digits", ">= 1"),
+            (self.task.kind in ("arithmetic", "jsonl"), "task.kind", "arithmetic or jsonl"),
+            (self.task.kind != "jsonl" or bool(self.task.path), "task.path", "a JSONL file for task.kind=jsonl"),
+            (not self.model.hf or Path(self.model.hf, "config.json").exists(), "model.hf",
+             "an HF checkpoint directory with a config.json"),
+            (not (self.model.hf and self.model.megatron), "model.hf / model.megatron", "set one at most"),
+            (not self.model.megatron or Path(self.model.megatron, "trace_model.json").exists(), "model.megatron",
+             "a Megatron checkpoint directory written by TRACE (with trace_model.json)"),
             (self.sft.steps >= 0 and self.rl.steps >= 0, "sft.steps / rl.steps", ">= 0"),
             (self.checkpoint.every >= 0 and self.checkpoint.sft_every >= 0, "checkpoint.every / sft_every", ">= 0"),
             (self.checkpoint.keep >= 1, "checkpoint.keep", ">= 1"),
@@ -198,6 +211,32 @@ class MetricsLog:
         self.tb.flush()
 
 
+def model_config(cfg: TrainConfig) -> ModelConfig:
+    """The model's architecture: from model.hf's config.json, else the preset."""
+    from ..model_config import PRESETS
+
+    if cfg.model.hf:
+        from ..checkpoint.hf import HFCheckpoint
+
+        return HFCheckpoint(cfg.model.hf).cfg
+    if cfg.model.megatron:
+        from ..checkpoint.dist import read_config
+
+        return read_config(cfg.model.megatron)
+    return PRESETS[cfg.model.preset]
+
+
+def make_task(section: TaskSection, seed: int):
+    """The task the section describes (see rl.tasks)."""
+    from .rewards import load_reward
+    from .tasks import ArithmeticTask, CharTokenizer, HFTokenizer, JsonlTask
+
+    if section.kind == "arithmetic":
+        return ArithmeticTask(section.digits, section.ops, seed=seed)
+    tokenizer = CharTokenizer() if section.tokenizer == "char" else HFTokenizer(section.tokenizer)
+    return JsonlTask(section.path, tokenizer, load_reward(section.reward), seed=seed)
+
+
 def _reference(trainer, model_cfg: ModelConfig, path: Path, resumed: bool):
     """The frozen reference of the KL penalty: the model RL starts from, kept at `path` (a
     Megatron checkpoint) so that a resumed run penalises against the same one."""
@@ -233,26 +272,34 @@ def train(cfg: TrainConfig, make_engine, model_cfg: ModelConfig, progress: bool 
         save_checkpoint,
     )
     from .sft import sft_step
-    from .tasks import ArithmeticTask
 
     torch.manual_seed(cfg.seed)
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    task = ArithmeticTask(cfg.task.digits, cfg.task.ops, seed=cfg.seed)
+    task = make_task(cfg.task, cfg.seed)
     if task.tokenizer.vocab_size > model_cfg.vocab_size:
         raise ValueError(f"the task's tokenizer needs {task.tokenizer.vocab_size} ids, the model has {model_cfg.vocab_size}")
     trainer = build_model(model_cfg, "bf16", grouped_gemm=True)  # BF16 compute, as the engine
+    if cfg.model.hf:
+        from ..checkpoint.hf import HFCheckpoint
+        from ..megatron.weights import load_full_state_dict
+
+        load_full_state_dict(trainer, HFCheckpoint(cfg.model.hf))
+    elif cfg.model.megatron:
+        from ..checkpoint.dist import load_model
+
+        load_model(trainer, cfg.model.megatron)
     run_config, state, saved = flat_config(cfg), RunState(), None
     ckpt = latest_checkpoint(out_dir) if cfg.checkpoint.resume else None
     if ckpt is not None:
         saved = load_checkpoint(ckpt, trainer, run_config, RESUMABLE)
         state = RunState(**saved["state"])
-        task.rng.setstate(saved["task_rng"])
+        task.load_state_dict(saved["task"])
         torch.set_rng_state(saved["torch_rng"])
         print(f"resuming from {ckpt} ({state.phase} step {state.step})")
 
     def checkpoint(opt, phase, step, version):
-        save_checkpoint(out_dir, trainer, model_cfg, opt, task.rng, RunState(phase, step, version), run_config,
+        save_checkpoint(out_dir, trainer, model_cfg, opt, task.state_dict(), RunState(phase, step, version), run_config,
                         cfg.checkpoint.keep)
 
     if state.phase == "sft":
@@ -302,7 +349,7 @@ def train(cfg: TrainConfig, make_engine, model_cfg: ModelConfig, progress: bool 
         t0 = time.perf_counter()
         m = rl_step(trainer, opt, engine, draw(cfg.rl.prompts_per_step), reward, step_cfg,
                     SamplingParams(temperature=cfg.rl.temperature, max_new_tokens=cfg.rl.max_new_tokens,
-                                   stop_token_ids=(2,), seed=cfg.seed * 100_003 + step), step,
+                                   stop_token_ids=(task.tokenizer.eos_id,), seed=cfg.seed * 100_003 + step), step,
                     more_prompts=draw, reference=reference)
         m["step_s"] = time.perf_counter() - t0
         log.write(m)

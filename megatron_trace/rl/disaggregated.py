@@ -1,0 +1,147 @@
+"""`trace-rl train` under torchrun: trainer ranks run Megatron, engine ranks run rollout engines.
+
+The RL loop is the colocated one (`rl.step`); the trainer ranks see the engines through
+`RemoteEngine`, a RolloutBackend whose calls travel over the `Bridge`:
+    generate:        trainer rank 0 sends the requests; the engine generates every group and
+                     sends each trainer rank the samples, log-probs, routed experts and guidance
+                     records of the groups its data-parallel rank trains on (contiguous shares);
+    update_weights:  the trainers gather the full weights on rank 0 (FP4 sites packed by the
+                     shared quantizer when the engines run FP4), which sends them to every engine.
+Engine ranks run `serve_engine` until the trainers say stop. Gradients are reduced across the
+trainer's groups by `megatron.grads.finalize_grads` before each optimizer step.
+Limits of this version: one engine rank serves every request; tensor and pipeline parallelism
+of the trainer are refused (their micro-batches need sequence padding / a pipeline schedule).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..rollout import GroupRequest, RolloutOutput, SamplingParams
+from .bridge import Bridge, Roles
+
+
+@dataclass(frozen=True)
+class _RemoteConfig:
+    precision: str
+
+
+def dp_share(num_groups: int, dp_rank: int, dp_size: int) -> range:
+    """The groups data-parallel rank `dp_rank` trains on: a contiguous share, the first
+    `num_groups % dp_size` ranks taking one more."""
+    base, extra = divmod(num_groups, dp_size)
+    start = dp_rank * base + min(dp_rank, extra)
+    return range(start, start + base + (dp_rank < extra))
+
+
+def _subset(out: RolloutOutput, group_ids: set[str]) -> RolloutOutput:
+    from ..guidance import GuidanceBatch
+
+    samples = [s for s in out.samples if s.group_id in group_ids]
+    g = out.guidance
+    guidance = GuidanceBatch({k: v for k, v in g.groups.items() if k in group_ids},
+                             {s.sample_id: g.samples[s.sample_id] for s in samples if s.sample_id in g.samples})
+    return RolloutOutput(samples, guidance)
+
+
+class RemoteEngine:
+    """The RolloutBackend the trainer ranks call (see module docstring)."""
+
+    def __init__(self, bridge: Bridge, precision: str):
+        from megatron.core import parallel_state as ps
+
+        if ps.get_tensor_model_parallel_world_size() > 1 or ps.get_pipeline_model_parallel_world_size() > 1:
+            raise ValueError("disaggregated trace-rl train supports data and expert parallel trainers for now "
+                             "(dist.tp and dist.pp must be 1)")
+        self.bridge, self.config, self.weight_version = bridge, _RemoteConfig(precision), -1
+        self.engine_rank = bridge.roles.engines[0]
+        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        # which data-parallel rank every trainer rank belongs to, for the engine's sends
+        ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, self.dp_rank)
+        self.dp_of_rank = ranks
+
+    def generate(self, requests: list[GroupRequest], sampling: SamplingParams) -> RolloutOutput:
+        if dist.get_rank() == 0:
+            self.bridge.send(("generate", requests, sampling, self.dp_size, self.dp_of_rank), self.engine_rank)
+        return self.bridge.recv(self.engine_rank)
+
+    def update_weights(self, state_dict: dict | None, version: int) -> None:
+        """`state_dict`: the full weights on trainer rank 0 (None on the others)."""
+        if dist.get_rank() == 0:
+            for e in self.bridge.roles.engines:
+                self.bridge.send(("weights", state_dict, version), e)
+            for e in self.bridge.roles.engines:
+                reply = self.bridge.recv(e)
+                if reply != ("ok", version):
+                    raise RuntimeError(f"engine rank {e} refused weights version {version}: {reply}")
+        dist.barrier()
+        self.weight_version = version
+
+    def stop(self) -> None:
+        if dist.get_rank() == 0:
+            for e in self.bridge.roles.engines:
+                self.bridge.send(("stop",), e)
+
+
+def serve_engine(bridge: Bridge, engine) -> None:
+    """Answer the trainers' requests with `engine` (a RolloutBackend) until they send stop."""
+    while True:
+        msg = bridge.recv(0)
+        if msg[0] == "stop":
+            return
+        if msg[0] == "weights":
+            _, state_dict, version = msg
+            try:
+                engine.update_weights(state_dict, version)
+                bridge.send(("ok", version), 0)
+            except ValueError as e:
+                bridge.send(("error", str(e)), 0)
+            continue
+        _, requests, sampling, dp_size, dp_of_rank = msg
+        out = engine.generate(requests, sampling)
+        group_ids = [r.group_id for r in requests]
+        for rank, dp in enumerate(dp_of_rank):
+            share = {group_ids[i] for i in dp_share(len(group_ids), dp, dp_size)}
+            bridge.send(_subset(out, share), rank)
+
+
+class ReducingOptimizer:
+    """An optimizer whose step first reduces the gradients across the trainer's groups."""
+
+    def __init__(self, optimizer, model: torch.nn.Module):
+        self.optimizer, self.model = optimizer, model
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none)
+
+    def step(self) -> None:
+        from ..megatron.grads import finalize_grads
+
+        finalize_grads(self.model)
+        self.optimizer.step()
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
+
+
+def average_metrics(m: dict) -> dict:
+    """Every numeric metric (and per-layer dict) averaged over the trainer ranks."""
+    flat = {k: float(v) for k, v in m.items() if isinstance(v, (int, float)) and k != "step"}
+    keys = sorted(flat)
+    t = torch.tensor([flat[k] for k in keys], dtype=torch.float64)
+    dist.all_reduce(t)
+    out = dict(m) | {k: float(v) / dist.get_world_size() for k, v in zip(keys, t.tolist(), strict=True)}
+    for k, v in m.items():
+        if isinstance(v, dict):
+            layers = sorted(v)
+            d = torch.tensor([float(v[L]) for L in layers], dtype=torch.float64)
+            dist.all_reduce(d)
+            out[k] = {L: float(x) / dist.get_world_size() for L, x in zip(layers, d.tolist(), strict=True)}
+    return out

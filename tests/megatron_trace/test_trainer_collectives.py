@@ -1,0 +1,52 @@
+"""Trainer collectives of the disaggregated job: the full state dict gathered from any layout,
+and gradients reduced across data- and expert-parallel ranks, against one process."""
+
+import torch
+
+from megatron_trace.megatron.spawn import spawn
+from megatron_trace.model_config import PRESETS
+
+from . import scenarios as sc
+
+CFG = PRESETS["tiny"]
+
+
+def run_grads(rank, *, sd, seqs):
+    """{global name: float32 grad} after finalize_grads, on the first replica of each tensor;
+    this rank trains on seqs[dp_rank] (one process: on all of them, as one micro-batch)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_trace.megatron.grads import finalize_grads
+    from megatron_trace.megatron.model import build_model, pack_sequences, token_logprobs
+    from megatron_trace.megatron.weights import gather_full_state_dict, global_name, load_full_state_dict
+
+    model = build_model(CFG, "bf16", params_dtype=torch.float32, grouped_gemm=True)
+    load_full_state_dict(model, sd)
+    gathered = gather_full_state_dict(model)
+    dp, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    mine = seqs[dp::dp_size]
+    ids, pos, psp = pack_sequences(mine)
+    targets = torch.cat([torch.roll(s, -1) for s in mine])[None]
+    keep = torch.cat([torch.arange(len(s)) < len(s) - 1 for s in mine])[None]  # no target past a sequence
+    logp = token_logprobs(model, ids, pos, targets, packed_seq_params=psp)
+    (-(logp * keep).sum() / keep.sum()).backward()
+    finalize_grads(model)
+    grads = {global_name(n, model): p.grad.float().clone() for n, p in model.named_parameters()}
+    return gathered, grads
+
+
+def test_gathered_weights_and_reduced_grads_match_one_process():
+    sd = {k: v.float() for k, v in sc.random_full_state_dict(CFG, seed=2).items()}
+    seqs = sc.make_sequences(CFG, [10, 10], seed=4)  # equal lengths: the mean of means is the mean
+    (full, want), = spawn(run_grads, {}, sd=sd, seqs=seqs)
+    assert set(full) == set(sd) and all(torch.equal(full[k], sd[k]) for k in sd)
+    results = spawn(run_grads, {"ep": 2, "dp": 2}, sd=sd, seqs=seqs)
+    gathered = results[0][0]
+    assert set(gathered) == set(sd) and all(torch.equal(gathered[k], sd[k]) for k in sd)
+    assert results[1][0] is None  # only the destination rank holds the full state dict
+    seen = set()
+    for _, grads in results:
+        for name, g in grads.items():
+            torch.testing.assert_close(g, want[name], rtol=1e-4, atol=1e-6, msg=name)
+            seen.add(name)
+    assert seen == set(want)  # the experts of both EP ranks, the dense weights of both DP ranks
