@@ -26,10 +26,13 @@ def train_main(args: argparse.Namespace) -> list[dict]:
         cfg = load_config(args.config, (args.set or []) + (["rl.steps=0"] if args.command == "sft" else []))
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    init_one_process()
     try:
         model_cfg = model_config(cfg)
-        history = train(cfg, engine_factory(cfg.engine, model_cfg, cfg.model.preset), model_cfg)
+        if cfg.dist.engine_ranks:
+            history = _train_disaggregated(cfg, model_cfg)
+        else:
+            init_one_process()
+            history = train(cfg, engine_factory(cfg.engine, model_cfg, cfg.model.preset), model_cfg)
     except (ValueError, FileNotFoundError) as e:  # bad config for this run, an unusable checkpoint
         raise SystemExit(f"error: {e}") from None
     if history:
@@ -40,6 +43,39 @@ def train_main(args: argparse.Namespace) -> list[dict]:
               f"k3_kl last {history[-1].get('k3_kl', float('nan')):.2e}; metrics in {cfg.output_dir}/metrics.jsonl, "
               f"plot in {cfg.output_dir}/report.png")
     return history
+
+
+def _train_disaggregated(cfg, model_cfg) -> list[dict]:
+    """This process's part of a torchrun job: an engine rank serves, a trainer rank trains."""
+    import os
+
+    import torch.distributed as dist
+
+    from .megatron.cpu_patches import initialize_model_parallel_cpu
+    from .rl.bridge import Bridge, Roles, rendezvous_store
+    from .rl.disaggregated import RemoteEngine, serve_engine
+    from .rl.train import engine_settings, train
+
+    roles = Roles.from_env(cfg.dist.engine_ranks)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    else:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    store = rendezvous_store()
+    bridge = Bridge(store, roles)
+    if not roles.is_trainer:
+        serve_engine(bridge, engine_factory(cfg.engine, model_cfg, cfg.model.preset)(*engine_settings(cfg)))
+        return []
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                            store=dist.PrefixStore("trace-trainers", store), rank=roles.rank, world_size=roles.trainers)
+    d = cfg.dist
+    initialize_model_parallel_cpu(tp=d.tp, pp=d.pp, ep=d.ep, etp=d.etp)
+    try:
+        return train(cfg, lambda precision, guide, coding: RemoteEngine(bridge, precision), model_cfg)
+    finally:  # the engines wait for rank 0 whatever happened (torchrun ends the job if a rank failed)
+        if roles.rank == 0:
+            for e in roles.engines:
+                bridge.send(("stop",), e)
 
 
 def mismatch_main(args: argparse.Namespace) -> dict:

@@ -4,14 +4,14 @@ Under torchrun, ranks [0, T) train (their own torch.distributed world, which Meg
 state lives in) and ranks [T, T + E) run engines. `Bridge` is a process group of its own over
 all T + E ranks (gloo: the control messages and, for now, the weights and guidance too), built
 from torchrun's rendezvous store under a prefix, so it never enters the trainers' world.
-Objects travel pickled: a size, then the bytes.
+Objects travel in torch.save's format: a size, then the bytes.
 """
 
 from __future__ import annotations
 
 import datetime
+import io
 import os
-import pickle
 from dataclasses import dataclass
 
 import torch
@@ -54,7 +54,7 @@ def rendezvous_store(timeout_s: float = 1800) -> dist.Store:
 
 
 class Bridge:
-    """Point-to-point pickled objects over a gloo group spanning trainer and engine ranks."""
+    """Point-to-point objects (torch.save format) over a gloo group spanning trainer and engine ranks."""
 
     def __init__(self, store: dist.Store, roles: Roles, timeout_s: float = 1800):
         self.roles = roles
@@ -66,7 +66,9 @@ class Bridge:
 
     def send(self, obj, dst: int) -> int:
         """Send `obj` to rank `dst`; returns the bytes sent."""
-        data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+        buf = io.BytesIO()
+        torch.save(obj, buf)  # torch's format: any tensor dtype (FP8 scales, packed codes), views included
+        data = torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
         self.pg.send([torch.tensor([data.numel()], dtype=torch.int64)], dst, 0).wait()
         self.pg.send([data], dst, 1).wait()
         return data.numel()
@@ -77,4 +79,4 @@ class Bridge:
         self.pg.recv([size], src, 0).wait()
         data = torch.empty(int(size), dtype=torch.uint8)
         self.pg.recv([data], src, 1).wait()
-        return pickle.loads(data.numpy().tobytes())
+        return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)  # from our own trainer ranks

@@ -37,31 +37,49 @@ class RunState:
     weight_version: int = 0
 
 
+def _rank() -> tuple[int, int]:
+    if torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
 def save_checkpoint(out_dir: str | os.PathLike, trainer, model_cfg, optimizer, task_state: dict, state: RunState,
                     run_config: dict, keep: int = 2) -> Path:
-    """Write one checkpoint of a one-process run (see module docstring); keep the newest `keep`."""
+    """Write one checkpoint (see module docstring); keep the newest `keep`. Call on every trainer
+    rank: each writes its shards of the model and, past rank 0, its optimizer state
+    (`optimizer-rank<r>.pt`; a resumed run needs the same layout)."""
     from ..checkpoint.dist import save_model
 
+    rank, world = _rank()
     root = Path(out_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"{state.phase}-{state.step:06d}"
-    tmp = root / f".partial-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    save_model(trainer, model_cfg, tmp / "model")
-    torch.save({"state": dataclasses.asdict(state), "optimizer": optimizer.state_dict(),
-                "task": task_state, "torch_rng": torch.get_rng_state(), "config": run_config},
-               tmp / "state.pt")
-    if final.exists():  # left by a run killed before it updated `latest`: never the latest itself
-        shutil.rmtree(final)
-    tmp.rename(final)
-    pointer = root / f".{LATEST}-{uuid.uuid4().hex[:8]}"
-    pointer.write_text(final.name + "\n")
-    os.replace(pointer, root / LATEST)
-    for old in _checkpoints(root)[:-keep]:
-        shutil.rmtree(old)
-    for stale in root.glob(".partial-*"):  # of killed saves
-        if stale != tmp:
+    name = [f".partial-{uuid.uuid4().hex[:8]}"]
+    if world > 1:  # every rank writes into the directory rank 0 names
+        torch.distributed.broadcast_object_list(name, src=0)
+    tmp = root / name[0]
+    if rank == 0:
+        tmp.mkdir(parents=True)
+    save_model(trainer, model_cfg, tmp / "model")  # collective; its barriers order the mkdir above
+    if rank == 0:
+        torch.save({"state": dataclasses.asdict(state), "optimizer": optimizer.state_dict(), "task": task_state,
+                    "torch_rng": torch.get_rng_state(), "config": run_config, "world": world}, tmp / "state.pt")
+    else:
+        torch.save(optimizer.state_dict(), tmp / f"optimizer-rank{rank}.pt")
+    if world > 1:
+        torch.distributed.barrier()
+    if rank == 0:
+        if final.exists():  # left by a run killed before it updated `latest`: never the latest itself
+            shutil.rmtree(final)
+        tmp.rename(final)
+        pointer = root / f".{LATEST}-{uuid.uuid4().hex[:8]}"
+        pointer.write_text(final.name + "\n")
+        os.replace(pointer, root / LATEST)
+        for old in _checkpoints(root)[:-keep]:
+            shutil.rmtree(old)
+        for stale in root.glob(".partial-*"):  # of killed saves
             shutil.rmtree(stale, ignore_errors=True)
+    if world > 1:
+        torch.distributed.barrier()
     return final
 
 
@@ -83,13 +101,20 @@ def latest_checkpoint(out_dir: str | os.PathLike) -> Path | None:
 
 
 def load_checkpoint(path: Path, trainer, run_config: dict, resumable_keys: tuple[str, ...]) -> dict:
-    """Load the trainer's weights from checkpoint `path`; return its state.pt contents.
+    """Load the trainer's weights from checkpoint `path`; return its state.pt contents (with this
+    rank's optimizer state).
 
     Raises ValueError naming the first configuration key that differs from the checkpoint's,
     other than `resumable_keys` (e.g. the number of steps, which a resumed run may extend)."""
     from ..checkpoint.dist import load_model
 
     saved = torch.load(path / "state.pt", weights_only=False)
+    rank, world = _rank()
+    if saved.get("world", 1) != world:
+        raise ValueError(f"cannot resume from {path}: it was written by {saved.get('world', 1)} trainer ranks, "
+                         f"this run has {world}")
+    if rank > 0:
+        saved["optimizer"] = torch.load(path / f"optimizer-rank{rank}.pt", weights_only=False)
     for key in sorted(set(saved["config"]) | set(run_config)):
         if key not in resumable_keys and saved["config"].get(key) != run_config.get(key):
             raise ValueError(f"cannot resume from {path}: config {key} was {saved['config'].get(key)!r}, "

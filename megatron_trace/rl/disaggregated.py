@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..rollout import GroupRequest, RolloutOutput, SamplingParams
-from .bridge import Bridge, Roles
+from .bridge import Bridge
 
 
 @dataclass(frozen=True)
@@ -80,11 +80,6 @@ class RemoteEngine:
                     raise RuntimeError(f"engine rank {e} refused weights version {version}: {reply}")
         dist.barrier()
         self.weight_version = version
-
-    def stop(self) -> None:
-        if dist.get_rank() == 0:
-            for e in self.bridge.roles.engines:
-                self.bridge.send(("stop",), e)
 
 
 def serve_engine(bridge: Bridge, engine) -> None:

@@ -51,12 +51,20 @@ class StepConfig:
 
 def sync_weights(trainer, engine, version: int) -> int:
     """Send the trainer's weights to the engine as `version`: FP4 sites packed with the shared
-    quantizer when the engine runs FP4 (codes + scales), BF16 otherwise. Returns bytes sent."""
+    quantizer when the engine runs FP4 (codes + scales), BF16 otherwise. Returns bytes sent.
+    Across trainer ranks (call on all) the full weights are gathered on rank 0, which sends them."""
     fp4 = getattr(getattr(engine, "config", None), "precision", "bf16") == "fp4"
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        from ..megatron.weights import gather_full_state_dict
+
+        full = gather_full_state_dict(trainer)
+        if full is None:  # not rank 0: rank 0 sends, every rank learns the version
+            engine.update_weights(None, version)
+            return 0
+    else:
+        full = {k: v for k, v in trainer.state_dict().items() if not k.endswith("_extra_state")}
     sd, nbytes = {}, 0
-    for name, t in trainer.state_dict().items():
-        if name.endswith("_extra_state"):
-            continue
+    for name, t in full.items():
         t = t.detach()
         if fp4 and name.endswith(FP4_WEIGHT_SUFFIXES):
             q = quantize(t, "nvfp4")
@@ -77,14 +85,15 @@ def rl_step(trainer, optimizer, engine, prompts: list[tuple[int, ...]], reward_f
     batch = rollout(engine, prompts, reward_fn, cfg, sampling, step)
     sampled = [batch]
     if cfg.dynamic_sampling:
+        target = batch.num_groups
         batch = batch.informative()
         for r in range(1, cfg.max_rounds):
-            if batch.num_groups >= len(prompts) or more_prompts is None:
+            if batch.num_groups >= target or more_prompts is None:
                 break
             extra = rollout(engine, more_prompts(len(prompts)), reward_fn, cfg, sampling, step, tag=f"r{r}")
             sampled.append(extra)
             batch = batch.merge(extra.informative())
-        batch = batch.first_groups(len(prompts))
+        batch = batch.first_groups(target)
     t1 = time.perf_counter()
     metrics = train_on(trainer, optimizer, batch, cfg, reference) if batch.num_groups else {"skipped": 1.0}
     t2 = time.perf_counter()
@@ -200,7 +209,11 @@ def train_on(trainer, optimizer, batch: RolloutBatch, cfg: StepConfig, reference
     def observe(full):  # flip rates wherever the engine sent dense guidance (measured or applied)
         counters.append(FlipCounter(full.to(next(trainer.parameters()).device)))
         return counters[-1]
-    fp4_trainer = TRAINER_PRECISION[cfg.precision] != "bf16"
+    from megatron.core import parallel_state as ps
+
+    # flips are counted row by row against this rank's own samples: not under expert parallelism,
+    # whose fc2 rows come from other ranks' tokens
+    fp4_trainer = TRAINER_PRECISION[cfg.precision] != "bf16" and ps.get_expert_model_parallel_world_size() == 1
     logp, sample_of, logp_rollout = response_logprobs(trainer, batch, cfg, observe if fp4_trainer else None)
     weights, keep = rollout_correction(logp.detach(), logp_rollout, sample_of, cfg.correction,
                                       cfg.correction_threshold)

@@ -77,12 +77,22 @@ class CheckpointSection:
 
 
 @dataclass
+class DistSection:
+    engine_ranks: int = 0  # 0: colocated in one process; >0: torchrun job (launch/local.sh), the rest train
+    tp: int = 1  # the trainer ranks' Megatron layout (data parallel fills the rest)
+    ep: int = 1
+    pp: int = 1
+    etp: int = 1
+
+
+@dataclass
 class TrainConfig:
     model: ModelSection = field(default_factory=ModelSection)
     task: TaskSection = field(default_factory=TaskSection)
     sft: SFTSection = field(default_factory=SFTSection)
     rl: RLSection = field(default_factory=RLSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    dist: DistSection = field(default_factory=DistSection)
     engine: str = "sglang_rollout.engine:TraceEngine"
     output_dir: str = "runs/default"
     seed: int = 0
@@ -112,6 +122,10 @@ class TrainConfig:
             (self.sft.steps >= 0 and self.rl.steps >= 0, "sft.steps / rl.steps", ">= 0"),
             (self.checkpoint.every >= 0 and self.checkpoint.sft_every >= 0, "checkpoint.every / sft_every", ">= 0"),
             (self.checkpoint.keep >= 1, "checkpoint.keep", ">= 1"),
+            (self.dist.engine_ranks >= 0, "dist.engine_ranks", ">= 0"),
+            (min(self.dist.tp, self.dist.ep, self.dist.pp, self.dist.etp) >= 1, "dist.tp / ep / pp / etp", ">= 1"),
+            (not (self.dist.engine_ranks and self.rl.dynamic_sampling), "rl.dynamic_sampling",
+             "false in a disaggregated run (its refill rounds are colocated-only for now)"),
         ]
         for ok, key, want in checks:
             if not ok:
@@ -211,6 +225,14 @@ class MetricsLog:
         self.tb.flush()
 
 
+def engine_settings(cfg: TrainConfig) -> tuple[str, str, str]:
+    """(precision, guidance policy, coding) of the rollout engine for the run's mode. fp4-qat
+    records dense guidance it does not apply, to measure flips (rl.measure_flips)."""
+    trace, measure = cfg.rl.precision == "trace", cfg.rl.measure_flips and cfg.rl.precision == "fp4-qat"
+    return ("bf16" if cfg.rl.precision == "bf16" else "fp4", cfg.rl.guide if trace else "all" if measure else "none",
+            cfg.rl.coding if trace else "dense")
+
+
 def model_config(cfg: TrainConfig) -> ModelConfig:
     """The model's architecture: from model.hf's config.json, else the preset."""
     from ..model_config import PRESETS
@@ -237,6 +259,24 @@ def make_task(section: TaskSection, seed: int):
     return JsonlTask(section.path, tokenizer, load_reward(section.reward), seed=seed)
 
 
+def _distributed() -> bool:
+    return torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+
+
+def _rank0() -> bool:
+    return not _distributed() or torch.distributed.get_rank() == 0
+
+
+def _optimizer(trainer, lr: float):
+    """AdamW on FP32 masters; across trainer ranks its step first reduces the gradients."""
+    opt = MasterAdamW(trainer.parameters(), lr=lr, weight_decay=0.0)
+    if _distributed():
+        from .disaggregated import ReducingOptimizer
+
+        return ReducingOptimizer(opt, trainer)
+    return opt
+
+
 def _reference(trainer, model_cfg: ModelConfig, path: Path, resumed: bool):
     """The frozen reference of the KL penalty: the model RL starts from, kept at `path` (a
     Megatron checkpoint) so that a resumed run penalises against the same one."""
@@ -244,15 +284,15 @@ def _reference(trainer, model_cfg: ModelConfig, path: Path, resumed: bool):
 
     from ..checkpoint.dist import load_model, save_model
     from ..megatron.model import build_model
-    from ..megatron.weights import load_full_state_dict
 
     reference = build_model(model_cfg, "bf16", grouped_gemm=True)
     if resumed and path.exists():
         load_model(reference, path)
     else:
-        shutil.rmtree(path, ignore_errors=True)  # of an earlier run in this output_dir
-        load_full_state_dict(reference, {k: v for k, v in trainer.state_dict().items() if not k.endswith("_extra_state")})
-        save_model(reference, model_cfg, path)
+        if _rank0():
+            shutil.rmtree(path, ignore_errors=True)  # of an earlier run in this output_dir
+        reference.load_state_dict(trainer.state_dict())  # the same layout: the same local names
+        save_model(reference, model_cfg, path)  # collective: its first step orders the removal above
     for p in reference.parameters():
         p.requires_grad_(False)
     return reference
@@ -274,6 +314,7 @@ def train(cfg: TrainConfig, make_engine, model_cfg: ModelConfig, progress: bool 
     from .sft import sft_step
 
     torch.manual_seed(cfg.seed)
+    progress = progress and _rank0()
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     task = make_task(cfg.task, cfg.seed)
@@ -296,14 +337,15 @@ def train(cfg: TrainConfig, make_engine, model_cfg: ModelConfig, progress: bool 
         state = RunState(**saved["state"])
         task.load_state_dict(saved["task"])
         torch.set_rng_state(saved["torch_rng"])
-        print(f"resuming from {ckpt} ({state.phase} step {state.step})")
+        if _rank0():
+            print(f"resuming from {ckpt} ({state.phase} step {state.step})")
 
     def checkpoint(opt, phase, step, version):
         save_checkpoint(out_dir, trainer, model_cfg, opt, task.state_dict(), RunState(phase, step, version), run_config,
                         cfg.checkpoint.keep)
 
     if state.phase == "sft":
-        opt = MasterAdamW(trainer.parameters(), lr=cfg.sft.lr, weight_decay=0.0)
+        opt = _optimizer(trainer, cfg.sft.lr)
         if saved is not None:
             opt.load_state_dict(saved["optimizer"])
         bar = tqdm(range(state.step, cfg.sft.steps), desc="sft", disable=not progress, initial=state.step,
@@ -314,23 +356,21 @@ def train(cfg: TrainConfig, make_engine, model_cfg: ModelConfig, progress: bool 
             if cfg.checkpoint.sft_every and (i + 1) % cfg.checkpoint.sft_every == 0 and i + 1 < cfg.sft.steps:
                 checkpoint(opt, "sft", i + 1, 0)
         state, saved = RunState("rl", 0, 0), None
-    opt = MasterAdamW(trainer.parameters(), lr=cfg.rl.lr, weight_decay=0.0)
+    opt = _optimizer(trainer, cfg.rl.lr)
     if saved is not None:
         opt.load_state_dict(saved["optimizer"])
     elif cfg.sft.steps:
         checkpoint(opt, "rl", 0, 0)  # the warmed-up model: RL restarts never redo the warm-up
     if state.step >= cfg.rl.steps:  # nothing left to do (e.g. `trace-rl sft`)
         return []
-    trace, measure = cfg.rl.precision == "trace", cfg.rl.measure_flips and cfg.rl.precision == "fp4-qat"
-    engine = make_engine("bf16" if cfg.rl.precision == "bf16" else "fp4",
-                         cfg.rl.guide if trace else "all" if measure else "none", cfg.rl.coding if trace else "dense")
+    engine = make_engine(*engine_settings(cfg))
     sync_weights(trainer, engine, state.weight_version)
     step_cfg = StepConfig(cfg.rl.precision, cfg.rl.group_size, cfg.rl.clip_low, cfg.rl.clip_high, cfg.rl.correction,
                           dynamic_sampling=cfg.rl.dynamic_sampling, max_rounds=cfg.rl.max_rounds,
                           kl_coef=cfg.rl.kl_coef, kl_kind=cfg.rl.kl_kind)
     reference = _reference(trainer, model_cfg, out_dir / "checkpoints" / "reference", resumed=saved is not None) \
         if cfg.rl.kl_coef else None
-    log = MetricsLog(out_dir, state.step)
+    log = MetricsLog(out_dir, state.step) if _rank0() else None
     run_history = []
     bar = tqdm(range(state.step, cfg.rl.steps), desc=f"rl ({cfg.rl.precision})", disable=not progress,
                initial=state.step, total=cfg.rl.steps)
@@ -352,11 +392,18 @@ def train(cfg: TrainConfig, make_engine, model_cfg: ModelConfig, progress: bool 
                                    stop_token_ids=(task.tokenizer.eos_id,), seed=cfg.seed * 100_003 + step), step,
                     more_prompts=draw, reference=reference)
         m["step_s"] = time.perf_counter() - t0
-        log.write(m)
+        if _distributed():
+            from .disaggregated import average_metrics
+
+            m = average_metrics(m)
+        if log is not None:
+            log.write(m)
         run_history.append(m)
         bar.set_postfix(reward=f"{m['reward']:.2f}", k3=f"{m.get('k3_kl', float('nan')):.1e}")
         if (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0) or step + 1 == cfg.rl.steps:
             checkpoint(opt, "rl", step + 1, engine.weight_version)
+    if log is None:  # not trainer rank 0: it reports
+        return []
     log.tb.close()
     if log.history:
         plot_report(log.history, out_dir / "report.png", f"{cfg.model.preset}, {cfg.rl.precision} mode")

@@ -17,8 +17,16 @@ def run_grads(rank, *, sd, seqs):
     from megatron.core import parallel_state as ps
 
     from megatron_trace.megatron.grads import finalize_grads
-    from megatron_trace.megatron.model import build_model, pack_sequences, token_logprobs
-    from megatron_trace.megatron.weights import gather_full_state_dict, global_name, load_full_state_dict
+    from megatron_trace.megatron.model import (
+        build_model,
+        pack_sequences,
+        token_logprobs,
+    )
+    from megatron_trace.megatron.weights import (
+        gather_full_state_dict,
+        global_name,
+        load_full_state_dict,
+    )
 
     model = build_model(CFG, "bf16", params_dtype=torch.float32, grouped_gemm=True)
     load_full_state_dict(model, sd)
