@@ -78,31 +78,69 @@ def _train_disaggregated(cfg, model_cfg) -> list[dict]:
                 bridge.send(("stop",), e)
 
 
-def mismatch_main(args: argparse.Namespace) -> dict:
+DEFAULT_RUN = Path("runs/default")  # where `trace-rl train` (make demo) leaves the embedded default
+
+
+def _mismatch_model(args):
+    """(ModelConfig, one-process trainer holding the weights, their full state dict, what it is)."""
+    from .checkpoint.dist import load_model, read_config
     from .megatron.model import build_model
     from .megatron.weights import load_full_state_dict
     from .model_config import PRESETS
+    from .rl.checkpoint import latest_checkpoint
+
+    megatron, what = args.megatron, None
+    if not (args.model or args.hf or megatron):  # the embedded default: trained if it has been, else random
+        latest = latest_checkpoint(DEFAULT_RUN) if (DEFAULT_RUN / "checkpoints").exists() else None
+        if latest is not None:
+            megatron, what = str(latest / "model"), f"the embedded default trained in {latest}"
+        else:
+            args.model, what = "demo", "the embedded default's model (demo preset), random weights (no trained run)"
+    if args.hf:
+        from .checkpoint.hf import HFCheckpoint
+
+        ckpt = HFCheckpoint(args.hf)
+        cfg, what = ckpt.cfg, f"HF checkpoint {args.hf}"
+    elif megatron:
+        cfg, what = read_config(megatron), what or f"Megatron checkpoint {megatron}"
+    elif args.model in PRESETS:
+        cfg, what = PRESETS[args.model], what or f"preset {args.model}, random weights (seed {args.seed})"
+    else:
+        raise SystemExit(f"--model: unknown preset {args.model!r}; choose from {sorted(PRESETS)}")
+    init_one_process()
+    trainer = build_model(cfg, "bf16", grouped_gemm=True)
+    if args.hf:
+        load_full_state_dict(trainer, ckpt)
+    elif megatron:
+        load_model(trainer, megatron)
+    state_dict = {k: v.detach().to("cpu", copy=True) for k, v in trainer.state_dict().items()
+                  if not k.endswith("_extra_state")}  # one process: local names are the full names
+    return cfg, trainer, state_dict, what
+
+
+def mismatch_main(args: argparse.Namespace) -> dict:
     from .rl.mismatch import MODES, run_mismatch
+    from .rl.tasks import ArithmeticTask
     from .rollout import SamplingParams
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise SystemExit(f"--modes: unknown {bad}; choose from {','.join(MODES)}")
-    if args.model not in PRESETS:
-        raise SystemExit(f"--model: unknown preset {args.model!r}; choose from {sorted(PRESETS)}")
-    cfg = PRESETS[args.model]
-
-    init_one_process()
-    gen = torch.Generator().manual_seed(args.seed)
-    trainer = build_model(cfg, "bf16", grouped_gemm=True)
-    state_dict = {k: v.detach().to("cpu", copy=True) for k, v in trainer.state_dict().items()
-                  if not k.endswith("_extra_state")}  # the seeded random initialisation
-    load_full_state_dict(trainer, state_dict)
-    prompts = [tuple(torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=gen).tolist())
-               for _ in range(args.prompts)]
-
-    make_engine = engine_factory(args.engine, cfg, args.model)
+    try:
+        cfg, trainer, state_dict, what = _mismatch_model(args)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"error: {e}") from None
+    task = ArithmeticTask(seed=args.seed)
+    if args.prompt_source == "task" and task.tokenizer.vocab_size <= cfg.vocab_size:
+        prompts, source = [tuple(task.prompt_ids(p)) for p in task.problems(args.prompts)], "arithmetic task"
+    else:
+        gen = torch.Generator().manual_seed(args.seed)
+        prompts = [tuple(torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=gen).tolist())
+                   for _ in range(args.prompts)]
+        source = f"random tokens (seed {args.seed})"
+    print(f"model: {what}; prompts: {source}")
+    make_engine = engine_factory(args.engine, cfg, args.model or "model")
 
     sampling = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, seed=args.seed)
     results = run_mismatch(trainer, make_engine, state_dict, prompts, modes=modes, guide=args.guide,
@@ -123,7 +161,13 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="trace-rl", description="TRACE: FP4 RL of MoE models")
     sub = ap.add_subparsers(dest="command", required=True)
     mm = sub.add_parser("mismatch", help="engine vs trainer log-prob mismatch per precision mode")
-    mm.add_argument("--model", default="tiny", help="model preset (random weights, seeded)")
+    src = mm.add_mutually_exclusive_group()
+    src.add_argument("--model", default=None, help="a model preset, random weights (seeded); default: the "
+                     "embedded default's model, trained (runs/default) if make demo has run")
+    src.add_argument("--megatron", default=None, help="a Megatron checkpoint directory (e.g. a run's checkpoints/rl-000040/model)")
+    src.add_argument("--hf", default=None, help="an HF Qwen3-MoE checkpoint directory")
+    mm.add_argument("--prompt-source", default="task", choices=["task", "random"],
+                    help="arithmetic-task prompts (when the vocabulary covers them) or random tokens")
     mm.add_argument("--modes", default="bf16,fp4,fp4-qat,trace")
     mm.add_argument("--guide", default="all", help="trace mode's layer policy: all, deep:K, layers:i,j, none")
     mm.add_argument("--coding", default="dense", choices=["dense", "sparse"])

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -34,6 +36,16 @@ def test_two_trainer_ranks_and_an_engine_rank_train_and_resume(tmp_path):
     assert "resuming from" in more.stdout
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp4", "fp4-qat"])
+def test_each_other_precision_mode_runs_disaggregated(tmp_path, precision):
+    run = _launch(tmp_path, 1, "--set", f"rl.precision={precision}", "--set", "checkpoint.every=0")
+    assert run.returncode == 0, run.stderr[-3000:]
+    (row,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert 0 <= row["reward"] <= 1 and row["k3_kl"] >= 0 and row["weight_sync_bytes"] > 0
+    if precision == "fp4":  # a BF16 trainer against the FP4 engine: the mismatch TRACE removes
+        assert row["k3_kl"] > 1e-6
 
 
 def test_a_failing_rank_ends_the_whole_job(tmp_path):

@@ -13,7 +13,8 @@ def run_cli(rank, argv):
 
 def test_trace_removes_the_fp4_mismatch(tmp_path):
     out = tmp_path / "mismatch.json"
-    spawn(run_cli, {}, argv=["mismatch", "--prompts", "2", "--samples", "2", "--max-new-tokens", "12",
+    spawn(run_cli, {}, argv=["mismatch", "--model", "tiny", "--prompt-source", "random", "--prompts", "2",
+                             "--samples", "2", "--max-new-tokens", "12",
                              "--json", str(out)])
     r = json.loads(out.read_text())
     assert set(r) == {"bf16", "fp4", "fp4-qat", "trace"}
@@ -27,7 +28,8 @@ def test_trace_removes_the_fp4_mismatch(tmp_path):
 
 def test_sparse_guidance_costs_fewer_bits(tmp_path):
     out = tmp_path / "sparse.json"
-    spawn(run_cli, {}, argv=["mismatch", "--modes", "trace", "--coding", "sparse", "--prompts", "2",
+    spawn(run_cli, {}, argv=["mismatch", "--model", "tiny", "--prompt-source", "random", "--modes", "trace",
+                             "--coding", "sparse", "--prompts", "2",
                              "--max-new-tokens", "8", "--json", str(out)])
     r = json.loads(out.read_text())["trace"]
     assert r["guidance_bits_per_element"] < 1.5  # dense is 1.5 bits + one FP32 per row

@@ -38,7 +38,7 @@ def run_train(rank, *, out_dir, precision):
           "--set", f"rl.precision={precision}", "--set", f"output_dir={out_dir}"])
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp4-qat", "trace"])
+@pytest.mark.parametrize("precision", ["bf16", "fp4", "fp4-qat", "trace"])
 def test_a_short_run_writes_its_metrics(tmp_path, precision):
     spawn(run_train, {}, out_dir=str(tmp_path), precision=precision)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
