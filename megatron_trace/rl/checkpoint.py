@@ -30,11 +30,13 @@ _NAME = re.compile(r"(sft|rl)-(\d{6})")
 
 @dataclass
 class RunState:
-    """phase: "sft" or "rl"; step: the next step of that phase; weight_version: the engine's."""
+    """phase: "sft" or "rl"; step: the next step of that phase; weight_version: the engine's;
+    guide: the resolved guidance policy of a `budget:` run."""
 
     phase: str = "sft"
     step: int = 0
     weight_version: int = 0
+    guide: str = ""  # the guidance policy a `budget:` policy resolved to ("layers:..."), once measured
 
 
 def _rank() -> tuple[int, int]:

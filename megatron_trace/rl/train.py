@@ -126,6 +126,8 @@ class TrainConfig:
             (min(self.dist.tp, self.dist.ep, self.dist.pp, self.dist.etp) >= 1, "dist.tp / ep / pp / etp", ">= 1"),
             (not (self.dist.engine_ranks and self.rl.dynamic_sampling), "rl.dynamic_sampling",
              "false in a disaggregated run (its refill rounds are colocated-only for now)"),
+            (not (self.dist.engine_ranks and self.rl.guide.startswith("budget:")), "rl.guide",
+             "not budget:... in a disaggregated run (the budget is measured colocated for now)"),
         ]
         for ok, key, want in checks:
             if not ok:
@@ -225,11 +227,13 @@ class MetricsLog:
         self.tb.flush()
 
 
-def engine_settings(cfg: TrainConfig) -> tuple[str, str, str]:
-    """(precision, guidance policy, coding) of the rollout engine for the run's mode. fp4-qat
-    records dense guidance it does not apply, to measure flips (rl.measure_flips)."""
+def engine_settings(cfg: TrainConfig, guide: str | None = None) -> tuple[str, str, str]:
+    """(precision, guidance policy, coding) of the rollout engine for the run's mode (`guide`
+    overrides rl.guide, e.g. with what a budget resolved to). fp4-qat records dense guidance it
+    does not apply, to measure flips (rl.measure_flips)."""
     trace, measure = cfg.rl.precision == "trace", cfg.rl.measure_flips and cfg.rl.precision == "fp4-qat"
-    return ("bf16" if cfg.rl.precision == "bf16" else "fp4", cfg.rl.guide if trace else "all" if measure else "none",
+    policy = guide or cfg.rl.guide
+    return ("bf16" if cfg.rl.precision == "bf16" else "fp4", policy if trace else "all" if measure else "none",
             cfg.rl.coding if trace else "dense")
 
 
@@ -257,6 +261,24 @@ def make_task(section: TaskSection, seed: int):
         return ArithmeticTask(section.digits, section.ops, seed=seed)
     tokenizer = CharTokenizer() if section.tokenizer == "char" else HFTokenizer(section.tokenizer)
     return JsonlTask(section.path, tokenizer, load_reward(section.reward), seed=seed)
+
+
+def _resolve_budget(cfg: TrainConfig, trainer, make_engine, task, model_cfg: ModelConfig) -> str:
+    """Measure flips and guidance cost per layer on one calibration rollout (prompts drawn without
+    moving the task's draw state) and resolve rl.guide's budget to a layer list."""
+    from .budget import resolve_budget
+
+    snapshot = task.state_dict()
+    prompts = [tuple(task.prompt_ids(p)) for p in task.problems(cfg.rl.prompts_per_step)]
+    task.load_state_dict(snapshot)
+    state_dict = {k: v.detach().clone() for k, v in trainer.state_dict().items() if not k.endswith("_extra_state")}
+    sampling = SamplingParams(temperature=cfg.rl.temperature, max_new_tokens=cfg.rl.max_new_tokens,
+                              stop_token_ids=(task.tokenizer.eos_id,), seed=cfg.seed * 100_003 - 1)
+    guide, flips, cost = resolve_budget(cfg.rl.guide, trainer, make_engine, state_dict, prompts, cfg.rl.coding,
+                                        cfg.rl.group_size, sampling, model_cfg.num_layers)
+    print(f"{cfg.rl.guide}: guiding {guide} (flip rate by layer {', '.join(f'{v:.2%}' for v in flips.values())}; "
+          f"bytes per token {', '.join(f'{v:.0f}' for v in cost.values())})")
+    return guide
 
 
 def _distributed() -> bool:
@@ -341,8 +363,8 @@ def train(cfg: TrainConfig, make_engine, model_cfg: ModelConfig, progress: bool 
             print(f"resuming from {ckpt} ({state.phase} step {state.step})")
 
     def checkpoint(opt, phase, step, version):
-        save_checkpoint(out_dir, trainer, model_cfg, opt, task.state_dict(), RunState(phase, step, version), run_config,
-                        cfg.checkpoint.keep)
+        save_checkpoint(out_dir, trainer, model_cfg, opt, task.state_dict(), RunState(phase, step, version, state.guide),
+                        run_config, cfg.checkpoint.keep)
 
     if state.phase == "sft":
         opt = _optimizer(trainer, cfg.sft.lr)
@@ -363,7 +385,9 @@ def train(cfg: TrainConfig, make_engine, model_cfg: ModelConfig, progress: bool 
         checkpoint(opt, "rl", 0, 0)  # the warmed-up model: RL restarts never redo the warm-up
     if state.step >= cfg.rl.steps:  # nothing left to do (e.g. `trace-rl sft`)
         return []
-    engine = make_engine(*engine_settings(cfg))
+    if cfg.rl.precision == "trace" and cfg.rl.guide.startswith("budget:") and not state.guide:
+        state.guide = _resolve_budget(cfg, trainer, make_engine, task, model_cfg)
+    engine = make_engine(*engine_settings(cfg, state.guide))
     sync_weights(trainer, engine, state.weight_version)
     step_cfg = StepConfig(cfg.rl.precision, cfg.rl.group_size, cfg.rl.clip_low, cfg.rl.clip_high, cfg.rl.correction,
                           dynamic_sampling=cfg.rl.dynamic_sampling, max_rounds=cfg.rl.max_rounds,

@@ -7,6 +7,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from megatron_trace.megatron.spawn import spawn
 from megatron_trace.rl.train import load_config
@@ -31,11 +32,12 @@ def test_config_defaults_run_and_bad_keys_are_named(tmp_path):
         load_config(str(bad_yaml))
 
 
-def run_train(rank, *, out_dir, precision):
+def run_train(rank, *, out_dir, precision, extra=()):
     from megatron_trace.cli import main
 
     main(["train", "--set", "sft.steps=20", "--set", "rl.steps=2", "--set", "rl.prompts_per_step=4",
-          "--set", f"rl.precision={precision}", "--set", f"output_dir={out_dir}"])
+          "--set", f"rl.precision={precision}", "--set", f"output_dir={out_dir}",
+          *[a for kv in extra for a in ("--set", kv)]])
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp4", "fp4-qat", "trace"])
@@ -104,3 +106,15 @@ def test_a_killed_run_resumes_as_it_would_have_continued(tmp_path):
     # a changed setting that a resumed run cannot take is named
     bad = subprocess.run(_train_cmd(killed, "--set", "rl.lr=0.1"), env=env, capture_output=True, text=True)
     assert bad.returncode != 0 and "config rl.lr was 0.0003, now 0.1" in bad.stderr
+
+
+def test_a_budget_policy_guides_the_layers_that_flip_most_within_its_bytes(tmp_path):
+    """budget:100 bytes per token fits one layer of the demo model's (~81 each, measured)."""
+    spawn(run_train, {}, out_dir=str(tmp_path), precision="trace", extra=["rl.guide=budget:100"])
+    rows = _rows(tmp_path)
+    state = torch.load(tmp_path / "checkpoints" / "rl-000002" / "state.pt", weights_only=False)["state"]
+    assert state["guide"] in ("layers:0", "layers:1")  # one layer, kept for a resumed run
+    guided = state["guide"].removeprefix("layers:")
+    for r in rows:
+        assert set(r["flip_rate_by_layer"]) == {guided} and r["residual_flip_rate"] == 0
+        assert r["guidance_bytes_per_token"] < 100 + 20  # one layer's records plus the routed experts
