@@ -61,6 +61,20 @@ class MicroBatchGuidance:
         return MicroBatchGuidance(self.num_tokens, {k: v.to(device) for k, v in self.sites.items()},
                                   {k: v.to(device) for k, v in self.routed_experts.items()})
 
+    def padded(self, extra: int) -> MicroBatchGuidance:
+        """`extra` more tokens at the end, each with the last token's rows and routed experts: the
+        guidance of a padding sequence (sequence parallelism needs token counts divisible by the
+        tensor-parallel size; padding carries no loss, its rows only have to be valid)."""
+        if extra == 0:
+            return self
+        sites = {}
+        for key, rg in self.sites.items():
+            per = rg.num_rows // self.num_tokens
+            index = torch.cat([torch.arange(rg.num_rows), torch.arange(rg.num_rows - per, rg.num_rows).repeat(extra)])
+            sites[key] = rg.select_rows(index.to(rg.g.device))
+        experts = {L: torch.cat([e, e[-1:].expand(extra, -1)]) for L, e in self.routed_experts.items()}
+        return MicroBatchGuidance(self.num_tokens + extra, sites, experts)
+
     def for_layers(self, layers) -> MicroBatchGuidance:
         """Only the given (0-based) layers: what one pipeline stage needs."""
         keep = set(layers)

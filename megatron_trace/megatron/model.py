@@ -161,13 +161,21 @@ def set_precision(model: torch.nn.Module, precision: Precision | str) -> None:
             m.precision = precision  # its fc1_input site is among fp4_sites
 
 
-def pack_sequences(seqs: list[torch.Tensor], device=None):
-    """Sequences of token ids packed into one THD micro-batch.
+def sequence_padding(num_tokens: int) -> int:
+    """Tokens to append so that sequence parallelism can split the micro-batch (0 without TP)."""
+    return -num_tokens % ps.get_tensor_model_parallel_world_size()
+
+
+def pack_sequences(seqs: list[torch.Tensor], device=None, pad: int = 0):
+    """Sequences of token ids packed into one THD micro-batch, plus a padding sequence of `pad`
+    zeros at the end when pad > 0 (see `sequence_padding`).
 
     Returns (input_ids int64 [1, T], position_ids int64 [1, T] restarting at each sequence,
-    PackedSeqParams with cu_seqlens int32 [len(seqs) + 1]).
+    PackedSeqParams with cu_seqlens int32 [number of sequences + 1]).
     """
     from megatron.core.packed_seq_params import PackedSeqParams
+
+    seqs = list(seqs) + ([torch.zeros(pad, dtype=torch.long)] if pad else [])
 
     ids = torch.cat(seqs)[None].to(device)
     pos = torch.cat([torch.arange(len(s)) for s in seqs])[None].to(device)

@@ -9,8 +9,8 @@ The RL loop is the colocated one (`rl.step`); the trainer ranks see the engines 
                      shared quantizer when the engines run FP4), which sends them to every engine.
 Engine ranks run `serve_engine` until the trainers say stop. Gradients are reduced across the
 trainer's groups by `megatron.grads.finalize_grads` before each optimizer step.
-Limits of this version: one engine rank serves every request; tensor and pipeline parallelism
-of the trainer are refused (their micro-batches need sequence padding / a pipeline schedule).
+Limits of this version: one engine rank serves every request; pipeline parallelism of the
+trainer is refused (the RL step has no pipeline schedule yet).
 """
 
 from __future__ import annotations
@@ -53,9 +53,9 @@ class RemoteEngine:
     def __init__(self, bridge: Bridge, precision: str):
         from megatron.core import parallel_state as ps
 
-        if ps.get_tensor_model_parallel_world_size() > 1 or ps.get_pipeline_model_parallel_world_size() > 1:
-            raise ValueError("disaggregated trace-rl train supports data and expert parallel trainers for now "
-                             "(dist.tp and dist.pp must be 1)")
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            raise ValueError("disaggregated trace-rl train supports tensor, expert and data parallel trainers for "
+                             "now (dist.pp must be 1: the RL step has no pipeline schedule yet)")
         self.bridge, self.config, self.weight_version = bridge, _RemoteConfig(precision), -1
         self.engine_rank = bridge.roles.engines[0]
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()

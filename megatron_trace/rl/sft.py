@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from ..megatron.model import pack_sequences, set_precision, token_logprobs
+from ..megatron.model import (
+    pack_sequences,
+    sequence_padding,
+    set_precision,
+    token_logprobs,
+)
 
 
 def sft_step(trainer, optimizer, examples: list[tuple[list[int], list[bool]]], precision: str = "bf16") -> float:
@@ -13,9 +18,10 @@ def sft_step(trainer, optimizer, examples: list[tuple[list[int], list[bool]]], p
     over masked tokens. The mask marks tokens to predict (a token's log-prob sits one before)."""
     dev = next(trainer.parameters()).device
     seqs = [torch.tensor(t) for t, _ in examples]
-    tokens, positions, psp = pack_sequences(seqs, dev)
+    pad = sequence_padding(sum(len(q) for q in seqs))
+    tokens, positions, psp = pack_sequences(seqs, dev, pad)
     targets = torch.roll(tokens, -1, 1)
-    mask = torch.cat([torch.tensor(m[1:] + [False]) for _, m in examples]).to(dev)
+    mask = torch.cat([torch.tensor(m[1:] + [False]) for _, m in examples] + [torch.zeros(pad, dtype=torch.bool)]).to(dev)
     set_precision(trainer, precision)
     logp = token_logprobs(trainer, tokens, positions, targets, packed_seq_params=psp).reshape(-1)
     loss = -(logp * mask).sum() / mask.sum().clamp(min=1)

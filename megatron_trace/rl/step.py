@@ -17,7 +17,12 @@ from trace_kernels.fp4 import quantize
 from ..guidance import GuidanceBatch
 from ..megatron import qat
 from ..megatron.context import MicroBatchGuidance
-from ..megatron.model import pack_sequences, set_precision, token_logprobs
+from ..megatron.model import (
+    pack_sequences,
+    sequence_padding,
+    set_precision,
+    token_logprobs,
+)
 from ..model_config import FP4_WEIGHT_SUFFIXES
 from ..rollout import GroupRequest, RolloutOutput, SamplingParams
 from .losses import (
@@ -171,10 +176,12 @@ def response_logprobs(trainer, batch: RolloutBatch, cfg: StepConfig, observer=No
     given, makes a qat observer that watches the forward (e.g. a FlipCounter)."""
     dev, out = next(trainer.parameters()).device, batch.out
     seqs = [torch.tensor(list(batch.prompts[s.group_id]) + s.tokens) for s in out.samples]
-    tokens, positions, psp = pack_sequences(seqs, dev)
+    pad = sequence_padding(sum(len(q) for q in seqs))
+    tokens, positions, psp = pack_sequences(seqs, dev, pad)
     full = MicroBatchGuidance.from_batch(out.guidance, [s.sample_id for s in out.samples])
     guidance = full if cfg.precision == "trace" else MicroBatchGuidance(full.num_tokens,
                                                                         routed_experts=full.routed_experts)
+    guidance = guidance.padded(pad)
     set_precision(trainer, TRAINER_PRECISION[cfg.precision])
     if observer is not None:
         qat.observers.append(observer(full))
@@ -211,9 +218,10 @@ def train_on(trainer, optimizer, batch: RolloutBatch, cfg: StepConfig, reference
         return counters[-1]
     from megatron.core import parallel_state as ps
 
-    # flips are counted row by row against this rank's own samples: not under expert parallelism,
-    # whose fc2 rows come from other ranks' tokens
-    fp4_trainer = TRAINER_PRECISION[cfg.precision] != "bf16" and ps.get_expert_model_parallel_world_size() == 1
+    # flips are counted row by row against this rank's whole rows of its own samples: not under
+    # expert parallelism (fc2 rows from other ranks' tokens) or tensor parallelism (row shards)
+    fp4_trainer = (TRAINER_PRECISION[cfg.precision] != "bf16" and ps.get_expert_model_parallel_world_size() == 1
+                   and ps.get_tensor_model_parallel_world_size() == 1)
     logp, sample_of, logp_rollout = response_logprobs(trainer, batch, cfg, observe if fp4_trainer else None)
     weights, keep = rollout_correction(logp.detach(), logp_rollout, sample_of, cfg.correction,
                                       cfg.correction_threshold)
