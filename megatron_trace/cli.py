@@ -57,8 +57,8 @@ def _train_disaggregated(cfg, model_cfg) -> list[dict]:
     from .rl.train import engine_settings, train
 
     roles = Roles.from_env(cfg.dist.engine_ranks)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if torch.cuda.is_available():  # more processes than GPUs: engines share the first GPUs
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
     else:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     store = rendezvous_store()

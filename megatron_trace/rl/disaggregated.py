@@ -128,15 +128,16 @@ class ReducingOptimizer:
 
 def average_metrics(m: dict) -> dict:
     """Every numeric metric (and per-layer dict) averaged over the trainer ranks."""
+    dev = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces device tensors only
     flat = {k: float(v) for k, v in m.items() if isinstance(v, (int, float)) and k != "step"}
     keys = sorted(flat)
-    t = torch.tensor([flat[k] for k in keys], dtype=torch.float64)
+    t = torch.tensor([flat[k] for k in keys], dtype=torch.float64, device=dev)
     dist.all_reduce(t)
     out = dict(m) | {k: float(v) / dist.get_world_size() for k, v in zip(keys, t.tolist(), strict=True)}
     for k, v in m.items():
         if isinstance(v, dict):
             layers = sorted(v)
-            d = torch.tensor([float(v[L]) for L in layers], dtype=torch.float64)
+            d = torch.tensor([float(v[L]) for L in layers], dtype=torch.float64, device=dev)
             dist.all_reduce(d)
             out[k] = {L: float(x) / dist.get_world_size() for L, x in zip(layers, d.tolist(), strict=True)}
     return out
