@@ -24,7 +24,7 @@ import torch
 
 from ..backend import DEFAULT_ENGINE, make_backend
 from ..model_config import PRESETS, ModelConfig, fp4_site_of
-from .fp4_export import FORMATS, KV_CACHE, export_fp4, load_input_amax, save_input_amax
+from .fp4_export import FORMATS, KV_CACHE, export_fp4, input_amax_json, load_input_amax
 
 _UNITS = {"KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "B": 1}
 
@@ -155,13 +155,8 @@ def _export_args(ap: argparse.ArgumentParser, hf_only: bool) -> None:
 def _export(args) -> Path:
     cfg, hf, tensors = _source(args)
     amax = calibrate(args, cfg, tensors)
-    calib_file = Path(args.out).with_name(Path(args.out).name + ".input_amax.json.tmp")
-    save_input_amax(calib_file, amax)
-    try:
-        return export_fp4(tensors(), cfg, hf, args.out, args.format, amax, args.kv_cache, args.max_shard_size,
-                          args.overwrite, extra_files={"trace_input_amax.json": calib_file.read_text()})
-    finally:
-        calib_file.unlink(missing_ok=True)
+    return export_fp4(tensors(), cfg, hf, args.out, args.format, amax, args.kv_cache, args.max_shard_size,
+                      args.overwrite, extra_files={"trace_input_amax.json": input_amax_json(amax)})
 
 
 def export_main(argv: list[str] | None = None) -> None:

@@ -106,13 +106,13 @@ def input_scales(input_amax: dict[tuple[int, str], float], cfg: ModelConfig) -> 
     return out
 
 
-def save_input_amax(path: str | os.PathLike, amax: dict[tuple[int, str], float]) -> None:
-    """Write {(layer, site): amax} as JSON {"<layer>.<site>": amax}."""
-    Path(path).write_text(json.dumps({f"{L}.{s}": v for (L, s), v in sorted(amax.items())}, indent=1) + "\n")
+def input_amax_json(amax: dict[tuple[int, str], float]) -> str:
+    """{(layer, site): amax} as JSON {"<layer>.<site>": amax} (what `load_input_amax` reads)."""
+    return json.dumps({f"{L}.{s}": v for (L, s), v in sorted(amax.items())}, indent=1) + "\n"
 
 
 def load_input_amax(path: str | os.PathLike) -> dict[tuple[int, str], float]:
-    """Read `save_input_amax`'s JSON. ValueError naming a malformed key or a negative/non-finite value."""
+    """Read `input_amax_json`'s JSON. ValueError naming a malformed key or a negative/non-finite value."""
     out = {}
     for key, value in json.loads(Path(path).read_text()).items():
         layer, _, site = key.partition(".")

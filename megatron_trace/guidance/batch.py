@@ -76,6 +76,12 @@ class GuidanceBatch:
         _check_experts(sample.routed_experts, sample.response_len, f"sample {sample.sample_id!r} response")
         self.samples[sample.sample_id] = sample
 
+    def subset(self, sample_ids) -> GuidanceBatch:
+        """The guidance of these samples and of their groups' prompts only."""
+        samples = {sid: self.samples[sid] for sid in sample_ids if sid in self.samples}
+        groups = {s.group_id for s in samples.values()}
+        return GuidanceBatch({k: v for k, v in self.groups.items() if k in groups}, samples)
+
     # -- applying -------------------------------------------------------------------------
     def guided_inputs(self, sample_id: str, layer: int, site: str, x_RK: torch.Tensor, rows_per_token: int = 1,
                       weight_version: int | None = None):

@@ -38,13 +38,8 @@ def dp_share(num_groups: int, dp_rank: int, dp_size: int) -> range:
 
 
 def _subset(out: RolloutOutput, group_ids: set[str]) -> RolloutOutput:
-    from ..guidance import GuidanceBatch
-
     samples = [s for s in out.samples if s.group_id in group_ids]
-    g = out.guidance
-    guidance = GuidanceBatch({k: v for k, v in g.groups.items() if k in group_ids},
-                             {s.sample_id: g.samples[s.sample_id] for s in samples if s.sample_id in g.samples})
-    return RolloutOutput(samples, guidance)
+    return RolloutOutput(samples, out.guidance.subset(s.sample_id for s in samples))
 
 
 class RemoteEngine:

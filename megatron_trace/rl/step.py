@@ -132,9 +132,7 @@ class RolloutBatch:
         idx = [g * self.group_size + i for g in groups for i in range(self.group_size)]
         samples = [self.out.samples[i] for i in idx]
         gids = {s.group_id for s in samples}
-        guidance = GuidanceBatch({k: v for k, v in self.out.guidance.groups.items() if k in gids},
-                                 {s.sample_id: self.out.guidance.samples[s.sample_id] for s in samples
-                                  if s.sample_id in self.out.guidance.samples})
+        guidance = self.out.guidance.subset(s.sample_id for s in samples)
         return RolloutBatch(RolloutOutput(samples, guidance), {k: v for k, v in self.prompts.items() if k in gids},
                             self.rewards[idx], self.group_size)
 

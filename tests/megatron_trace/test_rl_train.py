@@ -52,7 +52,7 @@ def test_a_short_run_writes_its_metrics(tmp_path, precision):
     if precision == "trace":  # the guided trainer forward follows the engine
         assert all(r["k3_kl"] < 1e-9 for r in rows)
         assert all(r["residual_flip_rate"] == 0 and r["guidance_bytes_per_token"] > 0 for r in rows)
-    if precision != "bf16":  # flips measured against the engine's dense records, per layer
+    if precision in ("fp4-qat", "trace"):  # flips measured against the engine's dense records, per layer
         assert all(0 < r["flip_rate"] < 0.2 and set(r["flip_rate_by_layer"]) == {"0", "1"} for r in rows)
     if precision == "fp4-qat":  # recorded for the measurement only: nothing applied, only routing billed
         assert all("residual_flip_rate" not in r and 0 < r["guidance_bytes_per_token"] < 40 for r in rows)
