@@ -2,15 +2,16 @@
 
 The RL loop is the colocated one (`rl.step`); the trainer ranks see the engines through
 `RemoteEngine`, a RolloutBackend whose calls travel over the `Bridge`:
-    generate:        trainer rank 0 sends the requests; the engine generates every group and
-                     sends each trainer rank the samples, log-probs, routed experts and guidance
-                     records of the groups its data-parallel rank trains on (contiguous shares);
+    generate:        trainer rank 0 splits the requests into contiguous shares, one per engine;
+                     each engine sends every trainer rank the samples, log-probs, routed experts
+                     and guidance records of its groups that the rank's data-parallel rank
+                     trains on (contiguous shares of the step's groups);
     update_weights:  the trainers gather the full weights on rank 0 (FP4 sites packed by the
                      shared quantizer when the engines run FP4), which sends them to every engine.
 Engine ranks run `serve_engine` until the trainers say stop. Gradients are reduced across the
 trainer's groups by `megatron.grads.finalize_grads` before each optimizer step.
-Limits of this version: one engine rank serves every request; pipeline parallelism of the
-trainer is refused (the RL step has no pipeline schedule yet).
+Limits of this version: pipeline parallelism of the trainer is refused (the RL step has no
+pipeline schedule yet).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..guidance import GuidanceBatch
 from ..rollout import GroupRequest, RolloutOutput, SamplingParams
 from .bridge import Bridge
 
@@ -52,7 +54,6 @@ class RemoteEngine:
             raise ValueError("disaggregated trace-rl train supports tensor, expert and data parallel trainers for "
                              "now (dist.pp must be 1: the RL step has no pipeline schedule yet)")
         self.bridge, self.config, self.weight_version = bridge, _RemoteConfig(precision), -1
-        self.engine_rank = bridge.roles.engines[0]
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         # which data-parallel rank every trainer rank belongs to, for the engine's sends
         ranks = [None] * dist.get_world_size()
@@ -60,9 +61,18 @@ class RemoteEngine:
         self.dp_of_rank = ranks
 
     def generate(self, requests: list[GroupRequest], sampling: SamplingParams) -> RolloutOutput:
+        """Every engine generates a contiguous share of the groups (samples are seeded by their
+        ids, so the split does not change them); this rank gets its data-parallel rank's groups."""
+        engines = self.bridge.roles.engines
         if dist.get_rank() == 0:
-            self.bridge.send(("generate", requests, sampling, self.dp_size, self.dp_of_rank), self.engine_rank)
-        return self.bridge.recv(self.engine_rank)
+            for i, e in enumerate(engines):
+                share = dp_share(len(requests), i, len(engines))
+                self.bridge.send(("generate", requests[share.start:share.stop], sampling, share.start, len(requests),
+                                  self.dp_size, self.dp_of_rank), e)
+        parts = [self.bridge.recv(e) for e in engines]  # engine order is group order
+        return RolloutOutput([s for p in parts for s in p.samples],
+                             GuidanceBatch({k: v for p in parts for k, v in p.guidance.groups.items()},
+                                           {k: v for p in parts for k, v in p.guidance.samples.items()}))
 
     def update_weights(self, state_dict: dict | None, version: int) -> None:
         """`state_dict`: the full weights on trainer rank 0 (None on the others)."""
@@ -91,12 +101,11 @@ def serve_engine(bridge: Bridge, engine) -> None:
             except ValueError as e:
                 bridge.send(("error", str(e)), 0)
             continue
-        _, requests, sampling, dp_size, dp_of_rank = msg
+        _, requests, sampling, first, total, dp_size, dp_of_rank = msg
         out = engine.generate(requests, sampling)
-        group_ids = [r.group_id for r in requests]
-        for rank, dp in enumerate(dp_of_rank):
-            share = {group_ids[i] for i in dp_share(len(group_ids), dp, dp_size)}
-            bridge.send(_subset(out, share), rank)
+        for rank, dp in enumerate(dp_of_rank):  # requests[i] is group first + i of the step's `total`
+            owned = dp_share(total, dp, dp_size)
+            bridge.send(_subset(out, {r.group_id for i, r in enumerate(requests) if first + i in owned}), rank)
 
 
 class ReducingOptimizer:

@@ -12,8 +12,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _launch(out_dir, steps, *extra, layout="dist.ep=2"):
-    env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1", TRAINERS="2", ENGINES="1",
+def _launch(out_dir, steps, *extra, layout="dist.ep=2", engines=1):
+    env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1", TRAINERS="2", ENGINES=str(engines),
                PYTHON=sys.executable)
     return subprocess.run(["bash", str(ROOT / "launch" / "local.sh"), "--set", layout, "--set", "sft.steps=10",
                            "--set", f"rl.steps={steps}", "--set", "rl.prompts_per_step=4", "--set",
@@ -56,6 +56,19 @@ def test_tensor_parallel_trainers_run(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     (row,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert row["k3_kl"] < 1e-2 and row["guidance_bytes_per_token"] > 0
+
+
+def test_two_engine_ranks_give_the_run_one_gives(tmp_path):
+    """5 groups over 2 engines (3 + 2) and 2 data-parallel trainer ranks (3 + 2, crossing the
+    engines' split): samples are seeded by their ids, so the run is the same as with one engine."""
+    rows = {}
+    for engines in (1, 2):
+        run = _launch(tmp_path / str(engines), 1, "--set", "rl.prompts_per_step=5", "--set", "checkpoint.every=0",
+                      engines=engines)
+        assert run.returncode == 0, run.stderr[-3000:]
+        (row,) = [json.loads(line) for line in (tmp_path / str(engines) / "metrics.jsonl").read_text().splitlines()]
+        rows[engines] = {k: v for k, v in row.items() if not k.endswith("_s")}
+    assert rows[1] == rows[2] and rows[2]["k3_kl"] < 1e-9
 
 
 def test_a_failing_rank_ends_the_whole_job(tmp_path):
