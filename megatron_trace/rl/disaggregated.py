@@ -10,8 +10,7 @@ The RL loop is the colocated one (`rl.step`); the trainer ranks see the engines 
                      shared quantizer when the engines run FP4), which sends them to every engine.
 Engine ranks run `serve_engine` until the trainers say stop. Gradients are reduced across the
 trainer's groups by `megatron.grads.finalize_grads` before each optimizer step.
-Limits of this version: pipeline parallelism of the trainer is refused (the RL step has no
-pipeline schedule yet).
+Trainer layouts: any TP / EP / PP / DP (the step runs Megatron's pipeline schedule).
 """
 
 from __future__ import annotations
@@ -50,9 +49,6 @@ class RemoteEngine:
     def __init__(self, bridge: Bridge, precision: str):
         from megatron.core import parallel_state as ps
 
-        if ps.get_pipeline_model_parallel_world_size() > 1:
-            raise ValueError("disaggregated trace-rl train supports tensor, expert and data parallel trainers for "
-                             "now (dist.pp must be 1: the RL step has no pipeline schedule yet)")
         self.bridge, self.config, self.weight_version = bridge, _RemoteConfig(precision), -1
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         # which data-parallel rank every trainer rank belongs to, for the engine's sends
@@ -130,14 +126,22 @@ class ReducingOptimizer:
         self.optimizer.load_state_dict(state)
 
 
+SENT_BY_RANK0 = ("weight_sync_bytes",)  # the other ranks report 0: the job's figure is rank 0's
+
+
 def average_metrics(m: dict) -> dict:
     """Every numeric metric (and per-layer dict) averaged over the trainer ranks."""
     dev = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces device tensors only
     flat = {k: float(v) for k, v in m.items() if isinstance(v, (int, float)) and k != "step"}
-    keys = sorted(flat)
+    keys = sorted(k for k in flat if k not in SENT_BY_RANK0)
     t = torch.tensor([flat[k] for k in keys], dtype=torch.float64, device=dev)
     dist.all_reduce(t)
     out = dict(m) | {k: float(v) / dist.get_world_size() for k, v in zip(keys, t.tolist(), strict=True)}
+    for k in SENT_BY_RANK0:
+        if k in flat:
+            x = torch.tensor(flat[k], dtype=torch.float64, device=dev)
+            dist.all_reduce(x, op=dist.ReduceOp.MAX)
+            out[k] = float(x)
     for k, v in m.items():
         if isinstance(v, dict):
             layers = sorted(v)

@@ -9,8 +9,8 @@ from ..megatron.model import (
     pack_sequences,
     sequence_padding,
     set_precision,
-    token_logprobs,
 )
+from ..megatron.schedule import run_microbatch
 
 
 def sft_step(trainer, optimizer, examples: list[tuple[list[int], list[bool]]], precision: str = "bf16") -> float:
@@ -23,9 +23,11 @@ def sft_step(trainer, optimizer, examples: list[tuple[list[int], list[bool]]], p
     targets = torch.roll(tokens, -1, 1)
     mask = torch.cat([torch.tensor(m[1:] + [False]) for _, m in examples] + [torch.zeros(pad, dtype=torch.bool)]).to(dev)
     set_precision(trainer, precision)
-    logp = token_logprobs(trainer, tokens, positions, targets, packed_seq_params=psp).reshape(-1)
-    loss = -(logp * mask).sum() / mask.sum().clamp(min=1)
+
+    def loss_fn(logp):  # on the last pipeline stage
+        loss = -(logp * mask).sum() / mask.sum().clamp(min=1)
+        return loss, {"loss": float(loss.detach())}
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    info = run_microbatch(trainer, tokens, positions, targets, psp, loss_fn)
     optimizer.step()
-    return float(loss.detach())
+    return info["loss"]

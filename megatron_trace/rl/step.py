@@ -21,8 +21,8 @@ from ..megatron.model import (
     pack_sequences,
     sequence_padding,
     set_precision,
-    token_logprobs,
 )
+from ..megatron.schedule import run_microbatch
 from ..model_config import FP4_WEIGHT_SUFFIXES
 from ..rollout import GroupRequest, RolloutOutput, SamplingParams
 from .losses import (
@@ -168,33 +168,52 @@ def rollout(engine, prompts, reward_fn, cfg: StepConfig, sampling: SamplingParam
     return RolloutBatch(out, by_group, rewards, cfg.group_size)
 
 
-def response_logprobs(trainer, batch: RolloutBatch, cfg: StepConfig, observer=None):
-    """The trainer's log-probs of every response token (with gradient), the sample of each
-    token, and the rollout's log-probs: ([T], int64 [T], [T]). `observer(full_guidance)`, if
-    given, makes a qat observer that watches the forward (e.g. a FlipCounter)."""
+@dataclass
+class _Packed:
+    """A rollout as the trainer's one micro-batch: ids, positions, targets [1, T'] (T' = T plus
+    sequence padding), THD params, the guidance it applies (padded) and the full one as recorded
+    (for observers), and where each response token's log-prob sits: index, sample_of int64
+    [R], the rollout's log-probs float32 [R]."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    targets: torch.Tensor
+    psp: object
+    guidance: MicroBatchGuidance
+    full: MicroBatchGuidance
+    index: torch.Tensor
+    sample_of: torch.Tensor
+    logp_rollout: torch.Tensor
+
+
+def _pack(trainer, batch: RolloutBatch, cfg: StepConfig) -> _Packed:
     dev, out = next(trainer.parameters()).device, batch.out
     seqs = [torch.tensor(list(batch.prompts[s.group_id]) + s.tokens) for s in out.samples]
     pad = sequence_padding(sum(len(q) for q in seqs))
     tokens, positions, psp = pack_sequences(seqs, dev, pad)
     full = MicroBatchGuidance.from_batch(out.guidance, [s.sample_id for s in out.samples])
-    guidance = full if cfg.precision == "trace" else MicroBatchGuidance(full.num_tokens,
-                                                                        routed_experts=full.routed_experts)
-    guidance = guidance.padded(pad)
-    set_precision(trainer, TRAINER_PRECISION[cfg.precision])
-    if observer is not None:
-        qat.observers.append(observer(full))
-    try:
-        lp = token_logprobs(trainer, tokens, positions, torch.roll(tokens, -1, 1), packed_seq_params=psp,
-                            guidance=guidance.to(dev)).reshape(-1)
-    finally:
-        qat.observers.clear()
+    applied = full if cfg.precision == "trace" else MicroBatchGuidance(full.num_tokens,
+                                                                       routed_experts=full.routed_experts)
     index, sample_of, offset = [], [], 0  # a response token's log-prob sits at the position before it
     for i, (s, q) in enumerate(zip(out.samples, seqs, strict=True)):
         index += range(offset + s.prompt_len - 1, offset + len(q) - 1)
         sample_of += [i] * len(s.tokens)
         offset += len(q)
-    index, sample_of = torch.tensor(index, device=dev), torch.tensor(sample_of, device=dev)
-    return lp[index], sample_of, torch.cat([s.logprobs for s in out.samples]).to(dev)
+    return _Packed(tokens, positions, torch.roll(tokens, -1, 1), psp, applied.padded(pad).to(dev), full,
+                   torch.tensor(index, device=dev), torch.tensor(sample_of, device=dev),
+                   torch.cat([s.logprobs for s in out.samples]).to(dev))
+
+
+def response_logprobs(trainer, batch: RolloutBatch, cfg: StepConfig):
+    """The trainer's log-probs of every response token, the sample of each token, and the
+    rollout's log-probs: ([R], int64 [R], [R]), on every pipeline stage; no gradient."""
+    mb = _pack(trainer, batch, cfg)
+    set_precision(trainer, TRAINER_PRECISION[cfg.precision])
+    with torch.no_grad():
+        info = run_microbatch(trainer, mb.tokens, mb.positions, mb.targets, mb.psp,
+                              lambda lp: (lp.sum(), {"logp": lp[mb.index].cpu()}), guidance=mb.guidance,
+                              forward_only=True)
+    return info["logp"].to(mb.index.device), mb.sample_of, mb.logp_rollout
 
 
 def _billed_bytes_per_token(g: GuidanceBatch, applied: bool) -> float:
@@ -204,46 +223,55 @@ def _billed_bytes_per_token(g: GuidanceBatch, applied: bool) -> float:
 
 
 def train_on(trainer, optimizer, batch: RolloutBatch, cfg: StepConfig, reference=None) -> dict:
-    """GRPO update on one rollout; returns reward, loss, clip/kept fractions and the mismatch.
-    With cfg.kl_coef > 0 the loss adds kl_coef times the token-mean KL estimate to `reference`
-    (a frozen model of the same architecture, quantized like the policy's forward)."""
-    out, rewards = batch.out, batch.rewards
-    adv = grpo_advantages(rewards, cfg.group_size)
-    counters = []
-
-    def observe(full):  # flip rates wherever the engine sent dense guidance (measured or applied)
-        counters.append(FlipCounter(full.to(next(trainer.parameters()).device)))
-        return counters[-1]
+    """GRPO update on one rollout, under any trainer layout; returns reward, loss, clip/kept
+    fractions, the mismatch and (one unsharded trainer) flip rates. With cfg.kl_coef > 0 the
+    loss adds kl_coef times the token-mean KL estimate to `reference` (a frozen model of the
+    same architecture, quantized like the policy's forward)."""
     from megatron.core import parallel_state as ps
 
-    # flips are counted row by row against this rank's whole rows of its own samples: not under
-    # expert parallelism (fc2 rows from other ranks' tokens) or tensor parallelism (row shards)
-    fp4_trainer = (TRAINER_PRECISION[cfg.precision] != "bf16" and ps.get_expert_model_parallel_world_size() == 1
-                   and ps.get_tensor_model_parallel_world_size() == 1)
-    logp, sample_of, logp_rollout = response_logprobs(trainer, batch, cfg, observe if fp4_trainer else None)
-    weights, keep = rollout_correction(logp.detach(), logp_rollout, sample_of, cfg.correction,
-                                      cfg.correction_threshold)
-    loss, info = policy_loss(logp, logp.detach(), adv.to(logp.device)[sample_of], clip_low=cfg.clip_low,
-                             clip_high=cfg.clip_high, weights=weights.to(logp.dtype), keep=keep)
+    out, rewards = batch.out, batch.rewards
+    adv = grpo_advantages(rewards, cfg.group_size)
+    mb = _pack(trainer, batch, cfg)
+    logp_ref = None
     if cfg.kl_coef:
         if reference is None:
             raise ValueError("kl_coef > 0 needs a reference model")
-        with torch.no_grad():
-            # the reference quantizes like the policy (round to nearest: the engine's records are the policy's)
-            ref_mode = "bf16" if TRAINER_PRECISION[cfg.precision] == "bf16" else "fp4-qat"
-            logp_ref, _, _ = response_logprobs(reference, batch, dataclasses.replace(cfg, precision=ref_mode))
-        kl = kl_penalty(logp, logp_ref, cfg.kl_kind)
-        kept = keep.to(kl.dtype)
-        kl_mean = (kl * kept).sum() / kept.sum().clamp(min=1)
-        loss = loss + cfg.kl_coef * kl_mean
-        info["kl_ref"] = float(kl_mean.detach())
+        # the reference quantizes like the policy (round to nearest: the engine's records are the policy's)
+        ref_mode = "bf16" if TRAINER_PRECISION[cfg.precision] == "bf16" else "fp4-qat"
+        logp_ref, _, _ = response_logprobs(reference, batch, dataclasses.replace(cfg, precision=ref_mode))
+
+    def loss_fn(lp):  # on the last pipeline stage
+        logp = lp[mb.index]
+        weights, keep = rollout_correction(logp.detach(), mb.logp_rollout, mb.sample_of, cfg.correction,
+                                          cfg.correction_threshold)
+        loss, info = policy_loss(logp, logp.detach(), adv.to(logp.device)[mb.sample_of], clip_low=cfg.clip_low,
+                                 clip_high=cfg.clip_high, weights=weights.to(logp.dtype), keep=keep)
+        if logp_ref is not None:
+            kl = kl_penalty(logp, logp_ref, cfg.kl_kind)
+            kept = keep.to(kl.dtype)
+            kl_mean = (kl * kept).sum() / kept.sum().clamp(min=1)
+            loss = loss + cfg.kl_coef * kl_mean
+            info["kl_ref"] = float(kl_mean.detach())
+        per_sample = [logp.detach()[mb.sample_of == i].cpu() for i in range(len(out.samples))]
+        return loss, {"loss": float(loss.detach()), **info,
+                      **mismatch_metrics(per_sample, [s.logprobs for s in out.samples])}
+
+    # flips are counted row by row against this rank's whole rows of its own samples: not under
+    # expert, tensor or pipeline parallelism (dispatched rows, row shards, a part of the layers)
+    counter = None
+    if (TRAINER_PRECISION[cfg.precision] != "bf16" and ps.get_expert_model_parallel_world_size() == 1
+            and ps.get_tensor_model_parallel_world_size() == 1 and ps.get_pipeline_model_parallel_world_size() == 1):
+        counter = FlipCounter(mb.full.to(mb.index.device))
+        qat.observers.append(counter)
+    set_precision(trainer, TRAINER_PRECISION[cfg.precision])
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    try:
+        info = run_microbatch(trainer, mb.tokens, mb.positions, mb.targets, mb.psp, loss_fn, guidance=mb.guidance)
+    finally:
+        qat.observers.clear()
     optimizer.step()
-    per_sample = [logp.detach()[sample_of == i].cpu() for i in range(len(out.samples))]
-    flips = counters[0].rates() if counters else {}
+    flips = counter.rates() if counter is not None else {}
     if flips and cfg.precision != "trace":  # nothing applied: the codes are the trainer's own
         flips = {k: v for k, v in flips.items() if not k.startswith("residual")}
-    return {"reward": float(rewards.mean()), "loss": float(loss.detach()), **info, **flips,
-            "guidance_bytes_per_token": _billed_bytes_per_token(out.guidance, cfg.precision == "trace"),
-            **mismatch_metrics(per_sample, [s.logprobs for s in out.samples])}
+    return {"reward": float(rewards.mean()), **info, **flips,
+            "guidance_bytes_per_token": _billed_bytes_per_token(out.guidance, cfg.precision == "trace")}

@@ -71,6 +71,26 @@ def test_two_engine_ranks_give_the_run_one_gives(tmp_path):
     assert rows[1] == rows[2] and rows[2]["k3_kl"] < 1e-9
 
 
+def test_pipeline_parallel_trainers_reproduce_one_trainer(tmp_path):
+    """From one warmed-up checkpoint, two pipeline stages (Megatron's schedule, activations and
+    gradients between them) give exactly the metrics of one trainer rank, KL reference included."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
+    subprocess.run([sys.executable, "-m", "megatron_trace.cli", "sft", "--set", "sft.steps=5", "--set",
+                    f"output_dir={tmp_path / 'sft'}"], env=env, cwd=ROOT, check=True, capture_output=True)
+    start = tmp_path / "sft" / "checkpoints" / "rl-000000" / "model"
+    rows = {}
+    for trainers, pp in ((1, 1), (2, 2)):
+        run = subprocess.run(["bash", str(ROOT / "launch" / "local.sh"), "--set", f"dist.pp={pp}", "--set", "sft.steps=0",
+                              "--set", f"model.megatron={start}", "--set", "rl.steps=2", "--set", "rl.prompts_per_step=4",
+                              "--set", "checkpoint.every=0", "--set", "rl.kl_coef=0.05", "--set",
+                              f"output_dir={tmp_path / str(pp)}"], env=env | {"TRAINERS": str(trainers),
+                              "PYTHON": sys.executable}, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        rows[pp] = [{k: v for k, v in r.items() if not k.endswith("_s") and "flip" not in k}
+                    for r in map(json.loads, (tmp_path / str(pp) / "metrics.jsonl").read_text().splitlines())]
+    assert rows[1] == rows[2] and all(r["k3_kl"] < 1e-9 and r["kl_ref"] > 0 for r in rows[2])
+
+
 def test_a_failing_rank_ends_the_whole_job(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "1+1=", "answer": 2}\n')
