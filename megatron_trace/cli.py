@@ -62,7 +62,7 @@ def _train_disaggregated(cfg, model_cfg) -> list[dict]:
     else:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     store = rendezvous_store()
-    bridge = Bridge(store, roles)
+    bridge = Bridge(store, roles, cfg.dist.bridge)
     if not roles.is_trainer:
         serve_engine(bridge, engine_factory(cfg.engine, model_cfg, cfg.model.preset)(*engine_settings(cfg)))
         return []

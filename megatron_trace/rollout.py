@@ -85,5 +85,6 @@ class RolloutBackend(Protocol):
         """Replace the weights (full Megatron key names; BF16 tensors, or FP4 packed as QTensor)
         in place and take `version` (which must be newer)."""
 
-    def generate(self, requests: list[GroupRequest], sampling: SamplingParams) -> RolloutOutput:
-        """Generate every request's samples; a bad request fails alone (finish_reason "error")."""
+    def generate(self, requests: list[GroupRequest], sampling: SamplingParams, on_group=None) -> RolloutOutput:
+        """Generate every request's samples; a bad request fails alone (finish_reason "error").
+        on_group(output), if given, receives each group's output as soon as it is complete."""

@@ -2,8 +2,9 @@
 
 Under torchrun, ranks [0, T) train (their own torch.distributed world, which Megatron's parallel
 state lives in) and ranks [T, T + E) run engines. `Bridge` is a process group of its own over
-all T + E ranks (gloo: the control messages and, for now, the weights and guidance too), built
-from torchrun's rendezvous store under a prefix, so it never enters the trainers' world.
+all T + E ranks (NCCL when every rank has a GPU of its own, else gloo), carrying the requests,
+the weights and the guidance; it is built from torchrun's rendezvous store under a prefix, so it
+never enters the trainers' world.
 Objects travel in torch.save's format: a size, then the bytes.
 """
 
@@ -53,30 +54,52 @@ def rendezvous_store(timeout_s: float = 1800) -> dist.Store:
                          timeout=datetime.timedelta(seconds=timeout_s))
 
 
-class Bridge:
-    """Point-to-point objects (torch.save format) over a gloo group spanning trainer and engine ranks."""
+BACKENDS = ("auto", "gloo", "nccl")
 
-    def __init__(self, store: dist.Store, roles: Roles, timeout_s: float = 1800):
-        self.roles = roles
-        opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = datetime.timedelta(seconds=timeout_s)
-        opts._devices = [dist.ProcessGroupGloo.create_default_device()]
-        self.pg = dist.ProcessGroupGloo(dist.PrefixStore("trace-bridge", store), roles.rank, roles.world, opts)
-        self._tag = 0
+
+class Bridge:
+    """Point-to-point objects (torch.save format) over a process group spanning trainer and
+    engine ranks: gloo, or NCCL (bytes staged in GPU memory) when every rank has a GPU of its
+    own. "auto" takes NCCL when it can."""
+
+    def __init__(self, store: dist.Store, roles: Roles, backend: str = "auto", timeout_s: float = 1800):
+        if backend not in BACKENDS:
+            raise ValueError(f"dist.bridge must be one of {BACKENDS}, got {backend!r}")
+        own_gpu = torch.cuda.is_available() and roles.world <= torch.cuda.device_count() * _nodes()
+        if backend == "nccl" and not own_gpu:
+            raise ValueError("dist.bridge=nccl needs a GPU of its own for every rank (NCCL cannot put two ranks "
+                             "of one group on one device)")
+        self.roles, self.backend = roles, "nccl" if backend == "nccl" or (backend == "auto" and own_gpu) else "gloo"
+        prefix = dist.PrefixStore("trace-bridge", store)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if self.backend == "nccl":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            self.pg, self.device = dist.ProcessGroupNCCL(prefix, roles.rank, roles.world, opts), torch.device("cuda")
+        else:
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = timeout
+            opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+            self.pg, self.device = dist.ProcessGroupGloo(prefix, roles.rank, roles.world, opts), torch.device("cpu")
 
     def send(self, obj, dst: int) -> int:
         """Send `obj` to rank `dst`; returns the bytes sent."""
         buf = io.BytesIO()
         torch.save(obj, buf)  # torch's format: any tensor dtype (FP8 scales, packed codes), views included
-        data = torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
-        self.pg.send([torch.tensor([data.numel()], dtype=torch.int64)], dst, 0).wait()
+        data = torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8).to(self.device)
+        self.pg.send([torch.tensor([data.numel()], dtype=torch.int64, device=self.device)], dst, 0).wait()
         self.pg.send([data], dst, 1).wait()
         return data.numel()
 
     def recv(self, src: int):
         """The next object `src` sent."""
-        size = torch.empty(1, dtype=torch.int64)
+        size = torch.empty(1, dtype=torch.int64, device=self.device)
         self.pg.recv([size], src, 0).wait()
-        data = torch.empty(int(size), dtype=torch.uint8)
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
         self.pg.recv([data], src, 1).wait()
-        return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)  # from our own trainer ranks
+        return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=False)  # from our own ranks
+
+
+def _nodes() -> int:
+    """Machines in the job (torchrun's world over its per-node process count)."""
+    return max(1, int(os.environ.get("WORLD_SIZE", 1)) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1))))

@@ -3,9 +3,10 @@
 The RL loop is the colocated one (`rl.step`); the trainer ranks see the engines through
 `RemoteEngine`, a RolloutBackend whose calls travel over the `Bridge`:
     generate:        trainer rank 0 splits the requests into contiguous shares, one per engine;
-                     each engine sends every trainer rank the samples, log-probs, routed experts
-                     and guidance records of its groups that the rank's data-parallel rank
-                     trains on (contiguous shares of the step's groups);
+                     each engine streams every finished group (samples, log-probs, routed
+                     experts, guidance records) to the trainer ranks whose data-parallel rank
+                     trains on it (contiguous shares of the step's groups) while the other
+                     groups still generate, then an end marker;
     update_weights:  the trainers gather the full weights on rank 0 (FP4 sites packed by the
                      shared quantizer when the engines run FP4), which sends them to every engine.
 Engine ranks run `serve_engine` until the trainers say stop. Gradients are reduced across the
@@ -38,11 +39,6 @@ def dp_share(num_groups: int, dp_rank: int, dp_size: int) -> range:
     return range(start, start + base + (dp_rank < extra))
 
 
-def _subset(out: RolloutOutput, group_ids: set[str]) -> RolloutOutput:
-    samples = [s for s in out.samples if s.group_id in group_ids]
-    return RolloutOutput(samples, out.guidance.subset(s.sample_id for s in samples))
-
-
 class RemoteEngine:
     """The RolloutBackend the trainer ranks call (see module docstring)."""
 
@@ -65,10 +61,14 @@ class RemoteEngine:
                 share = dp_share(len(requests), i, len(engines))
                 self.bridge.send(("generate", requests[share.start:share.stop], sampling, share.start, len(requests),
                                   self.dp_size, self.dp_of_rank), e)
-        parts = [self.bridge.recv(e) for e in engines]  # engine order is group order
-        return RolloutOutput([s for p in parts for s in p.samples],
-                             GuidanceBatch({k: v for p in parts for k, v in p.guidance.groups.items()},
-                                           {k: v for p in parts for k, v in p.guidance.samples.items()}))
+        parts = {}  # group id -> its output, streamed as the engines finish groups
+        for e in engines:
+            while (msg := self.bridge.recv(e)) != "end":
+                parts[msg.samples[0].group_id] = msg
+        ordered = [parts[r.group_id] for r in requests if r.group_id in parts]
+        return RolloutOutput([s for p in ordered for s in p.samples],
+                             GuidanceBatch({k: v for p in ordered for k, v in p.guidance.groups.items()},
+                                           {k: v for p in ordered for k, v in p.guidance.samples.items()}))
 
     def update_weights(self, state_dict: dict | None, version: int) -> None:
         """`state_dict`: the full weights on trainer rank 0 (None on the others)."""
@@ -98,10 +98,16 @@ def serve_engine(bridge: Bridge, engine) -> None:
                 bridge.send(("error", str(e)), 0)
             continue
         _, requests, sampling, first, total, dp_size, dp_of_rank = msg
-        out = engine.generate(requests, sampling)
-        for rank, dp in enumerate(dp_of_rank):  # requests[i] is group first + i of the step's `total`
-            owned = dp_share(total, dp, dp_size)
-            bridge.send(_subset(out, {r.group_id for i, r in enumerate(requests) if first + i in owned}), rank)
+        index = {r.group_id: first + i for i, r in enumerate(requests)}  # in the step's `total` groups
+
+        def send_group(out: RolloutOutput) -> None:  # while the other groups still generate
+            gid = out.samples[0].group_id
+            for rank, dp in enumerate(dp_of_rank):
+                if index[gid] in dp_share(total, dp, dp_size):
+                    bridge.send(out, rank)
+        engine.generate(requests, sampling, on_group=send_group)
+        for rank in range(len(dp_of_rank)):
+            bridge.send("end", rank)
 
 
 class ReducingOptimizer:

@@ -83,6 +83,7 @@ class DistSection:
     ep: int = 1
     pp: int = 1
     etp: int = 1
+    bridge: str = "auto"  # trainer <-> engine transport: auto (NCCL when every rank has its own GPU), gloo, nccl
 
 
 @dataclass
@@ -124,6 +125,7 @@ class TrainConfig:
             (self.checkpoint.keep >= 1, "checkpoint.keep", ">= 1"),
             (self.dist.engine_ranks >= 0, "dist.engine_ranks", ">= 0"),
             (min(self.dist.tp, self.dist.ep, self.dist.pp, self.dist.etp) >= 1, "dist.tp / ep / pp / etp", ">= 1"),
+            (self.dist.bridge in ("auto", "gloo", "nccl"), "dist.bridge", "auto, gloo or nccl"),
             (not (self.dist.engine_ranks and self.rl.dynamic_sampling), "rl.dynamic_sampling",
              "false in a disaggregated run (its refill rounds are colocated-only for now)"),
             (not (self.dist.engine_ranks and self.rl.guide.startswith("budget:")), "rl.guide",

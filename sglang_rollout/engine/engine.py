@@ -63,6 +63,7 @@ class TraceEngine:
         self.guided_layers = frozenset(LayerPolicy.parse(config.guide).select(model.num_layers))
         self.weight_version = -1
         self._committed = 0  # worst-case KV blocks of the admitted jobs
+        self._streaming = None  # during generate(on_group=...): (callback, samples per group, groups sent)
 
     # -- weights ------------------------------------------------------------------------------
     def update_weights(self, state_dict, version: int) -> None:
@@ -107,9 +108,13 @@ class TraceEngine:
         return amax
 
     # -- generation ---------------------------------------------------------------------------
-    def generate(self, requests: list[GroupRequest], sampling: SamplingParams) -> RolloutOutput:
+    def generate(self, requests: list[GroupRequest], sampling: SamplingParams, on_group=None) -> RolloutOutput:
+        """Every request's samples, in request order, with their guidance. `on_group(output)`, if
+        given, also receives each group's RolloutOutput as soon as its last sample finishes (for
+        streaming guidance to the trainer while the other groups still generate)."""
         if self.weight_version < 0:
             raise RuntimeError("the engine has no weights yet: call update_weights first")
+        self._streaming = None if on_group is None else (on_group, {r.group_id: r.n for r in requests}, set())
         results: dict[str, SampleResult] = {}
         order: list[str] = []
         jobs: deque[_PromptJob] = deque()
@@ -133,7 +138,21 @@ class TraceEngine:
                 jobs.append(job)
         guidance = GuidanceBatch()
         self._run(jobs, sampling, guidance, results)
+        for req in requests:  # groups refused at admission (errors) are streamed last
+            self._stream(req.group_id, results, guidance)
+        self._streaming = None
         return RolloutOutput([results[sid] for sid in order], guidance)
+
+    def _stream(self, group_id: str, results, guidance) -> None:
+        """Hand a finished group to the `on_group` callback, once."""
+        if self._streaming is None:
+            return
+        callback, sizes, sent = self._streaming
+        ids = [f"{group_id}/{i}" for i in range(sizes[group_id])]
+        if group_id in sent or not all(sid in results for sid in ids):
+            return
+        sent.add(group_id)
+        callback(RolloutOutput([results[sid] for sid in ids], guidance.subset(ids)))
 
     def _worst_blocks(self, prompt_len: int, samples: int, sampling: SamplingParams) -> int:
         bs = self.config.block_size
@@ -254,6 +273,7 @@ class TraceEngine:
                                            self.weight_version)
         guidance.add_sample(SampleGuidance(seq.seq_id, seq.group_id, len(seq.response), self.weight_version,
                                            self._records(seq, seq.seq_id), self._experts(seq)))
+        self._stream(seq.group_id, results, guidance)
 
     def _experts(self, seq: Sequence) -> dict[int, torch.Tensor]:
         return {layer: torch.cat(chunks) for layer, chunks in seq.experts.items()}

@@ -54,6 +54,31 @@ def test_shared_prompt_blocks_give_the_same_samples_as_unshared(sd):
     assert e.cache.allocator.num_free == 128  # every block returned
 
 
+def test_finished_groups_stream_while_others_generate(sd):
+    """on_group gets each group once, as soon as it completes: when the first group arrives the
+    other still holds KV blocks (it is still generating)."""
+    e = engine(sd, "fp4", guide="all")
+    streamed, held = [], []
+
+    def on_group(out):
+        streamed.append(out)
+        held.append(128 - e.cache.allocator.num_free)
+    reqs = REQUESTS + [GroupRequest("bad", (1, 999), n=2)]  # refused at admission: streamed last
+    out = e.generate(reqs, SamplingParams(max_new_tokens=6, seed=2), on_group=on_group)
+    assert sorted(o.samples[0].group_id for o in streamed) == ["bad", "g0", "g1"]
+    assert held[0] > 0 and held[-1] == 0
+    assert streamed[-1].samples[0].group_id == "bad" and streamed[-1].samples[0].error
+    by_group = {o.samples[0].group_id: o for o in streamed}
+    for r in REQUESTS:
+        part = by_group[r.group_id]
+        whole = [s for s in out.samples if s.group_id == r.group_id]
+        assert [s.tokens for s in part.samples] == [s.tokens for s in whole]
+        assert set(part.guidance.samples) == {s.sample_id for s in whole} and set(part.guidance.groups) == {r.group_id}
+        # the streamed guidance is the batch's own records
+        for sid, g in part.guidance.samples.items():
+            assert g is out.guidance.samples[sid]
+
+
 def test_seeds_reproduce_and_differ(sd):
     e = engine(sd, "fp4")
     p = SamplingParams(max_new_tokens=6, seed=5, top_k=20)
