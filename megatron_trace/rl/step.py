@@ -59,7 +59,7 @@ def sync_weights(trainer, engine, version: int) -> int:
     quantizer when the engine runs FP4 (codes + scales), BF16 otherwise. Returns bytes sent.
     Across trainer ranks (call on all) the full weights are gathered on rank 0, which sends them."""
     fp4 = getattr(getattr(engine, "config", None), "precision", "bf16") == "fp4"
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+    if distributed_trainer():
         from ..megatron.weights import gather_full_state_dict
 
         full = gather_full_state_dict(trainer)
@@ -89,17 +89,22 @@ def rl_step(trainer, optimizer, engine, prompts: list[tuple[int, ...]], reward_f
     t0 = time.perf_counter()
     batch = rollout(engine, prompts, reward_fn, cfg, sampling, step)
     sampled = [batch]
+    first = batch
     if cfg.dynamic_sampling:
         target = batch.num_groups
         batch = batch.informative()
         for r in range(1, cfg.max_rounds):
-            if batch.num_groups >= target or more_prompts is None:
+            # across trainer ranks the rounds are collective: another round while any rank lacks groups
+            if more_prompts is None or _all_ranks(batch.num_groups >= target):
                 break
             extra = rollout(engine, more_prompts(len(prompts)), reward_fn, cfg, sampling, step, tag=f"r{r}")
             sampled.append(extra)
             batch = batch.merge(extra.informative())
         batch = batch.first_groups(target)
     t1 = time.perf_counter()
+    trained = batch.num_groups
+    if not trained and distributed_trainer():  # the other ranks' collectives need this rank's forward and
+        batch = first.select([0])  # backward: a group of equal rewards has zero advantage, no gradient
     metrics = train_on(trainer, optimizer, batch, cfg, reference) if batch.num_groups else {"skipped": 1.0}
     t2 = time.perf_counter()
     metrics["weight_sync_bytes"] = sync_weights(trainer, engine, engine.weight_version + 1)
@@ -108,9 +113,23 @@ def rl_step(trainer, optimizer, engine, prompts: list[tuple[int, ...]], reward_f
     tokens = sum(len(s.tokens) for b in sampled for s in b.out.samples)
     metrics["reward"] = float(every.mean())  # over everything sampled, filtered or not
     if cfg.dynamic_sampling:
-        metrics |= {"rollout_rounds": len(sampled), "trained_groups": batch.num_groups}
+        metrics |= {"rollout_rounds": len(sampled), "trained_groups": trained}
     return {"step": step, **metrics, "response_tokens": tokens, "rollout_tokens_per_s": tokens / (t1 - t0),
             "rollout_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2}
+
+
+def distributed_trainer() -> bool:
+    """True under torchrun with several trainer ranks (their world is torch.distributed's)."""
+    return torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+
+
+def _all_ranks(flag: bool) -> bool:
+    """`flag` on every trainer rank (a collective when there are several)."""
+    if not distributed_trainer():
+        return flag
+    t = torch.tensor([int(flag)], device="cuda" if torch.distributed.get_backend() == "nccl" else "cpu")
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+    return bool(t.item())
 
 
 @dataclass

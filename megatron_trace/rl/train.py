@@ -20,7 +20,7 @@ from ..model_config import ModelConfig
 from ..rollout import SamplingParams
 from .optim import MasterAdamW
 from .report import plot_report
-from .step import StepConfig, rl_step, sync_weights
+from .step import StepConfig, distributed_trainer, rl_step, sync_weights
 
 
 @dataclass
@@ -126,8 +126,6 @@ class TrainConfig:
             (self.dist.engine_ranks >= 0, "dist.engine_ranks", ">= 0"),
             (min(self.dist.tp, self.dist.ep, self.dist.pp, self.dist.etp) >= 1, "dist.tp / ep / pp / etp", ">= 1"),
             (self.dist.bridge in ("auto", "gloo", "nccl"), "dist.bridge", "auto, gloo or nccl"),
-            (not (self.dist.engine_ranks and self.rl.dynamic_sampling), "rl.dynamic_sampling",
-             "false in a disaggregated run (its refill rounds are colocated-only for now)"),
             (not (self.dist.engine_ranks and self.rl.guide.startswith("budget:")), "rl.guide",
              "not budget:... in a disaggregated run (the budget is measured colocated for now)"),
         ]
@@ -283,18 +281,14 @@ def _resolve_budget(cfg: TrainConfig, trainer, make_engine, task, model_cfg: Mod
     return guide
 
 
-def _distributed() -> bool:
-    return torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
-
-
 def _rank0() -> bool:
-    return not _distributed() or torch.distributed.get_rank() == 0
+    return not distributed_trainer() or torch.distributed.get_rank() == 0
 
 
 def _optimizer(trainer, lr: float):
     """AdamW on FP32 masters; across trainer ranks its step first reduces the gradients."""
     opt = MasterAdamW(trainer.parameters(), lr=lr, weight_decay=0.0)
-    if _distributed():
+    if distributed_trainer():
         from .disaggregated import ReducingOptimizer
 
         return ReducingOptimizer(opt, trainer)
@@ -418,7 +412,7 @@ def train(cfg: TrainConfig, make_engine, model_cfg: ModelConfig, progress: bool 
                                    stop_token_ids=(task.tokenizer.eos_id,), seed=cfg.seed * 100_003 + step), step,
                     more_prompts=draw, reference=reference)
         m["step_s"] = time.perf_counter() - t0
-        if _distributed():
+        if distributed_trainer():
             from .disaggregated import average_metrics
 
             m = average_metrics(m)

@@ -22,16 +22,18 @@ def _launch(out_dir, steps, *extra, layout="dist.ep=2", engines=1):
 
 
 def test_two_trainer_ranks_and_an_engine_rank_train_and_resume(tmp_path):
-    run = _launch(tmp_path, 2, "--set", "rl.kl_coef=0.05")
+    signal = ("--set", "task.digits=1", "--set", "sft.steps=40")  # rewards that differ within groups
+    run = _launch(tmp_path, 2, "--set", "rl.kl_coef=0.05", "--set", "rl.dynamic_sampling=true", *signal)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
     for r in rows:
         assert r["k3_kl"] < 1e-9  # guidance streamed to its trainer ranks, applied under EP x DP
         assert 0 <= r["reward"] <= 1 and r["weight_sync_bytes"] > 0 and r["guidance_bytes_per_token"] > 0
-        assert r["kl_ref"] >= 0
+        assert r["kl_ref"] >= 0 and r["rollout_rounds"] >= 1  # collective refill rounds
+    assert any(r["trained_groups"] > 0 for r in rows)
     assert (tmp_path / "checkpoints" / "rl-000002" / "optimizer-rank1.pt").exists()
-    more = _launch(tmp_path, 3, "--set", "rl.kl_coef=0.05")
+    more = _launch(tmp_path, 3, "--set", "rl.kl_coef=0.05", "--set", "rl.dynamic_sampling=true", *signal)
     assert more.returncode == 0, more.stderr[-3000:]
     assert "resuming from" in more.stdout
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
