@@ -39,9 +39,18 @@ class FlipCounter:
     actual: dict = field(default_factory=dict)  # layer -> elements whose applied code differs
     total: dict = field(default_factory=dict)
 
-    def rates(self) -> dict:
+    def rates(self, num_layers: int | None = None) -> dict:
         """flip_rate (round to nearest vs the engine), residual_flip_rate (the trainer's actual
-        codes vs the engine's) and both by layer; {} when nothing was compared."""
+        codes vs the engine's) and both by layer; {} when nothing was compared. With
+        `num_layers`, the counts of every trainer rank are summed first (a collective: pipeline
+        stages count their own layers, data-parallel ranks their own samples)."""
+        if num_layers is not None and torch.distributed.is_initialized():
+            dev = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
+            counts = torch.tensor([[d.get(L, 0) for L in range(num_layers)] for d in (self.rne, self.actual, self.total)],
+                                  dtype=torch.float64, device=dev)
+            torch.distributed.all_reduce(counts)
+            self.rne, self.actual, self.total = ({L: c[L].item() for L in range(num_layers) if counts[2, L] > 0}
+                                                 for c in counts)
         total = sum(self.total.values())
         if not total:
             return {}

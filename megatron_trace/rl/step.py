@@ -276,10 +276,11 @@ def train_on(trainer, optimizer, batch: RolloutBatch, cfg: StepConfig, reference
                       **mismatch_metrics(per_sample, [s.logprobs for s in out.samples])}
 
     # flips are counted row by row against this rank's whole rows of its own samples: not under
-    # expert, tensor or pipeline parallelism (dispatched rows, row shards, a part of the layers)
+    # expert or tensor parallelism (dispatched rows, row shards); pipeline stages and data-parallel
+    # ranks sum their counts
     counter = None
     if (TRAINER_PRECISION[cfg.precision] != "bf16" and ps.get_expert_model_parallel_world_size() == 1
-            and ps.get_tensor_model_parallel_world_size() == 1 and ps.get_pipeline_model_parallel_world_size() == 1):
+            and ps.get_tensor_model_parallel_world_size() == 1):
         counter = FlipCounter(mb.full.to(mb.index.device))
         qat.observers.append(counter)
     set_precision(trainer, TRAINER_PRECISION[cfg.precision])
@@ -289,7 +290,7 @@ def train_on(trainer, optimizer, batch: RolloutBatch, cfg: StepConfig, reference
     finally:
         qat.observers.clear()
     optimizer.step()
-    flips = counter.rates() if counter is not None else {}
+    flips = counter.rates(trainer.config.num_layers if distributed_trainer() else None) if counter is not None else {}
     if flips and cfg.precision != "trace":  # nothing applied: the codes are the trainer's own
         flips = {k: v for k, v in flips.items() if not k.startswith("residual")}
     return {"reward": float(rewards.mean()), **info, **flips,

@@ -75,7 +75,8 @@ def test_two_engine_ranks_give_the_run_one_gives(tmp_path):
 
 def test_pipeline_parallel_trainers_reproduce_one_trainer(tmp_path):
     """From one warmed-up checkpoint, two pipeline stages (Megatron's schedule, activations and
-    gradients between them) give exactly the metrics of one trainer rank, KL reference included."""
+    gradients between them) give exactly the metrics of one trainer rank, KL reference and flip
+    rates by layer included."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
     subprocess.run([sys.executable, "-m", "megatron_trace.cli", "sft", "--set", "sft.steps=5", "--set",
                     f"output_dir={tmp_path / 'sft'}"], env=env, cwd=ROOT, check=True, capture_output=True)
@@ -88,9 +89,10 @@ def test_pipeline_parallel_trainers_reproduce_one_trainer(tmp_path):
                               f"output_dir={tmp_path / str(pp)}"], env=env | {"TRAINERS": str(trainers),
                               "PYTHON": sys.executable}, cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert run.returncode == 0, run.stderr[-3000:]
-        rows[pp] = [{k: v for k, v in r.items() if not k.endswith("_s") and "flip" not in k}
+        rows[pp] = [{k: v for k, v in r.items() if not k.endswith("_s")}
                     for r in map(json.loads, (tmp_path / str(pp) / "metrics.jsonl").read_text().splitlines())]
     assert rows[1] == rows[2] and all(r["k3_kl"] < 1e-9 and r["kl_ref"] > 0 for r in rows[2])
+    assert all(set(r["flip_rate_by_layer"]) == {"0", "1"} for r in rows[2])  # each stage counted its layer
 
 
 def test_a_failing_rank_ends_the_whole_job(tmp_path):
