@@ -1,1 +1,4 @@
-"""Checkpoint formats: the HF Qwen3-MoE layout and the full (one-process Megatron) layout."""
+"""Checkpoints: the HF Qwen3-MoE layout (`hf`, `qwen3_moe`), Megatron distributed checkpoints
+(`dist`), conversions between them (`convert`), final FP4 exports (`fp4_export`), the
+quantization audit (`audit`), streaming safetensors I/O (`safetensors_io`) and the tools'
+command lines (`cli`)."""

@@ -18,6 +18,7 @@ import json
 import math
 import random
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -80,7 +81,7 @@ def convert_megatron_main(argv: list[str] | None = None) -> None:
 
 
 # -- FP4 export ---------------------------------------------------------------------------------
-def _source(args) -> tuple[ModelConfig, dict, callable]:
+def _source(args) -> tuple[ModelConfig, dict, Callable[[], Iterator[tuple[str, torch.Tensor]]]]:
     """(model config, HF config, a function returning a fresh (name, tensor) stream) of --hf or --megatron."""
     if args.hf:
         from .hf import HFCheckpoint
