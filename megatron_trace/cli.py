@@ -54,7 +54,7 @@ def _train_disaggregated(cfg, model_cfg) -> list[dict]:
     from .megatron.cpu_patches import initialize_model_parallel_cpu
     from .rl.bridge import Bridge, Roles, rendezvous_store
     from .rl.disaggregated import RemoteEngine, serve_engine
-    from .rl.train import engine_settings, train
+    from .rl.train import train
 
     roles = Roles.from_env(cfg.dist.engine_ranks)
     if torch.cuda.is_available():  # more processes than GPUs: engines share the first GPUs
@@ -64,14 +64,14 @@ def _train_disaggregated(cfg, model_cfg) -> list[dict]:
     store = rendezvous_store()
     bridge = Bridge(store, roles, cfg.dist.bridge)
     if not roles.is_trainer:
-        serve_engine(bridge, engine_factory(cfg.engine, model_cfg, cfg.model.preset)(*engine_settings(cfg)))
+        serve_engine(bridge, engine_factory(cfg.engine, model_cfg, cfg.model.preset))
         return []
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
                             store=dist.PrefixStore("trace-trainers", store), rank=roles.rank, world_size=roles.trainers)
     d = cfg.dist
     initialize_model_parallel_cpu(tp=d.tp, pp=d.pp, ep=d.ep, etp=d.etp)
     try:
-        return train(cfg, lambda precision, guide, coding: RemoteEngine(bridge, precision), model_cfg)
+        return train(cfg, lambda precision, guide, coding: RemoteEngine(bridge, precision, guide, coding), model_cfg)
     finally:  # the engines wait for rank 0 whatever happened (torchrun ends the job if a rank failed)
         if roles.rank == 0:
             for e in roles.engines:

@@ -1,16 +1,26 @@
 """The `budget:B` guidance policy: guide the layers that flip most, within B bytes per token.
 
-At the start of RL the run measures, on one rollout of calibration prompts, each layer's flip
-rate (the trainer's round-to-nearest codes against the engine's, `rl.mismatch`) and the bytes
-per token its guidance costs in the run's coding; `LayerPolicy.select` then picks layers in
-decreasing flip rate while they fit. The choice is kept in the run's checkpoints.
+At the start of RL the run measures, on one rollout of calibration prompts with dense guidance
+on every layer, each layer's flip rate (the trainer's round-to-nearest codes against the
+engine's, summed over trainer ranks) and the bytes per token its guidance costs in the run's
+coding; `LayerPolicy.select` then picks layers in decreasing flip rate while they fit. The
+choice is kept in the run's checkpoints.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from ..guidance import GuidanceBatch, LayerPolicy
-from ..rollout import GroupRequest, SamplingParams
-from .mismatch import run_mismatch
+from ..rollout import SamplingParams
+from .mismatch import FlipCounter
+from .step import (
+    StepConfig,
+    distributed_trainer,
+    response_logprobs,
+    rollout,
+    sync_weights,
+)
 
 
 def bytes_per_token_by_layer(guidance: GuidanceBatch, num_layers: int) -> dict[int, float]:
@@ -23,14 +33,26 @@ def bytes_per_token_by_layer(guidance: GuidanceBatch, num_layers: int) -> dict[i
     return {layer: b / tokens for layer, b in per_layer.items()}
 
 
-def resolve_budget(policy: str, trainer, make_engine, state_dict: dict, prompts: list[tuple[int, ...]],
-                   coding: str, samples_per_prompt: int, sampling: SamplingParams, num_layers: int):
-    """("layers:i,j" or "none", {layer: flip rate}, {layer: bytes per token}) for `policy`."""
-    flips = run_mismatch(trainer, make_engine, state_dict, prompts, modes=("fp4-qat",),
-                         samples_per_prompt=samples_per_prompt, sampling=sampling)["fp4-qat"]["flip_rate_by_layer"]
-    engine = make_engine("fp4", "all", coding)
-    engine.update_weights(state_dict, 0)
-    requests = [GroupRequest(f"budget-p{i}", tuple(p), samples_per_prompt) for i, p in enumerate(prompts)]
-    cost = bytes_per_token_by_layer(engine.generate(requests, sampling).guidance, num_layers)
+def resolve_budget(policy: str, trainer, make_engine, prompts: list[tuple[int, ...]], step_cfg: StepConfig,
+                   coding: str, sampling: SamplingParams, num_layers: int):
+    """("layers:i,j" or "none", {layer: flip rate}, {layer: bytes per token}) for `policy`, on
+    any trainer layout without tensor or expert parallelism (the flip count needs whole rows)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_tensor_model_parallel_world_size() > 1 or ps.get_expert_model_parallel_world_size() > 1:
+        raise ValueError("rl.guide=budget:... measures flips on whole rows: it needs dist.tp=1 and dist.ep=1")
+    cfg = dataclasses.replace(step_cfg, precision="fp4-qat", dynamic_sampling=False)
+    engine = make_engine("fp4", "all", "dense")
+    sync_weights(trainer, engine, 0)
+    batch = rollout(engine, prompts, lambda prompt, response: 0.0, cfg, sampling, -1)
+    counters = []
+    response_logprobs(trainer, batch, cfg, observer=lambda full: counters.append(FlipCounter(full)) or counters[-1])
+    flips = counters[0].rates(num_layers if distributed_trainer() else None)["flip_rate_by_layer"]
+    guidance = batch.out.guidance
+    if coding != "dense":  # what the run's coding costs
+        engine = make_engine("fp4", "all", coding)
+        sync_weights(trainer, engine, 0)
+        guidance = rollout(engine, prompts, lambda prompt, response: 0.0, cfg, sampling, -1).out.guidance
+    cost = bytes_per_token_by_layer(guidance, num_layers)
     layers = LayerPolicy.parse(policy).select(num_layers, flips, cost)
     return ("layers:" + ",".join(map(str, layers)) if layers else "none"), flips, cost

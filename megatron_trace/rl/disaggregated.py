@@ -42,10 +42,13 @@ def dp_share(num_groups: int, dp_rank: int, dp_size: int) -> range:
 class RemoteEngine:
     """The RolloutBackend the trainer ranks call (see module docstring)."""
 
-    def __init__(self, bridge: Bridge, precision: str):
+    def __init__(self, bridge: Bridge, precision: str, guide: str, coding: str):
         from megatron.core import parallel_state as ps
 
         self.bridge, self.config, self.weight_version = bridge, _RemoteConfig(precision), -1
+        if dist.get_rank() == 0:  # every engine (re)builds its engine for these settings
+            for e in bridge.roles.engines:
+                bridge.send(("configure", precision, guide, coding), e)
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         # which data-parallel rank every trainer rank belongs to, for the engine's sends
         ranks = [None] * dist.get_world_size()
@@ -83,12 +86,18 @@ class RemoteEngine:
         self.weight_version = version
 
 
-def serve_engine(bridge: Bridge, engine) -> None:
-    """Answer the trainers' requests with `engine` (a RolloutBackend) until they send stop."""
+def serve_engine(bridge: Bridge, make_engine) -> None:
+    """Answer the trainers' requests until they send stop, with the engine that
+    make_engine(precision, guide, coding) builds when they configure one (a RolloutBackend)."""
+    engine = None
     while True:
         msg = bridge.recv(0)
         if msg[0] == "stop":
             return
+        if msg[0] == "configure":
+            engine = None  # free the old one first
+            engine = make_engine(*msg[1:])
+            continue
         if msg[0] == "weights":
             _, state_dict, version = msg
             try:

@@ -223,15 +223,21 @@ def _pack(trainer, batch: RolloutBatch, cfg: StepConfig) -> _Packed:
                    torch.cat([s.logprobs for s in out.samples]).to(dev))
 
 
-def response_logprobs(trainer, batch: RolloutBatch, cfg: StepConfig):
+def response_logprobs(trainer, batch: RolloutBatch, cfg: StepConfig, observer=None):
     """The trainer's log-probs of every response token, the sample of each token, and the
-    rollout's log-probs: ([R], int64 [R], [R]), on every pipeline stage; no gradient."""
+    rollout's log-probs: ([R], int64 [R], [R]), on every pipeline stage; no gradient.
+    `observer(full_guidance)`, if given, makes a qat observer that watches the forward."""
     mb = _pack(trainer, batch, cfg)
     set_precision(trainer, TRAINER_PRECISION[cfg.precision])
-    with torch.no_grad():
-        info = run_microbatch(trainer, mb.tokens, mb.positions, mb.targets, mb.psp,
-                              lambda lp: (lp.sum(), {"logp": lp[mb.index].cpu()}), guidance=mb.guidance,
-                              forward_only=True)
+    if observer is not None:
+        qat.observers.append(observer(mb.full.to(mb.index.device)))
+    try:
+        with torch.no_grad():
+            info = run_microbatch(trainer, mb.tokens, mb.positions, mb.targets, mb.psp,
+                                  lambda lp: (lp.sum(), {"logp": lp[mb.index].cpu()}), guidance=mb.guidance,
+                                  forward_only=True)
+    finally:
+        qat.observers.clear()
     return info["logp"].to(mb.index.device), mb.sample_of, mb.logp_rollout
 
 

@@ -126,8 +126,6 @@ class TrainConfig:
             (self.dist.engine_ranks >= 0, "dist.engine_ranks", ">= 0"),
             (min(self.dist.tp, self.dist.ep, self.dist.pp, self.dist.etp) >= 1, "dist.tp / ep / pp / etp", ">= 1"),
             (self.dist.bridge in ("auto", "gloo", "nccl"), "dist.bridge", "auto, gloo or nccl"),
-            (not (self.dist.engine_ranks and self.rl.guide.startswith("budget:")), "rl.guide",
-             "not budget:... in a disaggregated run (the budget is measured colocated for now)"),
         ]
         for ok, key, want in checks:
             if not ok:
@@ -271,13 +269,13 @@ def _resolve_budget(cfg: TrainConfig, trainer, make_engine, task, model_cfg: Mod
     snapshot = task.state_dict()
     prompts = [tuple(task.prompt_ids(p)) for p in task.problems(cfg.rl.prompts_per_step)]
     task.load_state_dict(snapshot)
-    state_dict = {k: v.detach().clone() for k, v in trainer.state_dict().items() if not k.endswith("_extra_state")}
     sampling = SamplingParams(temperature=cfg.rl.temperature, max_new_tokens=cfg.rl.max_new_tokens,
                               stop_token_ids=(task.tokenizer.eos_id,), seed=cfg.seed * 100_003 - 1)
-    guide, flips, cost = resolve_budget(cfg.rl.guide, trainer, make_engine, state_dict, prompts, cfg.rl.coding,
-                                        cfg.rl.group_size, sampling, model_cfg.num_layers)
-    print(f"{cfg.rl.guide}: guiding {guide} (flip rate by layer {', '.join(f'{v:.2%}' for v in flips.values())}; "
-          f"bytes per token {', '.join(f'{v:.0f}' for v in cost.values())})")
+    guide, flips, cost = resolve_budget(cfg.rl.guide, trainer, make_engine, prompts, StepConfig(group_size=cfg.rl.group_size),
+                                        cfg.rl.coding, sampling, model_cfg.num_layers)
+    if _rank0():
+        print(f"{cfg.rl.guide}: guiding {guide} (flip rate by layer {', '.join(f'{v:.2%}' for v in flips.values())}; "
+              f"bytes per token {', '.join(f'{v:.0f}' for v in cost.values())})")
     return guide
 
 

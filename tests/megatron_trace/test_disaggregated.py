@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -93,6 +94,18 @@ def test_pipeline_parallel_trainers_reproduce_one_trainer(tmp_path):
                     for r in map(json.loads, (tmp_path / str(pp) / "metrics.jsonl").read_text().splitlines())]
     assert rows[1] == rows[2] and all(r["k3_kl"] < 1e-9 and r["kl_ref"] > 0 for r in rows[2])
     assert all(set(r["flip_rate_by_layer"]) == {"0", "1"} for r in rows[2])  # each stage counted its layer
+
+
+def test_a_budget_policy_under_data_parallel_trainers(tmp_path):
+    """budget:100 measured across two data-parallel trainer ranks (flip counts summed) picks one
+    of the demo model's two layers (~81 bytes per token each), as it does colocated."""
+    run = _launch(tmp_path, 1, "--set", "rl.guide=budget:100", "--set", "checkpoint.every=1", layout="dist.tp=1")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "budget:100: guiding layers:" in run.stdout
+    (row,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    guided = torch.load(tmp_path / "checkpoints" / "rl-000001" / "state.pt", weights_only=False)["state"]["guide"]
+    assert guided in ("layers:0", "layers:1") and set(row["flip_rate_by_layer"]) == {guided[-1]}
+    assert row["residual_flip_rate"] == 0 and row["guidance_bytes_per_token"] < 120
 
 
 def test_a_failing_rank_ends_the_whole_job(tmp_path):
