@@ -1,8 +1,10 @@
-"""One colocated RL step (DESIGN.md section 5): rollout, rewards, GRPO advantages, the trainer's
+"""One RL step (DESIGN.md section 5): rollout, rewards, GRPO advantages, the trainer's
 (guided) forward, rollout correction, policy loss, optimizer step, weight sync.
 
-The trainer is a one-process TraceGPTModel; the engine any RolloutBackend. Each step is
-on-policy: the trainer's log-probs before the update are the PPO "old" log-probs.
+The trainer is this rank's TraceGPTModel under any Megatron layout (one process when colocated;
+called on every trainer rank under torchrun); the engine any RolloutBackend (a `RemoteEngine`
+under torchrun). Each step is on-policy: the trainer's log-probs before the update are the PPO
+"old" log-probs.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""`trace-rl train`: the embedded default, end to end on one process.
+"""`trace-rl train`: supervised warm-up, then GRPO with FP4 TRACE rollouts, end to end.
 
-Supervised warm-up on the arithmetic task, then GRPO with FP4 TRACE rollouts from the built-in
-engine (colocated), metrics as JSON lines. Configuration is one typed schema (`TrainConfig`),
+With no settings: the embedded default (arithmetic task, `demo` model) in one process with the
+built-in engine; under torchrun (`dist.engine_ranks`) trainer ranks and engine ranks. Metrics as
+JSON lines and TensorBoard, checkpoints to resume from. Configuration is one typed schema (`TrainConfig`),
 read from YAML and `--set section.key=value` overrides, checked at start: an unknown key or a
 bad value is an error that names it.
 """
