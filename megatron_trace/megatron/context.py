@@ -61,25 +61,28 @@ class MicroBatchGuidance:
         return MicroBatchGuidance(self.num_tokens, {k: v.to(device) for k, v in self.sites.items()},
                                   {k: v.to(device) for k, v in self.routed_experts.items()})
 
-    def padded(self, extra: int) -> MicroBatchGuidance:
-        """`extra` more tokens at the end, each with the last token's rows and routed experts: the
-        guidance of a padding sequence (sequence parallelism needs token counts divisible by the
-        tensor-parallel size; padding carries no loss, its rows only have to be valid)."""
+    def padded(self, extra: int, num_first: int) -> MicroBatchGuidance:
+        """`extra` more tokens at the end, copying the rows and routed experts of the first
+        sequence's first tokens, cyclically (the first sequence has `num_first` tokens): the
+        guidance of `pack_sequences`' padding, whose activations are that prefix's (sequence
+        parallelism needs token counts divisible by the tensor-parallel size)."""
         if extra == 0:
             return self
+        copies = torch.arange(extra) % num_first
         sites = {}
         for key, rg in self.sites.items():
             per = rg.num_rows // self.num_tokens
-            index = torch.cat([torch.arange(rg.num_rows), torch.arange(rg.num_rows - per, rg.num_rows).repeat(extra)])
-            sites[key] = rg.select_rows(index.to(rg.g.device))
-        experts = {L: torch.cat([e, e[-1:].expand(extra, -1)]) for L, e in self.routed_experts.items()}
+            rows = (copies[:, None] * per + torch.arange(per)).reshape(-1)
+            sites[key] = rg.select_rows(torch.cat([torch.arange(rg.num_rows), rows]).to(rg.g.device))
+        experts = {L: torch.cat([e, e[copies.to(e.device)]]) for L, e in self.routed_experts.items()}
         return MicroBatchGuidance(self.num_tokens + extra, sites, experts)
 
     def for_layers(self, layers) -> MicroBatchGuidance:
-        """Only the given (0-based) layers: what one pipeline stage needs."""
+        """Only the given (0-based) layers: what one pipeline stage needs. A view: the MoE
+        layers' dispatched rows land in this micro-batch's `expert_rows` too."""
         keep = set(layers)
         return MicroBatchGuidance(self.num_tokens, {k: v for k, v in self.sites.items() if k[0] in keep},
-                                  {k: v for k, v in self.routed_experts.items() if k in keep})
+                                  {k: v for k, v in self.routed_experts.items() if k in keep}, self.expert_rows)
 
     @classmethod
     def from_batch(cls, batch: GuidanceBatch, sample_ids: list[str], *, layers=None,

@@ -167,16 +167,24 @@ def sequence_padding(num_tokens: int) -> int:
 
 
 def pack_sequences(seqs: list[torch.Tensor], device=None, pad: int = 0):
-    """Sequences of token ids packed into one THD micro-batch, plus a padding sequence of `pad`
-    zeros at the end when pad > 0 (see `sequence_padding`).
+    """Sequences of token ids packed into one THD micro-batch, plus `pad` padding tokens at the
+    end when pad > 0 (see `sequence_padding`).
+
+    The padding copies the first sequence's first tokens (as sequences of their own, at the same
+    positions), so its activations are that prefix's: the prefix's guidance rows fit it, and
+    per-element statistics such as flip counts stay unbiased. Padding never carries a loss.
 
     Returns (input_ids int64 [1, T], position_ids int64 [1, T] restarting at each sequence,
     PackedSeqParams with cu_seqlens int32 [number of sequences + 1]).
     """
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    seqs = list(seqs) + ([torch.zeros(pad, dtype=torch.long)] if pad else [])
-
+    seqs = list(seqs)
+    if pad:
+        first = seqs[0]
+        if len(first) == 0:
+            raise ValueError("padding copies the first sequence, which is empty")
+        seqs += [first] * (pad // len(first)) + ([first[: pad % len(first)]] if pad % len(first) else [])
     ids = torch.cat(seqs)[None].to(device)
     pos = torch.cat([torch.arange(len(s)) for s in seqs])[None].to(device)
     cu = torch.tensor([0] + [len(s) for s in seqs]).cumsum(0).int().to(device)

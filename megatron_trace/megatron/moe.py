@@ -30,7 +30,7 @@ from megatron.core.transformer.moe.token_dispatcher import (
 
 from ..guidance.codec import GuidanceFormatError
 from ..guidance.rows import RowGuidance
-from . import context
+from . import context, qat
 from .qat import FP4Site, Precision, Shard
 
 _KIND_BITS = 4  # RowGuidance.kind flags
@@ -98,7 +98,8 @@ class TraceMoELayer(MoELayer):
     def _guidance_payload(self, num_local: int):
         """(payload uint8 [num_local, P] or None, fc2 kind code) for this rank's tokens."""
         mb = context.active()
-        if self.precision is not Precision.TRACE:
+        # guided fc2 needs its rows; so do observers (flip counts) of an FP4 forward
+        if self.precision is not Precision.TRACE and not (qat.observers and self.precision is Precision.FP4):
             return None, 0
         fc2 = None if mb is None else mb.site(self.layer, "fc2")
         code = torch.tensor([_kind_code(fc2)], dtype=torch.int64)

@@ -47,7 +47,8 @@ class Precision(str, enum.Enum):
     TRACE = "trace"
 
 
-def _all_reduce_max(t: torch.Tensor, group) -> torch.Tensor:
+def all_reduce_max(t: torch.Tensor, group) -> torch.Tensor:
+    """t (an amax, float32), in place, maximised over `group` (None or one rank: unchanged)."""
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t
@@ -56,12 +57,12 @@ def _all_reduce_max(t: torch.Tensor, group) -> torch.Tensor:
 def fake_quant_weight(w: torch.Tensor, group=None) -> torch.Tensor:
     """NVFP4 fake quant of a weight shard [out, in] (blocks along `in`), with the global scale
     of the whole logical tensor whose shards live on `group`. Returns w's shape and dtype."""
-    amax = _all_reduce_max(w.detach().abs().amax().float(), group)
+    amax = all_reduce_max(w.detach().abs().amax().float(), group)
     return fake_quantize(w, "nvfp4", scale="tensor", global_amax=amax, check_finite=False)
 
 
 def _expert_amax(w_ENK: torch.Tensor, group) -> torch.Tensor:
-    return _all_reduce_max(w_ENK.detach().abs().amax(dim=(1, 2)).float().reshape(-1, 1), group)
+    return all_reduce_max(w_ENK.detach().abs().amax(dim=(1, 2)).float().reshape(-1, 1), group)
 
 
 def fake_quant_expert_weights(w_ENK: torch.Tensor, group=None) -> torch.Tensor:
@@ -133,7 +134,7 @@ def fake_quant_rows(x_RK: torch.Tensor, guidance: RowGuidance | None = None, gro
     if guidance is not None:
         g, s, bits = guidance.resolve(x_RK.detach())
         return fake_quantize_guided(x_RK, g, s, bits, check_finite=False)
-    amax = _all_reduce_max(x_RK.detach().abs().amax(-1, keepdim=True).float(), group)
+    amax = all_reduce_max(x_RK.detach().abs().amax(-1, keepdim=True).float(), group)
     return fake_quantize(x_RK, "nvfp4", scale="row", global_amax=amax, check_finite=False)
 
 
@@ -147,7 +148,7 @@ def _observe(site: FP4Site, x_RK: torch.Tensor, guidance: RowGuidance | None, gr
     if guidance is not None:
         q: QTensor = quantize_guided(x, *guidance.resolve(x), check_finite=False)
     else:
-        amax = _all_reduce_max(x.abs().amax(-1, keepdim=True).float(), group)
+        amax = all_reduce_max(x.abs().amax(-1, keepdim=True).float(), group)
         q = quantize(x, "nvfp4", scale="row", global_amax=amax, check_finite=False)
     for fn in observers:
         fn(site, x, q, guidance)
@@ -206,7 +207,7 @@ class FP4Site:
         if _weight_cache is None:
             return fake_quant_weight(w, self.weight_group)
         return _cached([w], lambda t: quantize(
-            t, "nvfp4", global_amax=_all_reduce_max(t.abs().amax().float(), self.weight_group), check_finite=False))
+            t, "nvfp4", global_amax=all_reduce_max(t.abs().amax().float(), self.weight_group), check_finite=False))
 
     def quantize_expert_weights(self, weights: list[torch.Tensor]) -> torch.Tensor:
         """Fake quant of the local experts' weights (each [N, K]) stacked to [E, N, K], one global
@@ -231,9 +232,11 @@ class FP4Site:
             _observe(self, x_RK, guidance, self.row_group)
         return fake_quant_rows(x_RK, guidance, self.row_group).reshape(x.shape)
 
-    def guidance_rows(self, x_RK: torch.Tensor) -> RowGuidance | None:
-        """The active micro-batch's guidance for the rows of x_RK, or None if it has none."""
-        mb = context.active()
+    def guidance_rows(self, x_RK: torch.Tensor, mb: context.MicroBatchGuidance | None = None) -> RowGuidance | None:
+        """The guidance of `mb` (default: the active micro-batch's) for this rank's rows and
+        columns of x_RK, or None if it has none. Expert sites read the rows the MoE layer
+        dispatched for `mb` (`mb.expert_rows`)."""
+        mb = context.active() if mb is None else mb
         if mb is None:
             return None
         if self.expert is not None or self.all_experts:

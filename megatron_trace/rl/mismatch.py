@@ -9,7 +9,8 @@ Every mode replays the engine's routing (rollout routing replay), so the numbers
 rounding. Flip rates compare, at every FP4 site of every layer, the trainer's codes with the
 engine's (from dense guidance captured for all layers): an element counts as flipped when its
 mantissa bit or its block scale differs (adjacent E2M1 codes always differ in that bit).
-The trainer must be a one-process Megatron model (tensor, expert and pipeline parallel size 1).
+`run_mismatch` takes a one-process Megatron model (tensor, expert and pipeline parallel size 1);
+the RL step counts flips under any layout.
 """
 
 from __future__ import annotations
@@ -32,7 +33,11 @@ TRAINER_PRECISION = {"bf16": "bf16", "fp4": "bf16", "fp4-qat": "fp4", "trace": "
 
 @dataclass
 class FlipCounter:
-    """Observer counting, per layer, elements whose trainer code disagrees with the engine's."""
+    """Observer counting, per layer, elements whose trainer code disagrees with the engine's
+    (the `reference` guidance, dense records). Under tensor, expert, pipeline and data
+    parallelism each rank counts its own rows and columns; `rates(num_layers)` sums them. When
+    the reference is the forward's active guidance, the MoE layers dispatch its fc2 rows with
+    the tokens (expert parallelism needs that); otherwise only one process can count fc2."""
 
     reference: MicroBatchGuidance
     rne: dict = field(default_factory=dict)  # layer -> elements whose round-to-nearest code differs
@@ -59,23 +64,35 @@ class FlipCounter:
                 "residual_flip_rate_by_layer": {L: self.actual[L] / n for L, n in sorted(self.total.items())}}
 
     def __call__(self, site, x, q, guidance):
-        ref = self.reference.site(site.layer, site.name)
+        ref = self._reference_rows(site, x)
         if ref is None or ref.bit_known is not None or ref.scale_known is not None or ref.scale_lsb:
             return  # only dense guidance names every element's code
-        rows = torch.arange(x.shape[0], device=x.device)
-        if site.name == "fc2":  # dispatched rows: expert-major, tokens ascending -> (token, slot)
-            if not site.all_experts:
-                raise ValueError("the mismatch experiment needs the grouped-GEMM experts (build_model(grouped_gemm=True))")
-            top = self.reference.routed_experts[site.layer].to(x.device)
-            rows = torch.sort(top.reshape(-1), stable=True).indices
-        ref = ref.select_rows(rows).to(x.device)
         ref_bits = unpack_bits(ref.bits).reshape(x.shape)
-        own = quantize(x, "nvfp4", scale="row", check_finite=False)
+        # round to nearest as the trainer does: row amax over the ranks holding the other columns
+        amax = qat.all_reduce_max(x.abs().amax(-1, keepdim=True).float(), site.row_group)
+        own = quantize(x, "nvfp4", scale="row", global_amax=amax, check_finite=False)
         for store, qt in ((self.rne, own), (self.actual, q)):
             bits = unpack_codes(qt.codes) & 1
             scale_diff = (qt.block_scales.view(torch.uint8) != ref.scales).repeat_interleave(16, dim=1)
             store[site.layer] = store.get(site.layer, 0) + int(((bits != ref_bits) | scale_diff).sum())
         self.total[site.layer] = self.total.get(site.layer, 0) + x.numel()
+
+    def _reference_rows(self, site, x):
+        """The reference's rows and columns for this rank's x: the site's own selection (token
+        and head shards, column shards, dispatched expert rows), as guidance is applied."""
+        if (site.expert is not None or site.all_experts) and site.layer not in self.reference.expert_rows:
+            # the reference is not the forward's active guidance, so nothing dispatched its fc2
+            # rows: in one process they are expert-major, tokens ascending -> (token, slot)
+            if not site.all_experts or site.cols is not None and site.cols.size > 1:
+                raise ValueError("counting fc2 flips against guidance the forward does not carry needs one "
+                                 "process with grouped-GEMM experts (build_model(grouped_gemm=True))")
+            ref = self.reference.site(site.layer, site.name)
+            if ref is None:
+                return None
+            top = self.reference.routed_experts[site.layer].to(x.device)
+            return ref.select_rows(torch.sort(top.reshape(-1), stable=True).indices).to(x.device)
+        rows = site.guidance_rows(x, self.reference)
+        return None if rows is None else rows.to(x.device)
 
 
 def run_mismatch(trainer, make_engine, state_dict, prompts: list[tuple[int, ...]], *, modes=MODES,

@@ -192,35 +192,35 @@ def rollout(engine, prompts, reward_fn, cfg: StepConfig, sampling: SamplingParam
 @dataclass
 class _Packed:
     """A rollout as the trainer's one micro-batch: ids, positions, targets [1, T'] (T' = T plus
-    sequence padding), THD params, the guidance it applies (padded) and the full one as recorded
-    (for observers), and where each response token's log-prob sits: index, sample_of int64
-    [R], the rollout's log-probs float32 [R]."""
+    sequence padding), THD params, the guidance it carries (padded), and where each response
+    token's log-prob sits: index, sample_of int64 [R], the rollout's log-probs float32 [R]."""
 
     tokens: torch.Tensor
     positions: torch.Tensor
     targets: torch.Tensor
     psp: object
     guidance: MicroBatchGuidance
-    full: MicroBatchGuidance
     index: torch.Tensor
     sample_of: torch.Tensor
     logp_rollout: torch.Tensor
 
 
-def _pack(trainer, batch: RolloutBatch, cfg: StepConfig) -> _Packed:
+def _pack(trainer, batch: RolloutBatch, cfg: StepConfig, observed: bool = False) -> _Packed:
+    """`observed`: the forward carries every record (flip counters read it), though only trace
+    mode applies them."""
     dev, out = next(trainer.parameters()).device, batch.out
     seqs = [torch.tensor(list(batch.prompts[s.group_id]) + s.tokens) for s in out.samples]
     pad = sequence_padding(sum(len(q) for q in seqs))
     tokens, positions, psp = pack_sequences(seqs, dev, pad)
     full = MicroBatchGuidance.from_batch(out.guidance, [s.sample_id for s in out.samples])
-    applied = full if cfg.precision == "trace" else MicroBatchGuidance(full.num_tokens,
-                                                                       routed_experts=full.routed_experts)
+    carried = full if cfg.precision == "trace" or observed else MicroBatchGuidance(
+        full.num_tokens, routed_experts=full.routed_experts)
     index, sample_of, offset = [], [], 0  # a response token's log-prob sits at the position before it
     for i, (s, q) in enumerate(zip(out.samples, seqs, strict=True)):
         index += range(offset + s.prompt_len - 1, offset + len(q) - 1)
         sample_of += [i] * len(s.tokens)
         offset += len(q)
-    return _Packed(tokens, positions, torch.roll(tokens, -1, 1), psp, applied.padded(pad).to(dev), full,
+    return _Packed(tokens, positions, torch.roll(tokens, -1, 1), psp, carried.padded(pad, len(seqs[0])).to(dev),
                    torch.tensor(index, device=dev), torch.tensor(sample_of, device=dev),
                    torch.cat([s.logprobs for s in out.samples]).to(dev))
 
@@ -228,11 +228,12 @@ def _pack(trainer, batch: RolloutBatch, cfg: StepConfig) -> _Packed:
 def response_logprobs(trainer, batch: RolloutBatch, cfg: StepConfig, observer=None):
     """The trainer's log-probs of every response token, the sample of each token, and the
     rollout's log-probs: ([R], int64 [R], [R]), on every pipeline stage; no gradient.
-    `observer(full_guidance)`, if given, makes a qat observer that watches the forward."""
-    mb = _pack(trainer, batch, cfg)
+    `observer(guidance)`, if given, makes a qat observer that watches the forward, which then
+    carries every record the rollout has (`guidance`, padded like the micro-batch)."""
+    mb = _pack(trainer, batch, cfg, observed=observer is not None)
     set_precision(trainer, TRAINER_PRECISION[cfg.precision])
     if observer is not None:
-        qat.observers.append(observer(mb.full.to(mb.index.device)))
+        qat.observers.append(observer(mb.guidance))
     try:
         with torch.no_grad():
             info = run_microbatch(trainer, mb.tokens, mb.positions, mb.targets, mb.psp,
@@ -251,14 +252,15 @@ def _billed_bytes_per_token(g: GuidanceBatch, applied: bool) -> float:
 
 def train_on(trainer, optimizer, batch: RolloutBatch, cfg: StepConfig, reference=None) -> dict:
     """GRPO update on one rollout, under any trainer layout; returns reward, loss, clip/kept
-    fractions, the mismatch and (one unsharded trainer) flip rates. With cfg.kl_coef > 0 the
+    fractions, the mismatch and flip rates (summed over trainer ranks). With cfg.kl_coef > 0 the
     loss adds kl_coef times the token-mean KL estimate to `reference` (a frozen model of the
     same architecture, quantized like the policy's forward)."""
     from megatron.core import parallel_state as ps
 
     out, rewards = batch.out, batch.rewards
     adv = grpo_advantages(rewards, cfg.group_size)
-    mb = _pack(trainer, batch, cfg)
+    counting = TRAINER_PRECISION[cfg.precision] != "bf16"  # flips of the records the rollout has
+    mb = _pack(trainer, batch, cfg, observed=counting)
     logp_ref = None
     if cfg.kl_coef:
         if reference is None:
@@ -283,13 +285,10 @@ def train_on(trainer, optimizer, batch: RolloutBatch, cfg: StepConfig, reference
         return loss, {"loss": float(loss.detach()), **info,
                       **mismatch_metrics(per_sample, [s.logprobs for s in out.samples])}
 
-    # flips are counted row by row against this rank's whole rows of its own samples: not under
-    # expert or tensor parallelism (dispatched rows, row shards); pipeline stages and data-parallel
-    # ranks sum their counts
-    counter = None
-    if (TRAINER_PRECISION[cfg.precision] != "bf16" and ps.get_expert_model_parallel_world_size() == 1
-            and ps.get_tensor_model_parallel_world_size() == 1):
-        counter = FlipCounter(mb.full.to(mb.index.device))
+    # every rank counts its own rows and columns (token, head and column shards, dispatched
+    # expert rows, its pipeline stage's layers, its data-parallel samples); rates() sums them
+    counter = FlipCounter(mb.guidance) if counting else None
+    if counter is not None:
         qat.observers.append(counter)
     set_precision(trainer, TRAINER_PRECISION[cfg.precision])
     optimizer.zero_grad(set_to_none=True)

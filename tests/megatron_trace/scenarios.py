@@ -286,7 +286,7 @@ def run_weight_codes(rank, *, cfg, sd):
     from trace_kernels.fp4 import quantize
 
     from megatron_trace.megatron.model import build_model, fp4_sites
-    from megatron_trace.megatron.qat import _all_reduce_max
+    from megatron_trace.megatron.qat import all_reduce_max
     from megatron_trace.megatron.weights import (
         global_name,
         load_full_state_dict,
@@ -302,7 +302,7 @@ def run_weight_codes(rank, *, cfg, sd):
         if site is None or id(site) not in sites:
             continue
         w = mod.weight.detach()
-        amax = _all_reduce_max(w.abs().amax().float(), site.weight_group)
+        amax = all_reduce_max(w.abs().amax().float(), site.weight_group)
         local = quantize(w, global_amax=amax).to("cpu")
         full_name = global_name(name + ".weight", model)
         full = quantize(sd[full_name])

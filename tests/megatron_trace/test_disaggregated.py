@@ -96,10 +96,13 @@ def test_pipeline_parallel_trainers_reproduce_one_trainer(tmp_path):
     assert all(set(r["flip_rate_by_layer"]) == {"0", "1"} for r in rows[2])  # each stage counted its layer
 
 
-def test_a_budget_policy_under_data_parallel_trainers(tmp_path):
-    """budget:100 measured across two data-parallel trainer ranks (flip counts summed) picks one
-    of the demo model's two layers (~81 bytes per token each), as it does colocated."""
-    run = _launch(tmp_path, 1, "--set", "rl.guide=budget:100", "--set", "checkpoint.every=1", layout="dist.tp=1")
+@pytest.mark.parametrize("layout", [("dist.tp=1",), ("dist.tp=2", "--set", "dist.ep=2", "--set", "dist.etp=1")])
+def test_a_budget_policy_under_torchrun(tmp_path, layout):
+    """budget:100 measured across two trainer ranks (data parallel; or tensor and expert
+    parallel, each rank counting its shards and dispatched rows; flip counts summed) picks one of
+    the demo model's two layers (~81 bytes per token each), as it does colocated."""
+    run = _launch(tmp_path, 1, "--set", "rl.guide=budget:100", "--set", "checkpoint.every=1", *layout[1:],
+                  layout=layout[0])
     assert run.returncode == 0, run.stderr[-3000:]
     assert "budget:100: guiding layers:" in run.stdout
     (row,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
