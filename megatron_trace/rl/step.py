@@ -255,7 +255,6 @@ def train_on(trainer, optimizer, batch: RolloutBatch, cfg: StepConfig, reference
     fractions, the mismatch and flip rates (summed over trainer ranks). With cfg.kl_coef > 0 the
     loss adds kl_coef times the token-mean KL estimate to `reference` (a frozen model of the
     same architecture, quantized like the policy's forward)."""
-    from megatron.core import parallel_state as ps
 
     out, rewards = batch.out, batch.rewards
     adv = grpo_advantages(rewards, cfg.group_size)
