@@ -1,5 +1,6 @@
 """`trace-rl`: the command line. `train` (the embedded default), `mismatch` (the headline
-experiment) and `audit` (every site's precision in trainer, engine and exported checkpoints).
+experiment), `audit` (every site's precision in trainer, engine and exported checkpoints), `plan`
+(per-GPU memory and traffic of a run) and `slurm` (its sbatch script).
 
 The rollout backend is named by dotted path (`--engine module:Class`), so this package does not
 import the rollout side (the layering is kernels <- megatron_trace <- sglang_rollout).
@@ -19,13 +20,23 @@ from .checkpoint.cli import add_audit_parser, audit_main
 from .megatron.spawn import init_one_process
 
 
-def train_main(args: argparse.Namespace) -> list[dict]:
-    from .rl.train import load_config, model_config, train
+def _config(args):
+    from .rl.train import load_config
 
     try:
-        cfg = load_config(args.config, (args.set or []) + (["rl.steps=0"] if args.command == "sft" else []))
+        return load_config(args.config, (args.set or []) + (["rl.steps=0"] if args.command == "sft" else []))
     except ValueError as e:
         raise SystemExit(str(e)) from None
+
+
+def train_main(args: argparse.Namespace) -> list[dict]:
+    import os
+
+    from .rl.slurm import torch_env_from_slurm
+    from .rl.train import model_config, train
+
+    os.environ.update(torch_env_from_slurm(dict(os.environ)))  # an srun task: torch.distributed's variables
+    cfg = _config(args)
     try:
         model_cfg = model_config(cfg)
         if cfg.dist.engine_ranks:
@@ -76,6 +87,56 @@ def _train_disaggregated(cfg, model_cfg) -> list[dict]:
         if roles.rank == 0:
             for e in roles.engines:
                 bridge.send(("stop",), e)
+
+
+def plan_main(args: argparse.Namespace) -> int:
+    """Print the run's plan (or, with --search, every layout's); 1 when it does not fit."""
+    from .rl.plan import architecture, choose_layout, format_plan, make_plan, plan_json
+
+    cfg = _config(args)
+    try:
+        arch = architecture(cfg)
+        plans = choose_layout(cfg, arch) if args.search else [make_plan(cfg, arch)]
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    if args.search:
+        print(f"{'layout':<22} {'DP':>3} {'trainer GiB':>12} {'engine GiB':>11}  fits")
+        for p in plans:
+            dp = p.trainer_gpus // (p.layout.tp * p.layout.pp)
+            print(f"{str(p.layout):<22} {dp:>3} {p.trainer_peak / 2**30:12.1f} {p.engine_total / 2**30:11.1f}  "
+                  f"{'yes' if p.fits else 'no: ' + p.problems[0]}")
+        print(f"\nchosen: {plans[0].layout}\n" if plans and plans[0].fits else "\nno layout fits\n")
+    if plans:
+        print(format_plan(plans[0]))
+    if args.json:
+        tmp = Path(args.json).with_suffix(".tmp")
+        tmp.write_text(json.dumps([plan_json(p) for p in plans], indent=1) + "\n")
+        tmp.replace(args.json)
+    return 0 if plans and plans[0].fits else 1
+
+
+def slurm_main(args: argparse.Namespace) -> None:
+    """Render the run's sbatch script (after checking its plan fits)."""
+    from .rl.plan import architecture, format_plan, make_plan
+    from .rl.slurm import render_sbatch
+
+    if not args.config:
+        raise SystemExit("trace-rl slurm needs --config: every task reads that file")
+    cfg = _config(args)
+    try:
+        plan = make_plan(cfg, architecture(cfg))
+        script = render_sbatch(cfg, args.config, args.set or [])
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    if not plan.fits and not args.force:
+        raise SystemExit(format_plan(plan) + "\n(--force renders the script anyway)")
+    if args.out:
+        tmp = Path(args.out).with_suffix(".tmp")
+        tmp.write_text(script)
+        tmp.replace(args.out)
+        print(f"wrote {args.out}: sbatch {args.out}")
+    else:
+        print(script, end="")
 
 
 DEFAULT_RUN = Path("runs/default")  # where `trace-rl train` (make demo) leaves the embedded default
@@ -184,6 +245,15 @@ def main(argv: list[str] | None = None) -> None:
         tr = sub.add_parser(name, help=text)
         tr.add_argument("--config", default=None, help="YAML file {section: {key: value}}")
         tr.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override one config key")
+    pl = sub.add_parser("plan", help="per-GPU memory and per-step traffic of a run; refuses a layout that does not fit")
+    sl = sub.add_parser("slurm", help="the run's sbatch script, rendered from its config")
+    for p in (pl, sl):
+        p.add_argument("--config", default=None, help="YAML file {section: {key: value}}")
+        p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override one config key")
+    pl.add_argument("--search", action="store_true", help="every TP/EP/PP layout of the trainer GPUs, the best first")
+    pl.add_argument("--json", default=None, help="write the plan(s) here")
+    sl.add_argument("--out", default=None, help="write the script here (default: print it)")
+    sl.add_argument("--force", action="store_true", help="render even when the plan does not fit")
     add_audit_parser(sub)
     args = ap.parse_args(argv)
     torch.manual_seed(getattr(args, "seed", 0))
@@ -193,6 +263,10 @@ def main(argv: list[str] | None = None) -> None:
         train_main(args)
     elif args.command == "audit":
         audit_main(args)
+    elif args.command == "plan":
+        sys.exit(plan_main(args))
+    elif args.command == "slurm":
+        slurm_main(args)
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ class RLSection:
     prompts_per_step: int = 32
     group_size: int = 4
     max_new_tokens: int = 5
+    max_prompt_tokens: int = 16  # a longer prompt is an error (the plan sizes KV cache and activations with it)
     temperature: float = 1.0
     lr: float = 3e-4
     precision: str = "trace"  # bf16, fp4, fp4-qat, trace
@@ -85,6 +86,28 @@ class DistSection:
     pp: int = 1
     etp: int = 1
     bridge: str = "auto"  # trainer <-> engine transport: auto (NCCL when every rank has its own GPU), gloo, nccl
+    recompute: str = "none"  # trainer activation recompute: none, full (every layer) or selective (MoE layers)
+    engine_tp: int = 1  # GPUs per engine (tensor parallel); the built-in engine runs on one (SGLang: planned)
+
+
+@dataclass
+class ClusterSection:
+    """The machines: read by `trace-rl plan` and by the SLURM launcher (launch/slurm), never
+    by the training itself, so one config file describes the run on any launcher."""
+
+    nodes: int = 1  # SLURM nodes in all
+    engine_nodes: int = 0  # of which rollout-engine nodes (disaggregated); their GPUs are dist.engine_ranks
+    gpus_per_node: int = 8
+    gpu_memory_gib: float = 141.0  # per GPU (H200: 141)
+    host_memory_gib: float = 2000.0  # per node (trainer rank 0 gathers the full weights there for the sync)
+    partition: str = ""
+    account: str = ""
+    time: str = "24:00:00"
+    setup: str = ""  # shell run on every node before the job: module load, source venv/bin/activate ...
+    container: str = ""  # container image for srun --container-image (pyxis); empty: none
+    nccl_ifname: str = ""  # NCCL_SOCKET_IFNAME (e.g. ib0); empty: NCCL's choice
+    gloo_ifname: str = ""  # GLOO_SOCKET_IFNAME; empty: gloo's choice
+    log_dir: str = "logs"  # per-node log files of the SLURM job
 
 
 @dataclass
@@ -95,6 +118,7 @@ class TrainConfig:
     rl: RLSection = field(default_factory=RLSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     dist: DistSection = field(default_factory=DistSection)
+    cluster: ClusterSection = field(default_factory=ClusterSection)
     engine: str = "sglang_rollout.engine:TraceEngine"
     output_dir: str = "runs/default"
     seed: int = 0
@@ -104,8 +128,11 @@ class TrainConfig:
         from .losses import CORRECTIONS, KL_KINDS
         from .mismatch import MODES
 
+        from .plan import PLAN_ONLY
+
         checks = [
-            (self.model.preset in PRESETS, "model.preset", f"one of {sorted(PRESETS)}"),
+            (self.model.preset in PRESETS or self.model.preset in PLAN_ONLY, "model.preset",
+             f"one of {sorted(PRESETS)} (or, for trace-rl plan only, {sorted(PLAN_ONLY)})"),
             (self.rl.precision in MODES, "rl.precision", f"one of {MODES}"),
             (self.rl.correction in CORRECTIONS, "rl.correction", f"one of {CORRECTIONS}"),
             (self.rl.coding in ("dense", "sparse"), "rl.coding", "dense or sparse"),
@@ -127,6 +154,15 @@ class TrainConfig:
             (self.dist.engine_ranks >= 0, "dist.engine_ranks", ">= 0"),
             (min(self.dist.tp, self.dist.ep, self.dist.pp, self.dist.etp) >= 1, "dist.tp / ep / pp / etp", ">= 1"),
             (self.dist.bridge in ("auto", "gloo", "nccl"), "dist.bridge", "auto, gloo or nccl"),
+            (self.dist.recompute in ("none", "full", "selective"), "dist.recompute", "none, full or selective"),
+            (self.dist.engine_tp >= 1, "dist.engine_tp", ">= 1"),
+            (self.rl.max_prompt_tokens >= 1 and self.rl.max_new_tokens >= 1, "rl.max_prompt_tokens / max_new_tokens",
+             ">= 1"),
+            (self.cluster.nodes >= 1 and self.cluster.gpus_per_node >= 1, "cluster.nodes / gpus_per_node", ">= 1"),
+            (0 <= self.cluster.engine_nodes < self.cluster.nodes, "cluster.engine_nodes",
+             "between 0 and cluster.nodes - 1 (trainer nodes are the rest)"),
+            (self.cluster.gpu_memory_gib > 0 and self.cluster.host_memory_gib > 0, "cluster.gpu_memory_gib / "
+             "host_memory_gib", "> 0"),
         ]
         for ok, key, want in checks:
             if not ok:
@@ -248,6 +284,10 @@ def model_config(cfg: TrainConfig) -> ModelConfig:
         from ..checkpoint.dist import read_config
 
         return read_config(cfg.model.megatron)
+    if cfg.model.preset not in PRESETS:
+        from .plan import PLAN_ONLY
+
+        raise ValueError(f"model.preset {cfg.model.preset} is plan-only: {PLAN_ONLY[cfg.model.preset].implemented}")
     return PRESETS[cfg.model.preset]
 
 
@@ -337,7 +377,11 @@ def train(cfg: TrainConfig, make_engine, model_cfg: ModelConfig, progress: bool 
     task = make_task(cfg.task, cfg.seed)
     if task.tokenizer.vocab_size > model_cfg.vocab_size:
         raise ValueError(f"the task's tokenizer needs {task.tokenizer.vocab_size} ids, the model has {model_cfg.vocab_size}")
-    trainer = build_model(model_cfg, "bf16", grouped_gemm=True)  # BF16 compute, as the engine
+    if cfg.dist.engine_tp != 1:
+        raise ValueError("dist.engine_tp: the built-in engine runs on one GPU; engine tensor parallelism is for "
+                         "`trace-rl plan` until the SGLang backend lands")
+    trainer = build_model(model_cfg, "bf16", grouped_gemm=True,  # BF16 compute, as the engine
+                          recompute=None if cfg.dist.recompute == "none" else cfg.dist.recompute)
     if cfg.model.hf:
         from ..checkpoint.hf import HFCheckpoint
         from ..megatron.weights import load_full_state_dict
@@ -397,8 +441,12 @@ def train(cfg: TrainConfig, make_engine, model_cfg: ModelConfig, progress: bool 
 
     def draw(n):
         problems = task.problems(n)
-        by_prompt.update({tuple(task.prompt_ids(p)): p for p in problems})
-        return [tuple(task.prompt_ids(p)) for p in problems]
+        prompts = [tuple(task.prompt_ids(p)) for p in problems]
+        longest = max(map(len, prompts), default=0)
+        if longest > cfg.rl.max_prompt_tokens:
+            raise ValueError(f"a prompt of {longest} tokens exceeds rl.max_prompt_tokens={cfg.rl.max_prompt_tokens}")
+        by_prompt.update(zip(prompts, problems))
+        return prompts
 
     def reward(prompt, resp):
         return task.reward(by_prompt[tuple(prompt)], resp)

@@ -1,0 +1,359 @@
+"""`trace-rl plan`: per-GPU memory and per-step traffic of a run, before it runs.
+
+From the run's own config (model, `dist` layout, `rl` batch shape, `cluster` machines) it counts
+what each rank holds, as this code base holds it:
+
+- trainer GPU (the pipeline stage holding the most): BF16 parameters and gradients, FP32
+  masters and AdamW moments (`rl/optim.py`, not sharded over data-parallel ranks), the FP32
+  gradient copies of the optimizer step, QAT's dequantized weight copies and STE masks kept for
+  backward, the KL reference's weights, activations of the rank's one micro-batch (all its
+  samples packed, sequence-parallel under TP; with recompute only layer inputs plus one layer),
+  the logits, and the guidance it receives;
+- engine GPU: FP4 weights (codes + E4M3 block scales) or BF16, the FP4 KV cache of a step's
+  in-flight samples (prompts stored once per group), and the guidance it records;
+- per step: weight-sync bytes (trainer rank 0 gathers the full weights and sends them packed to
+  every engine rank; its host holds the full BF16 model meanwhile) and guidance bytes.
+
+Activation counts are estimates (what autograd saves per token in our layer, in BF16); the rest
+is exact. A layout that does not fit is refused with the shortfall. `choose_layout` searches the
+TP/EP/PP layouts of the trainer GPUs for the one that fits with the least model parallelism.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from ..guidance import LayerPolicy
+from ..model_config import ModelConfig
+
+GiB = 1024**3
+USABLE = 0.92  # of GPU memory: what the CUDA context, NCCL buffers and fragmentation leave
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What the plan needs of a model: Qwen3-MoE from its ModelConfig, or a plan-only one."""
+
+    name: str
+    vocab: int
+    hidden: int
+    layers: int
+    attn_params: int  # per layer, all attention linears (FP4 sites)
+    attn_out_width: int  # the attention output projection's input width (its FP4 site)
+    q_heads: int
+    kv_heads: int  # KV heads per token (rows of the k and v sites), TP shards them
+    kv_width: int  # KV-cache elements per token per layer, K and V together
+    norm_params: int  # per layer, norms (BF16)
+    experts: int
+    moe_ffn: int
+    top_k: int
+    shared_ffn: int = 0  # shared experts' intermediate size (0: none)
+    dense_layers: int = 0  # leading layers with a dense FFN instead of experts
+    dense_ffn: int = 0
+    tie_embeddings: bool = False
+    implemented: str = ""  # empty: trainable here; else why it is plan-only
+
+    @classmethod
+    def from_model_config(cls, name: str, c: ModelConfig) -> Architecture:
+        d, nq, ng = c.head_dim, c.num_attention_heads, c.num_key_value_heads
+        return cls(name, c.vocab_size, c.hidden_size, c.num_layers, c.hidden_size * d * (nq + 2 * ng) + nq * d * c.hidden_size,
+                   nq * d, nq, ng, 2 * ng * d, 2 * c.hidden_size + 2 * d, c.num_experts, c.moe_intermediate_size,
+                   c.top_k, tie_embeddings=c.tie_word_embeddings)
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.dense_layers
+
+    def ffn_params(self, layer: int) -> tuple[int, int]:
+        """(expert-parallel params, tensor-parallel params) of one layer's FFN (FP4 sites)."""
+        if layer < self.dense_layers:
+            return 0, 3 * self.hidden * self.dense_ffn
+        return self.experts * 3 * self.hidden * self.moe_ffn, 3 * self.hidden * self.shared_ffn
+
+    @property
+    def num_params(self) -> int:
+        per_layer = sum(self.attn_params + self.norm_params + sum(self.ffn_params(L)) for L in range(self.layers))
+        router = self.moe_layers * self.experts * self.hidden
+        return per_layer + router + self.vocab * self.hidden * (1 if self.tie_embeddings else 2) + self.hidden
+
+
+def _mla(vocab, hidden, layers, heads, q_lora, kv_lora, nope, rope, v_dim) -> dict:
+    """Multi-head latent attention's parameter and cache counts (DeepSeek-V2/V3)."""
+    attn = (hidden * q_lora + q_lora * heads * (nope + rope) + hidden * (kv_lora + rope)
+            + kv_lora * heads * (nope + v_dim) + heads * v_dim * hidden)
+    return dict(vocab=vocab, hidden=hidden, layers=layers, attn_params=attn, attn_out_width=heads * v_dim,
+                q_heads=heads, kv_heads=1, kv_width=kv_lora + rope, norm_params=2 * hidden + q_lora + kv_lora)
+
+
+# Plan-only architectures. DeepSeek-V3 (HF config.json of deepseek-ai/DeepSeek-V3): 61 layers, the
+# first 3 dense (FFN 18432), 256 routed experts of 2048 plus 1 shared, top-8, MLA (128 heads,
+# q_lora 1536, kv_lora 512, qk 128 + rope 64, v 128), vocab 129280; the MTP module is left out.
+PLAN_ONLY = {
+    "deepseek-v3": Architecture(
+        name="deepseek-v3", **_mla(129280, 7168, 61, 128, 1536, 512, 128, 64, 128), experts=256, moe_ffn=2048,
+        top_k=8, shared_ffn=2048, dense_layers=3, dense_ffn=18432,
+        implemented="multi-head latent attention, shared experts and dense leading layers are not built yet"),
+}
+
+
+# -- the run's shape -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    ep: int = 1
+    pp: int = 1
+    etp: int = 1
+
+    def __str__(self) -> str:
+        return f"TP{self.tp} EP{self.ep} PP{self.pp} ETP{self.etp}"
+
+
+def layout_errors(arch: Architecture, lay: Layout, trainer_gpus: int) -> list[str]:
+    """Why this layout cannot run on `trainer_gpus` (empty: it can)."""
+    errs = []
+    if trainer_gpus % (lay.tp * lay.pp):
+        errs.append(f"{trainer_gpus} trainer GPUs do not divide into TP{lay.tp} x PP{lay.pp}")
+    elif (trainer_gpus // lay.pp) % (lay.ep * lay.etp):
+        errs.append(f"EP{lay.ep} x ETP{lay.etp} does not divide the {trainer_gpus // lay.pp} GPUs of a pipeline stage")
+    if arch.kv_heads % lay.tp and arch.kv_heads > 1:
+        errs.append(f"TP{lay.tp} does not divide the {arch.kv_heads} KV heads")
+    if arch.q_heads % lay.tp:
+        errs.append(f"TP{lay.tp} does not divide the {arch.q_heads} attention heads")
+    if arch.experts % lay.ep:
+        errs.append(f"EP{lay.ep} does not divide the {arch.experts} experts")
+    if arch.moe_ffn % (16 * lay.etp):
+        errs.append(f"ETP{lay.etp} leaves expert shards that are not whole NVFP4 blocks")
+    if arch.layers % lay.pp:
+        errs.append(f"PP{lay.pp} does not divide the {arch.layers} layers")
+    return errs
+
+
+@dataclass
+class Plan:
+    """Bytes per GPU by item (trainer and engine), bytes per step, and what does not fit."""
+
+    arch: Architecture
+    layout: Layout
+    trainer_gpus: int
+    engine_gpus: int
+    trainer: dict[str, float]
+    engine: dict[str, float]
+    traffic: dict[str, float]
+    host: dict[str, float]
+    limits: dict[str, float]
+    problems: list[str]
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    @property
+    def trainer_peak(self) -> float:
+        return _peak(self.trainer)
+
+    @property
+    def engine_total(self) -> float:
+        return sum(self.engine.values())
+
+
+def _peak(items: dict[str, float]) -> float:
+    """The larger of the forward-backward and the optimizer-step working sets."""
+    step_only = items.get("optimizer step: FP32 gradient copies", 0.0)
+    fwd_only = sum(v for k, v in items.items() if k.startswith(("activations", "logits", "QAT", "guidance", "KL")))
+    static = sum(items.values()) - step_only - fwd_only
+    return static + max(step_only, fwd_only)
+
+
+def guidance_bytes_per_token(arch: Architecture, layer_count: int, coding: str = "dense") -> float:
+    """Guidance record bytes per token for `layer_count` guided layers (guidance.rows format:
+    per row a float32 global scale, an E4M3 scale per 16 elements and a mantissa bit per
+    element; sparse coding adds a known-bit mask, so dense is its floor)."""
+    h = arch.hidden
+    sites = [(1, h), (1, arch.attn_out_width), (1, h), (arch.top_k, arch.moe_ffn),
+             (arch.kv_heads, arch.kv_width // (2 * arch.kv_heads)), (arch.kv_heads, arch.kv_width // (2 * arch.kv_heads))]
+    per_layer = sum(rows * (4 + cols // 16 + cols // 8 * (2 if coding == "sparse" else 1)) for rows, cols in sites)
+    return layer_count * per_layer
+
+
+def routed_expert_bytes_per_token(arch: Architecture) -> int:
+    return arch.moe_layers * arch.top_k * 8  # int64 ids, as the engine records them
+
+
+def _guided_layers(policy: str, arch: Architecture, precision: str) -> int:
+    """Layers whose guidance the trainer receives (a budget: as many as its bytes allow)."""
+    if precision != "trace":
+        return 0
+    pol = LayerPolicy.parse(policy)
+    if pol.kind == "budget":
+        return min(arch.layers, int(pol.budget_bytes_per_token // guidance_bytes_per_token(arch, 1)))
+    return len(pol.select(arch.layers))
+
+
+def gpu_counts(cfg) -> tuple[int, int]:
+    """(trainer GPUs, engine GPUs) of the run: colocated is one GPU for both (engine GPUs 0);
+    otherwise the cluster's GPUs, engine_nodes' (or dist.engine_ranks of one node) serving."""
+    dist, cl = cfg.dist, cfg.cluster
+    if dist.engine_ranks == 0 and cl.engine_nodes == 0:
+        return 1, 0
+    engines = cl.engine_nodes * cl.gpus_per_node if cl.engine_nodes else dist.engine_ranks
+    if cl.engine_nodes and dist.engine_ranks and dist.engine_ranks != engines:
+        raise ValueError(f"config: dist.engine_ranks={dist.engine_ranks} disagrees with cluster.engine_nodes x "
+                         f"gpus_per_node = {engines}")
+    trainers = cl.nodes * cl.gpus_per_node - engines
+    if trainers < 1:
+        raise ValueError(f"config: {engines} engine GPUs leave no trainer GPU of cluster.nodes x gpus_per_node")
+    return trainers, engines
+
+
+def make_plan(cfg, arch: Architecture, layout: Layout | None = None) -> Plan:
+    """The plan of the run `cfg` (a TrainConfig) for `arch` under `layout` (default: cfg.dist's)."""
+    dist, rl, cl = cfg.dist, cfg.rl, cfg.cluster
+    lay = layout or Layout(dist.tp, dist.ep, dist.pp, dist.etp)
+    trainer_gpus, engine_gpus = gpu_counts(cfg)
+    colocated = engine_gpus == 0
+    problems = layout_errors(arch, lay, trainer_gpus)
+    dp = max(1, trainer_gpus // (lay.tp * lay.pp))
+    h, L = arch.hidden, arch.layers
+
+    # parameters of the fullest pipeline stage, on one GPU
+    stage_layers = math.ceil(L / lay.pp)
+    dense = expert = fp4 = 0.0
+    for layer in range(stage_layers):  # the first stage's layers (dense leading layers included)
+        ep_params, tp_params = arch.ffn_params(layer)
+        dense += (arch.attn_params + tp_params) / lay.tp + arch.norm_params + (arch.experts * h if ep_params else 0)
+        expert += ep_params / (lay.ep * lay.etp)
+        fp4 += (arch.attn_params + tp_params) / lay.tp + ep_params / (lay.ep * lay.etp)
+    ends = arch.vocab * h / lay.tp * (1 if lay.pp > 1 or arch.tie_embeddings else 2) + h
+    params = dense + expert + ends
+    T = math.ceil(rl.prompts_per_step * rl.group_size / dp) * (rl.max_prompt_tokens + rl.max_new_tokens)
+    guided = _guided_layers(rl.guide, arch, rl.precision)
+    coding = rl.coding
+    trainer = {
+        "parameters (BF16)": 2 * params,
+        "gradients (BF16)": 2 * params,
+        "FP32 masters + AdamW moments": 12 * params,
+        "optimizer step: FP32 gradient copies": 4 * params,
+    }
+    if rl.precision in ("fp4-qat", "trace"):
+        trainer["QAT weight copies + STE masks"] = 3 * fp4
+    if rl.kl_coef:
+        trainer["KL reference weights (BF16)"] = 2 * params
+    trainer["activations"] = _activation_bytes(arch, lay, T, stage_layers, dist.recompute)
+    trainer["logits (FP32)"] = 3 * 4 * T * arch.vocab / lay.tp
+    trainer["guidance received"] = T * (guidance_bytes_per_token(arch, min(guided, stage_layers), coding)
+                                        + routed_expert_bytes_per_token(arch) * stage_layers / L)
+
+    # engine: one instance per dist.engine_tp GPUs, generating its share of the step
+    etp = dist.engine_tp
+    instances = 1 if colocated else max(1, engine_gpus // etp)
+    fp4_all = sum(arch.attn_params + sum(arch.ffn_params(i)) for i in range(L))
+    other = arch.num_params - fp4_all
+    fp4_engine = rl.precision != "bf16"
+    groups = math.ceil(rl.prompts_per_step / instances)
+    kv_tokens = groups * rl.max_prompt_tokens + groups * rl.group_size * rl.max_new_tokens
+    kv_per_token = L * (arch.kv_width * (0.5 + 1 / 16) + 2 * arch.kv_heads * 4 if fp4_engine else arch.kv_width * 2)
+    recorded = guided if rl.precision == "trace" else (L if rl.precision == "fp4-qat" and rl.measure_flips else 0)
+    engine = {
+        "weights (FP4 codes + scales)" if fp4_engine else "weights (BF16)":
+            (fp4_all * (0.5 + 1 / 16) if fp4_engine else 2 * fp4_all) / etp + 2 * other / etp,
+        "KV cache": kv_tokens * kv_per_token / etp,
+        "guidance recorded": kv_tokens * (guidance_bytes_per_token(arch, recorded, "dense")
+                                          + routed_expert_bytes_per_token(arch)) / etp,
+    }
+    packed = fp4_all * (0.5 + 1 / 16) + 2 * other if fp4_engine else 2 * arch.num_params
+    step_tokens = rl.prompts_per_step * rl.max_prompt_tokens + rl.prompts_per_step * rl.group_size * rl.max_new_tokens
+    traffic = {
+        "weight gather to trainer rank 0": 2 * arch.num_params * (0 if trainer_gpus == 1 else 1),
+        "weight sync, rank 0 to the engines": packed * (instances if not colocated else 0),
+        "guidance streamed to trainers": step_tokens * (guidance_bytes_per_token(arch, guided, coding)
+                                                        + routed_expert_bytes_per_token(arch)) * (not colocated),
+    }
+    host = {"trainer rank 0: full BF16 weights + packed copy": 2 * arch.num_params + packed}
+    limits = {"gpu": cl.gpu_memory_gib * GiB * USABLE, "host": cl.host_memory_gib * GiB * USABLE}
+    t_peak = _peak(trainer) + (sum(engine.values()) if colocated else 0)
+    if t_peak > limits["gpu"]:
+        problems.append(f"trainer GPU needs {t_peak / GiB:.1f} GiB, {(t_peak - limits['gpu']) / GiB:.1f} GiB more "
+                        f"than the {limits['gpu'] / GiB:.1f} GiB usable of {cl.gpu_memory_gib:g} GiB")
+    if not colocated and sum(engine.values()) > limits["gpu"]:
+        e = sum(engine.values())
+        problems.append(f"engine GPU needs {e / GiB:.1f} GiB, {(e - limits['gpu']) / GiB:.1f} GiB more than usable; "
+                        f"raise dist.engine_tp or use more engine GPUs")
+    if host[next(iter(host))] > limits["host"]:
+        x = host[next(iter(host))]
+        problems.append(f"weight sync gathers the full model on trainer rank 0's host: {x / GiB:.0f} GiB, "
+                        f"{(x - limits['host']) / GiB:.0f} GiB more than usable of {cl.host_memory_gib:g} GiB "
+                        "(sharded weight sync is not built yet)")
+    if arch.implemented:
+        problems.append(f"{arch.name} is plan-only: {arch.implemented}")
+    return Plan(arch, lay, trainer_gpus, engine_gpus, trainer, engine, traffic, host, limits, problems)
+
+
+def _activation_bytes(arch: Architecture, lay: Layout, T: int, layers: int, recompute: str) -> float:
+    """BF16 bytes autograd keeps for one micro-batch of T tokens on one GPU: an estimate of our
+    layer (norm inputs and outputs, residuals, QKV and attention outputs with flash attention,
+    the fake-quantized copy of each FP4 input, router logits and probabilities in FP32, and per
+    routed row its input, gate/up, SwiGLU and fc2 copies). Sequence parallelism divides tokens
+    and heads by TP; expert-TP gathers rows and splits their width. recompute: "full" keeps
+    only each layer's input (plus one layer in flight), "selective" recomputes the MoE part."""
+    h, f, tp = arch.hidden, arch.moe_ffn, lay.tp
+    tokens = T / tp  # this GPU's sequence-parallel share
+    attention = tokens * (6 * h + 3 * (arch.attn_out_width + arch.kv_width) + 2 * arch.attn_out_width + 4 * arch.experts)
+    rows = tokens * arch.top_k * lay.etp  # routed rows this GPU computes (balanced routing)
+    moe = rows * (2 * h + 5 * f / lay.etp)
+    if recompute == "full":
+        return 2 * (layers * tokens * h + attention + moe)
+    if recompute == "selective":
+        return 2 * (layers * (attention + tokens * h) + moe)
+    return 2 * layers * (attention + moe)
+
+
+def choose_layout(cfg, arch: Architecture) -> list[Plan]:
+    """Every TP/EP/PP layout of the trainer GPUs (ETP 1), the fitting ones first, those with the
+    least tensor and pipeline parallelism, then the least memory, first."""
+    plans = []
+    n, _ = gpu_counts(cfg)
+    for tp in (1, 2, 4, 8):
+        for pp in (d for d in range(1, n + 1) if n % d == 0):
+            for ep in (d for d in range(1, n // pp + 1) if (n // pp) % d == 0):
+                lay = Layout(tp, ep, pp, 1)
+                if layout_errors(arch, lay, n):
+                    continue
+                plans.append(make_plan(cfg, arch, lay))
+    return sorted(plans, key=lambda p: (not p.fits, p.layout.tp * p.layout.pp, p.trainer_peak))
+
+
+def architecture(cfg) -> Architecture:
+    """The run's model for planning: a plan-only preset, or the one training would build."""
+    if cfg.model.preset in PLAN_ONLY and not (cfg.model.hf or cfg.model.megatron):
+        return PLAN_ONLY[cfg.model.preset]
+    from .train import model_config
+
+    return Architecture.from_model_config(cfg.model.hf or cfg.model.megatron or cfg.model.preset, model_config(cfg))
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as text tables (GiB per GPU, GiB per step)."""
+    def rows(items):
+        return "\n".join(f"  {k:<44} {v / GiB:10.3f}" for k, v in items.items())
+
+    a = plan.arch
+    lines = [f"model {a.name}: {a.num_params / 1e9:.2f} B parameters, {a.layers} layers, {a.experts} experts top-{a.top_k}",
+             f"trainer: {plan.trainer_gpus} GPUs, {plan.layout}, DP{max(1, plan.trainer_gpus // (plan.layout.tp * plan.layout.pp))}"
+             f"; engines: {plan.engine_gpus or 'colocated'}",
+             "trainer GPU (GiB)", rows(plan.trainer),
+             f"  {'peak (forward-backward or optimizer step)':<44} {plan.trainer_peak / GiB:10.3f}",
+             "engine GPU (GiB)", rows(plan.engine), f"  {'total':<44} {plan.engine_total / GiB:10.3f}",
+             "per RL step (GiB moved)", rows(plan.traffic),
+             "host memory (GiB)", rows(plan.host),
+             f"usable per GPU {plan.limits['gpu'] / GiB:.1f} GiB ({USABLE:.0%}), per host {plan.limits['host'] / GiB:.0f} GiB"]
+    lines += ["FITS" if plan.fits else "DOES NOT FIT:"] + [f"  - {p}" for p in plan.problems]
+    return "\n".join(lines)
+
+
+def plan_json(plan: Plan) -> dict:
+    return {"model": plan.arch.name, "params": plan.arch.num_params, "layout": dataclasses.asdict(plan.layout),
+            "trainer_gpus": plan.trainer_gpus, "engine_gpus": plan.engine_gpus, "trainer_bytes": plan.trainer,
+            "trainer_peak_bytes": plan.trainer_peak, "engine_bytes": plan.engine, "traffic_bytes": plan.traffic,
+            "host_bytes": plan.host, "fits": plan.fits, "problems": plan.problems}
