@@ -56,7 +56,8 @@ def transformer_config(cfg: ModelConfig, *, dispatcher: str = "alltoall", recomp
         expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
         sequence_parallel=tp > 1, attention_backend=AttnBackend.local, use_cpu_initialization=True,
         pipeline_dtype=params_dtype, init_method_std=0.02,
-        gradient_accumulation_fusion=False, **rc,
+        gradient_accumulation_fusion=False, variable_seq_lengths=True,  # packed micro-batches differ in length
+        **rc,
     )
     kw.update(overrides)
     return TransformerConfig(**kw)

@@ -1,14 +1,16 @@
-"""One packed micro-batch through Megatron's forward-backward schedule, under any layout.
+"""Packed micro-batches through Megatron's forward-backward schedule, under any layout.
 
-`run_microbatch` is the trainer step's single entry to the model: without pipeline parallelism
-the schedule is a plain forward (and backward); with it, activations and gradients travel
-between stages and the loss exists on the last stage only. The loss is given as a function of
+`run_microbatches` is the trainer step's single entry to the model: without pipeline
+parallelism the schedule is a plain forward (and backward) per micro-batch, gradients
+accumulating; with it, activations and gradients travel between stages (1F1B) and the loss
+exists on the last stage only. The loss is given as a function of
 the per-token log-probabilities, and what it reports is broadcast to every stage.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -21,38 +23,62 @@ from .context import MicroBatchGuidance
 LossFn = Callable[[torch.Tensor], tuple[torch.Tensor, dict]]
 
 
-def run_microbatch(model, input_ids: torch.Tensor, position_ids: torch.Tensor, targets: torch.Tensor,
-                   packed_seq_params, loss_fn: LossFn, *, guidance: MicroBatchGuidance | None = None,
-                   forward_only: bool = False) -> dict:
-    """Forward (and, unless forward_only, backward into .grad) of one THD micro-batch.
+@dataclass
+class MicroBatch:
+    """One packed THD micro-batch: input_ids, position_ids, targets int64 [1, T], its
+    PackedSeqParams, and its guidance (whole model; each stage takes its layers) or None."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    targets: torch.Tensor
+    packed_seq_params: object
+    guidance: MicroBatchGuidance | None = None
+
+
+def run_microbatches(model, batches: list[MicroBatch], loss_fn: Callable[[int, torch.Tensor], tuple[torch.Tensor, dict]],
+                     *, forward_only: bool = False) -> list[dict]:
+    """Forward (and, unless forward_only, backward accumulating into .grad) of each micro-batch,
+    through Megatron's schedule (1F1B across pipeline stages).
 
     Args:
-        input_ids, position_ids, targets: int64 [1, T]; packed_seq_params: its THD layout.
-        loss_fn(logp): on the last stage, with logp float32 [T] = log p(targets[t] | ids[:t+1]);
-            returns (scalar loss to backpropagate, info dict of plain values).
-        guidance: the micro-batch's guidance (whole model; each stage takes its layers).
+        loss_fn(i, logp): on the last stage, for micro-batch i with logp float32 [T_i] =
+            log p(targets[t] | ids[:t+1]); returns (scalar loss to backpropagate as is, info
+            dict of plain values). Megatron divides each loss by the number of micro-batches;
+            this undoes it, so gradients are those of the sum of the returned losses.
     Returns:
-        loss_fn's info, on every rank of the pipeline.
+        each micro-batch's info, on every rank of the pipeline.
     """
     offset = get_transformer_layer_offset(model.config)
-    stage = None if guidance is None else guidance.for_layers(range(offset, offset + len(model.decoder.layers)))
-    infos = []
+    layers = range(offset, offset + len(model.decoder.layers))
+    infos = {}
+    n = len(batches)
 
     def forward_step(data_iter, m):
-        next(data_iter)
-        out = m(input_ids, position_ids, None, labels=targets, packed_seq_params=packed_seq_params, guidance=stage)
+        i = next(data_iter)
+        mb = batches[i]
+        stage = None if mb.guidance is None else mb.guidance.for_layers(layers)
+        out = m(mb.input_ids, mb.position_ids, None, labels=mb.targets, packed_seq_params=mb.packed_seq_params,
+                guidance=stage)
 
         def loss_func(loss_per_token):
-            loss, info = loss_fn(-loss_per_token.float().reshape(-1))
-            infos.append(info)
-            return loss, {}
+            loss, info = loss_fn(i, -loss_per_token.float().reshape(-1))
+            infos[i] = info
+            return loss * n, {}
         return out, loss_func
 
-    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([0]), model=[model],
-                                num_microbatches=1, seq_length=input_ids.shape[1], micro_batch_size=1,
-                                forward_only=forward_only)
-    box = [infos[0] if infos else None]
+    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(range(n)), model=[model],
+                                num_microbatches=n, seq_length=max(b.input_ids.shape[1] for b in batches),
+                                micro_batch_size=1, forward_only=forward_only)
+    box = [[infos.get(i) for i in range(n)] if infos else None]
     if ps.get_pipeline_model_parallel_world_size() > 1:
         dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
                                    group=ps.get_pipeline_model_parallel_group())
     return box[0]
+
+
+def run_microbatch(model, input_ids: torch.Tensor, position_ids: torch.Tensor, targets: torch.Tensor,
+                   packed_seq_params, loss_fn: LossFn, *, guidance: MicroBatchGuidance | None = None,
+                   forward_only: bool = False) -> dict:
+    """`run_microbatches` of one micro-batch: loss_fn(logp) -> (loss, info); returns the info."""
+    batch = MicroBatch(input_ids, position_ids, targets, packed_seq_params, guidance)
+    return run_microbatches(model, [batch], lambda i, logp: loss_fn(logp), forward_only=forward_only)[0]

@@ -41,9 +41,9 @@ def resolve_budget(policy: str, trainer, make_engine, prompts: list[tuple[int, .
     engine = make_engine("fp4", "all", "dense")
     sync_weights(trainer, engine, 0)
     batch = rollout(engine, prompts, lambda prompt, response: 0.0, cfg, sampling, -1)
-    counters = []
-    response_logprobs(trainer, batch, cfg, observer=lambda full: counters.append(FlipCounter(full)) or counters[-1])
-    flips = counters[0].rates(num_layers if distributed_trainer() else None)["flip_rate_by_layer"]
+    counter = FlipCounter()
+    response_logprobs(trainer, batch, cfg, observer=counter)
+    flips = counter.rates(num_layers if distributed_trainer() else None)["flip_rate_by_layer"]
     guidance = batch.out.guidance
     if coding != "dense":  # what the run's coding costs
         engine = make_engine("fp4", "all", coding)

@@ -55,12 +55,14 @@ def rollout_correction(logp_train_old: torch.Tensor, logp_rollout: torch.Tensor,
 
 def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, *,
                 clip_low: float = 0.2, clip_high: float | None = None, weights: torch.Tensor | None = None,
-                keep: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                keep: torch.Tensor | None = None, normalizer: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO-clip policy loss, token mean over kept tokens.
 
     ratio = exp(logp - logp_old); per token max(-A ratio, -A clip(ratio, 1 - clip_low, 1 + clip_high))
     times the rollout-correction weight. clip_high defaults to clip_low (DAPO's clip-higher sets
-    it larger). All inputs [T]; advantages per token. Returns (loss, {"clip_frac", "kept_frac"}).
+    it larger). All inputs [T]; advantages per token. `normalizer`: divide the kept tokens' sum
+    by it instead of by their count (one micro-batch of several: the caller rescales). Returns
+    (loss, {"clip_frac", "kept_frac", "clipped_tokens", "kept_tokens"}).
     """
     clip_high = clip_low if clip_high is None else clip_high
     weights = torch.ones_like(logp) if weights is None else weights
@@ -70,10 +72,11 @@ def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Te
     clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
     per_token = torch.maximum(unclipped, clipped) * weights
     kept = keep.to(per_token.dtype)
-    denom = kept.sum().clamp(min=1)
-    loss = (per_token * kept).sum() / denom
-    clip_frac = float(((clipped > unclipped) & keep).sum() / denom)
-    return loss, {"clip_frac": clip_frac, "kept_frac": float(kept.mean())}
+    count = kept.sum().clamp(min=1)
+    loss = (per_token * kept).sum() / (count if normalizer is None else normalizer)
+    n_clipped = float(((clipped > unclipped) & keep).sum())
+    return loss, {"clip_frac": n_clipped / float(count), "kept_frac": float(kept.mean()),
+                  "clipped_tokens": n_clipped, "kept_tokens": float(kept.sum())}
 
 
 KL_KINDS = ("k1", "k2", "k3")

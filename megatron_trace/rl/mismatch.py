@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from trace_kernels.fp4 import quantize, unpack_bits, unpack_codes
 
-from ..megatron import qat
+from ..megatron import context, qat
 from ..megatron.context import MicroBatchGuidance
 from ..megatron.model import pack_sequences, set_precision, token_logprobs
 from ..rollout import GroupRequest, SamplingParams
@@ -34,12 +34,12 @@ TRAINER_PRECISION = {"bf16": "bf16", "fp4": "bf16", "fp4-qat": "fp4", "trace": "
 @dataclass
 class FlipCounter:
     """Observer counting, per layer, elements whose trainer code disagrees with the engine's
-    (the `reference` guidance, dense records). Under tensor, expert, pipeline and data
+    (the `reference` guidance, dense records; by default the forward's active guidance). Under tensor, expert, pipeline and data
     parallelism each rank counts its own rows and columns; `rates(num_layers)` sums them. When
     the reference is the forward's active guidance, the MoE layers dispatch its fc2 rows with
     the tokens (expert parallelism needs that); otherwise only one process can count fc2."""
 
-    reference: MicroBatchGuidance
+    reference: MicroBatchGuidance | None = None  # None: the forward's active guidance
     rne: dict = field(default_factory=dict)  # layer -> elements whose round-to-nearest code differs
     actual: dict = field(default_factory=dict)  # layer -> elements whose applied code differs
     total: dict = field(default_factory=dict)
@@ -80,18 +80,21 @@ class FlipCounter:
     def _reference_rows(self, site, x):
         """The reference's rows and columns for this rank's x: the site's own selection (token
         and head shards, column shards, dispatched expert rows), as guidance is applied."""
-        if (site.expert is not None or site.all_experts) and site.layer not in self.reference.expert_rows:
-            # the reference is not the forward's active guidance, so nothing dispatched its fc2
-            # rows: in one process they are expert-major, tokens ascending -> (token, slot)
+        mb = self.reference if self.reference is not None else context.active()
+        if mb is None:
+            return None
+        if (site.expert is not None or site.all_experts) and site.layer not in mb.expert_rows:
+            # not the forward's active guidance, so nothing dispatched its fc2 rows: in one
+            # process they are expert-major, tokens ascending -> (token, slot)
+            ref = mb.site(site.layer, site.name)
+            if ref is None:
+                return None
             if not site.all_experts or site.cols is not None and site.cols.size > 1:
                 raise ValueError("counting fc2 flips against guidance the forward does not carry needs one "
                                  "process with grouped-GEMM experts (build_model(grouped_gemm=True))")
-            ref = self.reference.site(site.layer, site.name)
-            if ref is None:
-                return None
-            top = self.reference.routed_experts[site.layer].to(x.device)
+            top = mb.routed_experts[site.layer].to(x.device)
             return ref.select_rows(torch.sort(top.reshape(-1), stable=True).indices).to(x.device)
-        rows = site.guidance_rows(x, self.reference)
+        rows = site.guidance_rows(x, mb)
         return None if rows is None else rows.to(x.device)
 
 

@@ -108,7 +108,7 @@ def render_sbatch(cfg, config_path: str, overrides: list[str] = (), workdir: str
         lines += ["# environment (cluster.setup)", cl.setup]
     lines += [
         'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        f'export MASTER_ADDR MASTER_PORT=${{MASTER_PORT:-$((29500 + SLURM_JOB_ID % 1000))}}',
+        'export MASTER_ADDR MASTER_PORT=${MASTER_PORT:-$((29500 + SLURM_JOB_ID % 1000))}',
         "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}",
         "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1  # a rank that loses a peer aborts instead of hanging",
     ]

@@ -24,7 +24,7 @@ from ..megatron.model import (
     sequence_padding,
     set_precision,
 )
-from ..megatron.schedule import run_microbatch
+from ..megatron.schedule import MicroBatch, run_microbatches
 from ..model_config import FP4_WEIGHT_SUFFIXES
 from ..rollout import GroupRequest, RolloutOutput, SamplingParams
 from .losses import (
@@ -54,6 +54,7 @@ class StepConfig:
     max_rounds: int = 3  # rollout rounds per step at most, with dynamic sampling
     kl_coef: float = 0.0  # weight of the KL penalty to the reference model (0: none)
     kl_kind: str = "k3"  # losses.kl_penalty estimator
+    max_tokens_per_microbatch: int = 0  # trainer micro-batch size in tokens (0: a rank's whole rollout at once)
 
 
 def sync_weights(trainer, engine, version: int) -> int:
@@ -125,6 +126,15 @@ def distributed_trainer() -> bool:
     return torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
 
 
+def _max_over_ranks(n: int) -> int:
+    """The largest `n` of all trainer ranks (a collective when there are several)."""
+    if not distributed_trainer():
+        return n
+    t = torch.tensor([n], device="cuda" if torch.distributed.get_backend() == "nccl" else "cpu")
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return int(t.item())
+
+
 def _all_ranks(flag: bool) -> bool:
     """`flag` on every trainer rank (a collective when there are several)."""
     if not distributed_trainer():
@@ -191,57 +201,93 @@ def rollout(engine, prompts, reward_fn, cfg: StepConfig, sampling: SamplingParam
 
 @dataclass
 class _Packed:
-    """A rollout as the trainer's one micro-batch: ids, positions, targets [1, T'] (T' = T plus
-    sequence padding), THD params, the guidance it carries (padded), and where each response
-    token's log-prob sits: index, sample_of int64 [R], the rollout's log-probs float32 [R]."""
+    """Samples of a rollout as one trainer micro-batch (`batch`: ids, positions, targets
+    [1, T'], T' = T plus sequence padding, THD params, the guidance it carries, padded), and
+    where each response token's log-prob sits: index, sample_of (the sample's index in the
+    rollout) int64 [R], the rollout's log-probs float32 [R]. `weight` 0 marks a filler
+    micro-batch: it runs (the collectives of the other ranks need it) but counts nothing."""
 
-    tokens: torch.Tensor
-    positions: torch.Tensor
-    targets: torch.Tensor
-    psp: object
-    guidance: MicroBatchGuidance
+    batch: MicroBatch
     index: torch.Tensor
     sample_of: torch.Tensor
     logp_rollout: torch.Tensor
+    weight: float = 1.0
 
 
-def _pack(trainer, batch: RolloutBatch, cfg: StepConfig, observed: bool = False) -> _Packed:
-    """`observed`: the forward carries every record (flip counters read it), though only trace
-    mode applies them."""
+def _pack(trainer, batch: RolloutBatch, cfg: StepConfig, samples: list[int], observed: bool = False,
+          weight: float = 1.0) -> _Packed:
+    """The rollout's `samples` (indices) as one micro-batch. `observed`: the forward carries
+    every record (flip counters read it), though only trace mode applies them."""
     dev, out = next(trainer.parameters()).device, batch.out
-    seqs = [torch.tensor(list(batch.prompts[s.group_id]) + s.tokens) for s in out.samples]
+    chosen = [out.samples[i] for i in samples]
+    seqs = [torch.tensor(list(batch.prompts[s.group_id]) + s.tokens) for s in chosen]
     pad = sequence_padding(sum(len(q) for q in seqs))
     tokens, positions, psp = pack_sequences(seqs, dev, pad)
-    full = MicroBatchGuidance.from_batch(out.guidance, [s.sample_id for s in out.samples])
+    full = MicroBatchGuidance.from_batch(out.guidance, [s.sample_id for s in chosen])
     carried = full if cfg.precision == "trace" or observed else MicroBatchGuidance(
         full.num_tokens, routed_experts=full.routed_experts)
     index, sample_of, offset = [], [], 0  # a response token's log-prob sits at the position before it
-    for i, (s, q) in enumerate(zip(out.samples, seqs, strict=True)):
+    for i, s, q in zip(samples, chosen, seqs, strict=True):
         index += range(offset + s.prompt_len - 1, offset + len(q) - 1)
         sample_of += [i] * len(s.tokens)
         offset += len(q)
-    return _Packed(tokens, positions, torch.roll(tokens, -1, 1), psp, carried.padded(pad, len(seqs[0])).to(dev),
-                   torch.tensor(index, device=dev), torch.tensor(sample_of, device=dev),
-                   torch.cat([s.logprobs for s in out.samples]).to(dev))
+    mb = MicroBatch(tokens, positions, torch.roll(tokens, -1, 1), psp, carried.padded(pad, len(seqs[0])).to(dev))
+    return _Packed(mb, torch.tensor(index, device=dev, dtype=torch.long),
+                   torch.tensor(sample_of, device=dev, dtype=torch.long),
+                   torch.cat([s.logprobs for s in chosen]).to(dev), weight)
+
+
+def split_microbatches(lengths: list[int], max_tokens: int, count: int | None = None) -> list[list[int]]:
+    """Consecutive samples (by token length) in micro-batches of at most `max_tokens` tokens
+    (0: all in one; a longer sample goes alone), split further into `count` micro-batches when
+    asked (while some holds two samples or more). Returns lists of sample indices."""
+    chunks: list[list[int]] = []
+    for i, n in enumerate(lengths):
+        if chunks and max_tokens and sum(lengths[j] for j in chunks[-1]) + n <= max_tokens or chunks and not max_tokens:
+            chunks[-1].append(i)
+        else:
+            chunks.append([i])
+    while count is not None and len(chunks) < count:
+        big = max(range(len(chunks)), key=lambda k: len(chunks[k]))
+        if len(chunks[big]) < 2:
+            break
+        c = chunks.pop(big)
+        chunks[big:big] = [c[: len(c) // 2], c[len(c) // 2:]]
+    return chunks
+
+
+def _microbatches(trainer, batch: RolloutBatch, cfg: StepConfig, observed: bool = False) -> list[_Packed]:
+    """The rollout in micro-batches of at most cfg.max_tokens_per_microbatch tokens. Across
+    trainer ranks every rank runs as many as the busiest (expert and pipeline collectives pair
+    them up): a rank with fewer samples than that repeats one, as a filler of weight 0."""
+    lengths = [len(batch.prompts[s.group_id]) + len(s.tokens) for s in batch.out.samples]
+    own = split_microbatches(lengths, cfg.max_tokens_per_microbatch)
+    count = _max_over_ranks(len(own))
+    chunks = split_microbatches(lengths, cfg.max_tokens_per_microbatch, count)
+    packed = [_pack(trainer, batch, cfg, c, observed) for c in chunks]
+    packed += [_pack(trainer, batch, cfg, chunks[-1][-1:], observed, weight=0.0)] * (count - len(chunks))
+    return packed
 
 
 def response_logprobs(trainer, batch: RolloutBatch, cfg: StepConfig, observer=None):
     """The trainer's log-probs of every response token, the sample of each token, and the
-    rollout's log-probs: ([R], int64 [R], [R]), on every pipeline stage; no gradient.
-    `observer(guidance)`, if given, makes a qat observer that watches the forward, which then
-    carries every record the rollout has (`guidance`, padded like the micro-batch)."""
-    mb = _pack(trainer, batch, cfg, observed=observer is not None)
+    rollout's log-probs: ([R], int64 [R], [R]) in sample order, on every pipeline stage; no
+    gradient. `observer`, if given, is a qat observer that watches the forwards, which then
+    carry every record the rollout has (a FlipCounter() reads them as the active guidance)."""
+    mbs = _microbatches(trainer, batch, cfg, observed=observer is not None)
     set_precision(trainer, TRAINER_PRECISION[cfg.precision])
     if observer is not None:
-        qat.observers.append(observer(mb.guidance))
+        qat.observers.append(observer)
     try:
         with torch.no_grad():
-            info = run_microbatch(trainer, mb.tokens, mb.positions, mb.targets, mb.psp,
-                                  lambda lp: (lp.sum(), {"logp": lp[mb.index].cpu()}), guidance=mb.guidance,
-                                  forward_only=True)
+            infos = run_microbatches(trainer, [p.batch for p in mbs],
+                                     lambda i, lp: (lp.sum(), {"logp": lp[mbs[i].index].cpu()}), forward_only=True)
     finally:
         qat.observers.clear()
-    return info["logp"].to(mb.index.device), mb.sample_of, mb.logp_rollout
+    real = [(p, info) for p, info in zip(mbs, infos, strict=True) if p.weight]
+    dev = mbs[0].index.device
+    return (torch.cat([info["logp"] for _, info in real]).to(dev), torch.cat([p.sample_of for p, _ in real]),
+            torch.cat([p.logp_rollout for p, _ in real]))
 
 
 def _billed_bytes_per_token(g: GuidanceBatch, applied: bool) -> float:
@@ -251,15 +297,19 @@ def _billed_bytes_per_token(g: GuidanceBatch, applied: bool) -> float:
 
 
 def train_on(trainer, optimizer, batch: RolloutBatch, cfg: StepConfig, reference=None) -> dict:
-    """GRPO update on one rollout, under any trainer layout; returns reward, loss, clip/kept
-    fractions, the mismatch and flip rates (summed over trainer ranks). With cfg.kl_coef > 0 the
-    loss adds kl_coef times the token-mean KL estimate to `reference` (a frozen model of the
-    same architecture, quantized like the policy's forward)."""
-
+    """GRPO update on one rollout, under any trainer layout, in micro-batches of at most
+    cfg.max_tokens_per_microbatch tokens (gradients accumulate; the loss is the token mean over
+    the whole rollout); returns reward, loss, clip/kept fractions, the mismatch and flip rates
+    (summed over trainer ranks). With cfg.kl_coef > 0 the loss adds kl_coef times the token-mean
+    KL estimate to `reference` (a frozen model of the same architecture, quantized like the
+    policy's forward)."""
     out, rewards = batch.out, batch.rewards
     adv = grpo_advantages(rewards, cfg.group_size)
     counting = TRAINER_PRECISION[cfg.precision] != "bf16"  # flips of the records the rollout has
-    mb = _pack(trainer, batch, cfg, observed=counting)
+    mbs = _microbatches(trainer, batch, cfg, observed=counting)
+    lengths = [len(s.tokens) for s in out.samples]
+    start = [sum(lengths[:i]) for i in range(len(lengths))]  # of each sample's tokens in sample order
+    tokens = sum(lengths)  # every loss sums its kept tokens over this; rescaled below if some are dropped
     logp_ref = None
     if cfg.kl_coef:
         if reference is None:
@@ -268,34 +318,51 @@ def train_on(trainer, optimizer, batch: RolloutBatch, cfg: StepConfig, reference
         ref_mode = "bf16" if TRAINER_PRECISION[cfg.precision] == "bf16" else "fp4-qat"
         logp_ref, _, _ = response_logprobs(reference, batch, dataclasses.replace(cfg, precision=ref_mode))
 
-    def loss_fn(lp):  # on the last pipeline stage
-        logp = lp[mb.index]
-        weights, keep = rollout_correction(logp.detach(), mb.logp_rollout, mb.sample_of, cfg.correction,
+    def loss_fn(i, lp):  # on the last pipeline stage
+        p = mbs[i]
+        logp = lp[p.index]
+        weights, keep = rollout_correction(logp.detach(), p.logp_rollout, p.sample_of, cfg.correction,
                                           cfg.correction_threshold)
-        loss, info = policy_loss(logp, logp.detach(), adv.to(logp.device)[mb.sample_of], clip_low=cfg.clip_low,
-                                 clip_high=cfg.clip_high, weights=weights.to(logp.dtype), keep=keep)
+        loss, info = policy_loss(logp, logp.detach(), adv.to(logp.device)[p.sample_of], clip_low=cfg.clip_low,
+                                 clip_high=cfg.clip_high, weights=weights.to(logp.dtype), keep=keep,
+                                 normalizer=tokens)
+        info["loss_sum"] = float(loss.detach()) * tokens
         if logp_ref is not None:
-            kl = kl_penalty(logp, logp_ref, cfg.kl_kind)
-            kept = keep.to(kl.dtype)
-            kl_mean = (kl * kept).sum() / kept.sum().clamp(min=1)
-            loss = loss + cfg.kl_coef * kl_mean
-            info["kl_ref"] = float(kl_mean.detach())
-        per_sample = [logp.detach()[mb.sample_of == i].cpu() for i in range(len(out.samples))]
-        return loss, {"loss": float(loss.detach()), **info,
-                      **mismatch_metrics(per_sample, [s.logprobs for s in out.samples])}
+            first = start[int(p.sample_of[0])]
+            kl = kl_penalty(logp, logp_ref[first: first + len(p.index)].to(logp.device), cfg.kl_kind)
+            kl_sum = (kl * keep.to(kl.dtype)).sum()
+            loss = loss + cfg.kl_coef * kl_sum / tokens
+            info["kl_sum"] = float(kl_sum.detach())
+            info["loss_sum"] += cfg.kl_coef * info["kl_sum"]
+        return loss * p.weight, {**info, "logp": logp.detach().cpu()}
 
     # every rank counts its own rows and columns (token, head and column shards, dispatched
     # expert rows, its pipeline stage's layers, its data-parallel samples); rates() sums them
-    counter = FlipCounter(mb.guidance) if counting else None
+    counter = FlipCounter() if counting else None
     if counter is not None:
         qat.observers.append(counter)
     set_precision(trainer, TRAINER_PRECISION[cfg.precision])
     optimizer.zero_grad(set_to_none=True)
     try:
-        info = run_microbatch(trainer, mb.tokens, mb.positions, mb.targets, mb.psp, loss_fn, guidance=mb.guidance)
+        infos = run_microbatches(trainer, [p.batch for p in mbs], loss_fn)
     finally:
         qat.observers.clear()
+    real = [(p, info) for p, info in zip(mbs, infos, strict=True) if p.weight]
+    kept = sum(info["kept_tokens"] for _, info in real)
+    if 0 < kept != tokens:  # rejected samples (mis) leave the token mean over the kept ones
+        for param in trainer.parameters():
+            if param.grad is not None:
+                param.grad.mul_(tokens / kept)
     optimizer.step()
+    logp = torch.cat([info["logp"] for _, info in real])
+    sample_of = torch.cat([p.sample_of for p, _ in real]).cpu()
+    per_sample = [logp[sample_of == i] for i in range(len(out.samples))]
+    denom = max(kept, 1.0)
+    info = {"loss": sum(info["loss_sum"] for _, info in real) / denom,
+            "clip_frac": sum(info["clipped_tokens"] for _, info in real) / denom, "kept_frac": kept / max(tokens, 1),
+            "microbatches": float(len(mbs)), **mismatch_metrics(per_sample, [s.logprobs for s in out.samples])}
+    if logp_ref is not None:
+        info["kl_ref"] = sum(i["kl_sum"] for _, i in real) / denom
     flips = counter.rates(trainer.config.num_layers if distributed_trainer() else None) if counter is not None else {}
     if flips and cfg.precision != "trace":  # nothing applied: the codes are the trainer's own
         flips = {k: v for k, v in flips.items() if not k.startswith("residual")}

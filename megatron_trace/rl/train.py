@@ -55,6 +55,7 @@ class RLSection:
     group_size: int = 4
     max_new_tokens: int = 5
     max_prompt_tokens: int = 16  # a longer prompt is an error (the plan sizes KV cache and activations with it)
+    max_tokens_per_microbatch: int = 0  # trainer micro-batches of at most this many tokens (0: all of a rank's at once)
     temperature: float = 1.0
     lr: float = 3e-4
     precision: str = "trace"  # bf16, fp4, fp4-qat, trace
@@ -127,7 +128,6 @@ class TrainConfig:
         from ..model_config import PRESETS
         from .losses import CORRECTIONS, KL_KINDS
         from .mismatch import MODES
-
         from .plan import PLAN_ONLY
 
         checks = [
@@ -156,6 +156,7 @@ class TrainConfig:
             (self.dist.bridge in ("auto", "gloo", "nccl"), "dist.bridge", "auto, gloo or nccl"),
             (self.dist.recompute in ("none", "full", "selective"), "dist.recompute", "none, full or selective"),
             (self.dist.engine_tp >= 1, "dist.engine_tp", ">= 1"),
+            (self.rl.max_tokens_per_microbatch >= 0, "rl.max_tokens_per_microbatch", ">= 0 (0: no limit)"),
             (self.rl.max_prompt_tokens >= 1 and self.rl.max_new_tokens >= 1, "rl.max_prompt_tokens / max_new_tokens",
              ">= 1"),
             (self.cluster.nodes >= 1 and self.cluster.gpus_per_node >= 1, "cluster.nodes / gpus_per_node", ">= 1"),
@@ -312,8 +313,9 @@ def _resolve_budget(cfg: TrainConfig, trainer, make_engine, task, model_cfg: Mod
     task.load_state_dict(snapshot)
     sampling = SamplingParams(temperature=cfg.rl.temperature, max_new_tokens=cfg.rl.max_new_tokens,
                               stop_token_ids=(task.tokenizer.eos_id,), seed=cfg.seed * 100_003 - 1)
-    guide, flips, cost = resolve_budget(cfg.rl.guide, trainer, make_engine, prompts, StepConfig(group_size=cfg.rl.group_size),
-                                        cfg.rl.coding, sampling, model_cfg.num_layers)
+    step_cfg = StepConfig(group_size=cfg.rl.group_size, max_tokens_per_microbatch=cfg.rl.max_tokens_per_microbatch)
+    guide, flips, cost = resolve_budget(cfg.rl.guide, trainer, make_engine, prompts, step_cfg, cfg.rl.coding, sampling,
+                                        model_cfg.num_layers)
     if _rank0():
         print(f"{cfg.rl.guide}: guiding {guide} (flip rate by layer {', '.join(f'{v:.2%}' for v in flips.values())}; "
               f"bytes per token {', '.join(f'{v:.0f}' for v in cost.values())})")
@@ -430,7 +432,8 @@ def train(cfg: TrainConfig, make_engine, model_cfg: ModelConfig, progress: bool 
     sync_weights(trainer, engine, state.weight_version)
     step_cfg = StepConfig(cfg.rl.precision, cfg.rl.group_size, cfg.rl.clip_low, cfg.rl.clip_high, cfg.rl.correction,
                           dynamic_sampling=cfg.rl.dynamic_sampling, max_rounds=cfg.rl.max_rounds,
-                          kl_coef=cfg.rl.kl_coef, kl_kind=cfg.rl.kl_kind)
+                          kl_coef=cfg.rl.kl_coef, kl_kind=cfg.rl.kl_kind,
+                          max_tokens_per_microbatch=cfg.rl.max_tokens_per_microbatch)
     reference = _reference(trainer, model_cfg, out_dir / "checkpoints" / "reference", resumed=saved is not None) \
         if cfg.rl.kl_coef else None
     log = MetricsLog(out_dir, state.step) if _rank0() else None

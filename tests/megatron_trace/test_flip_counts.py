@@ -30,9 +30,8 @@ def run_counts(rank, *, sd, precision):
     step_cfg = StepConfig(precision=precision, group_size=GROUP)
     batch = rollout(engine, PROMPTS, lambda prompt, response: 0.0, step_cfg,
                     SamplingParams(max_new_tokens=8, seed=1), 0)
-    counters = []
-    response_logprobs(trainer, batch, step_cfg, observer=lambda g: counters.append(FlipCounter(g)) or counters[-1])
-    counter = counters[0]
+    counter = FlipCounter()
+    response_logprobs(trainer, batch, step_cfg, observer=counter)
     counter.rates(CFG.num_layers)  # sums the counts over ranks
     tokens = sum(len(PROMPTS[int(s.group_id.split("-p")[1])]) + len(s.tokens) for s in batch.out.samples)
     return {"total": counter.total, "rne": counter.rne, "actual": counter.actual, "tokens": tokens}

@@ -5,6 +5,9 @@ import math
 import torch
 
 from megatron_trace.megatron.spawn import spawn
+from megatron_trace.model_config import PRESETS
+
+from . import scenarios as sc
 
 
 def reward_low_ids(prompt, response):
@@ -104,3 +107,51 @@ def test_dynamic_sampling_refills_informative_groups_and_the_kl_penalty_starts_a
     assert second["rollout_rounds"] == 1 and second["trained_groups"] == 2
     assert second["kl_ref"] > 0 and math.isfinite(second["loss"])
     assert none["skipped"] == 1.0 and none["trained_groups"] == 0 and none["reward"] == 0.0  # no refill source
+
+
+def run_microbatched_update(rank, *, sd, max_tokens, correction, threshold):
+    """The full weights after one GRPO update of the data-parallel share of a fixed rollout,
+    with the trainer's micro-batches capped at `max_tokens` (0: one micro-batch per rank)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_trace.megatron.model import build_model
+    from megatron_trace.megatron.weights import gather_full_state_dict, load_full_state_dict
+    from megatron_trace.model_config import PRESETS
+    from megatron_trace.rl.disaggregated import ReducingOptimizer, dp_share
+    from megatron_trace.rl.step import StepConfig, rollout, train_on
+    from megatron_trace.rollout import SamplingParams
+    from sglang_rollout.engine import EngineConfig, TraceEngine
+
+    cfg = PRESETS["tiny"]
+    trainer = build_model(cfg, "bf16", params_dtype=torch.float32, grouped_gemm=True)
+    load_full_state_dict(trainer, sd)
+    engine = TraceEngine(cfg, EngineConfig(precision="fp4", guide="all"))
+    engine.update_weights(sd, 0)
+    step_cfg = StepConfig(precision="trace", group_size=3, correction=correction, correction_threshold=threshold,
+                          max_tokens_per_microbatch=max_tokens)
+    batch = rollout(engine, [(1, 2, 3, 4), (9, 8, 7), (5, 6), (7, 7, 7), (3, 3)], reward_low_ids, step_cfg,
+                    SamplingParams(max_new_tokens=8, seed=2), 0)
+    mine = batch.select(list(dp_share(batch.num_groups, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())))
+    optimizer = ReducingOptimizer(torch.optim.SGD(trainer.parameters(), lr=0.5), trainer)
+    metrics = train_on(trainer, optimizer, mine, step_cfg)
+    return gather_full_state_dict(trainer), metrics
+
+
+def test_microbatches_accumulate_to_the_one_batch_update():
+    """Micro-batches of at most 12 tokens (one sample each; under EP2 x DP2 the rank with 2 groups
+    runs 3 fillers to match its peer's 9) give the update of one micro-batch, in one process, with two pipeline stages (1F1B,
+    varying lengths) and under EP2 x DP2; MIS rejects samples, so the token mean over the kept
+    tokens needs the rescale."""
+    sd = {k: v.float() for k, v in sc.random_full_state_dict(PRESETS["tiny"], seed=5).items()}
+    for layout in ({}, {"pp": 2}, {"ep": 2, "dp": 2}):
+        whole, m1 = spawn(run_microbatched_update, layout, sd=sd, max_tokens=0, correction="mis", threshold=1.02)[0]
+        split, m2 = spawn(run_microbatched_update, layout, sd=sd, max_tokens=12, correction="mis", threshold=1.02)[0]
+        assert m1["microbatches"] == 1 and m2["microbatches"] == (9 if layout.get("dp") else 15), layout
+        assert 0 < m1["kept_frac"] < 1 and m1["kept_frac"] == m2["kept_frac"], layout
+        for k in ("loss", "clip_frac", "k3_kl"):
+            assert abs(m1[k] - m2[k]) <= 1e-5 * (1 + abs(m1[k])), (layout, k, m1[k], m2[k])
+        moved = 0
+        for name, w in whole.items():
+            torch.testing.assert_close(split[name], w, rtol=1e-5, atol=1e-6, msg=f"{layout} {name}")
+            moved += int(not torch.equal(w, sd[name]))
+        assert moved > len(sd) // 2  # the update did something
