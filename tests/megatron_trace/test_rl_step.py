@@ -115,7 +115,10 @@ def run_microbatched_update(rank, *, sd, max_tokens, correction, threshold):
     from megatron.core import parallel_state as ps
 
     from megatron_trace.megatron.model import build_model
-    from megatron_trace.megatron.weights import gather_full_state_dict, load_full_state_dict
+    from megatron_trace.megatron.weights import (
+        gather_full_state_dict,
+        load_full_state_dict,
+    )
     from megatron_trace.model_config import PRESETS
     from megatron_trace.rl.disaggregated import ReducingOptimizer, dp_share
     from megatron_trace.rl.step import StepConfig, rollout, train_on
