@@ -27,12 +27,13 @@ def make_backend(path: str, cfg, **config):
     return engine_cls(cfg, config_cls(**config))
 
 
-def engine_factory(path: str, cfg, model_id: str):
-    """make_engine(precision, guide, coding) for the backend class at `path`."""
+def engine_factory(path: str, cfg, model_id: str, num_blocks: int = 4096):
+    """make_engine(precision, guide, coding) for the backend class at `path`, with a KV cache of
+    `num_blocks` blocks."""
     load_backend(path)  # fail now, not at the first rollout
     device = "cuda" if torch.cuda.is_available() else "cpu"
 
     def make_engine(precision, guide, coding):
         return make_backend(path, cfg, precision=precision, guide=guide, coding=coding, device=device,
-                            model_id=model_id, num_blocks=4096)
+                            model_id=model_id, num_blocks=num_blocks)
     return make_engine

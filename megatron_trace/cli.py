@@ -32,6 +32,7 @@ def _config(args):
 def train_main(args: argparse.Namespace) -> list[dict]:
     import os
 
+    from .rl.plan import engine_kv_blocks
     from .rl.slurm import torch_env_from_slurm
     from .rl.train import model_config, train
 
@@ -43,7 +44,7 @@ def train_main(args: argparse.Namespace) -> list[dict]:
             history = _train_disaggregated(cfg, model_cfg)
         else:
             init_one_process()
-            history = train(cfg, engine_factory(cfg.engine, model_cfg, cfg.model.preset), model_cfg)
+            history = train(cfg, engine_factory(cfg.engine, model_cfg, cfg.model.preset, engine_kv_blocks(cfg)), model_cfg)
     except (ValueError, FileNotFoundError) as e:  # bad config for this run, an unusable checkpoint
         raise SystemExit(f"error: {e}") from None
     if history:
@@ -65,6 +66,7 @@ def _train_disaggregated(cfg, model_cfg) -> list[dict]:
     from .megatron.cpu_patches import initialize_model_parallel_cpu
     from .rl.bridge import Bridge, Roles, rendezvous_store
     from .rl.disaggregated import RemoteEngine, serve_engine
+    from .rl.plan import engine_kv_blocks
     from .rl.train import train
 
     roles = Roles.from_env(cfg.dist.engine_ranks)
@@ -75,7 +77,7 @@ def _train_disaggregated(cfg, model_cfg) -> list[dict]:
     store = rendezvous_store()
     bridge = Bridge(store, roles, cfg.dist.bridge)
     if not roles.is_trainer:
-        serve_engine(bridge, engine_factory(cfg.engine, model_cfg, cfg.model.preset))
+        serve_engine(bridge, engine_factory(cfg.engine, model_cfg, cfg.model.preset, engine_kv_blocks(cfg)))
         return []
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
                             store=dist.PrefixStore("trace-trainers", store), rank=roles.rank, world_size=roles.trainers)

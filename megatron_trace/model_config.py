@@ -1,6 +1,6 @@
 """Architecture of a Qwen3-MoE-style model, shared by the trainer and the engine.
 
-Presets: `tiny` (tests and the embedded default), `qwen3-30b-a3b`, `qwen3-235b-a22b`. Field names
+Presets: `tiny` (tests), `demo` (the embedded default), `small` (CPU memory checks), `qwen3-30b-a3b`, `qwen3-235b-a22b`. Field names
 follow the HF config's meaning; `checkpoint.qwen3_moe.config_from_hf` reads one.
 """
 
@@ -88,6 +88,10 @@ PRESETS: dict[str, ModelConfig] = {
     "demo": ModelConfig(vocab_size=32, hidden_size=128, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
                         head_dim=32, moe_intermediate_size=64, num_experts=4, top_k=2, rope_theta=10000.0,
                         max_position_embeddings=512),
+    # CPU-sized (28 M parameters, the demo's alphabet): memory and speed checks of whole runs
+    "small": ModelConfig(vocab_size=32, hidden_size=512, num_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                         head_dim=64, moe_intermediate_size=256, num_experts=16, top_k=4, rope_theta=10000.0,
+                         max_position_embeddings=512),
     "qwen3-30b-a3b": ModelConfig(vocab_size=151936, hidden_size=2048, num_layers=48, num_attention_heads=32,
                                  num_key_value_heads=4, head_dim=128, moe_intermediate_size=768, num_experts=128,
                                  top_k=8),

@@ -56,8 +56,9 @@ def transformer_config(cfg: ModelConfig, *, dispatcher: str = "alltoall", recomp
         expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
         sequence_parallel=tp > 1, attention_backend=AttnBackend.local, use_cpu_initialization=True,
         pipeline_dtype=params_dtype, init_method_std=0.02,
-        gradient_accumulation_fusion=False, variable_seq_lengths=True,  # packed micro-batches differ in length
-        **rc,
+        gradient_accumulation_fusion=False, **rc,
+        # pipeline stages exchange micro-batches of differing lengths (Megatron's allgather dispatcher cannot)
+        variable_seq_lengths=ps.get_pipeline_model_parallel_world_size() > 1 and dispatcher == "alltoall",
     )
     kw.update(overrides)
     return TransformerConfig(**kw)

@@ -48,6 +48,9 @@ def run_microbatches(model, batches: list[MicroBatch], loss_fn: Callable[[int, t
     Returns:
         each micro-batch's info, on every rank of the pipeline.
     """
+    lengths = {b.input_ids.shape[1] for b in batches}
+    if len(lengths) > 1 and ps.get_pipeline_model_parallel_world_size() > 1 and not model.config.variable_seq_lengths:
+        raise ValueError("micro-batches of differing lengths across pipeline stages need the alltoall token dispatcher")
     offset = get_transformer_layer_offset(model.config)
     layers = range(offset, offset + len(model.decoder.layers))
     infos = {}
@@ -56,7 +59,8 @@ def run_microbatches(model, batches: list[MicroBatch], loss_fn: Callable[[int, t
     def forward_step(data_iter, m):
         i = next(data_iter)
         mb = batches[i]
-        stage = None if mb.guidance is None else mb.guidance.for_layers(layers)
+        # guidance waits in host memory; only micro-batches in flight hold theirs on the device
+        stage = None if mb.guidance is None else mb.guidance.for_layers(layers).to(mb.input_ids.device)
         out = m(mb.input_ids, mb.position_ids, None, labels=mb.targets, packed_seq_params=mb.packed_seq_params,
                 guidance=stage)
 

@@ -28,10 +28,11 @@ class MasterAdamW:
         self.opt.step()
         for p, m in zip(self.params, self.master, strict=True):
             p.copy_(m)
+            m.grad = None  # the FP32 copies live only during the step
 
     def state_dict(self) -> dict:
         """FP32 master weights and AdamW state (what a resumed run needs beyond the BF16 weights)."""
-        return {"master": [m.detach().clone() for m in self.master], "adamw": self.opt.state_dict()}
+        return {"master": [m.detach() for m in self.master], "adamw": self.opt.state_dict()}  # views: save, not keep
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:

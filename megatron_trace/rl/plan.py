@@ -8,11 +8,14 @@ what each rank holds, as this code base holds it:
   gradient copies of the optimizer step, QAT's dequantized weight copies and STE masks kept for
   backward, the KL reference's weights, activations of the rank's one micro-batch (all its
   samples packed, sequence-parallel under TP; with recompute only layer inputs plus one layer),
-  the logits, and the guidance it receives;
-- engine GPU: FP4 weights (codes + E4M3 block scales) or BF16, the FP4 KV cache of a step's
-  in-flight samples (prompts stored once per group), and the guidance it records;
-- per step: weight-sync bytes (trainer rank 0 gathers the full weights and sends them packed to
-  every engine rank; its host holds the full BF16 model meanwhile) and guidance bytes.
+  the logits, and the guidance of the micro-batches in flight;
+- engine GPU: FP4 weights (codes + E4M3 block scales) or BF16, and the FP4 KV cache of a
+  step's in-flight samples (prompts stored once per group);
+- host memory per node: trainer rank 0 gathers the full BF16 weights for the sync and packs
+  them; guidance waits on the host (records leave the engine's GPU layer by layer, and a
+  trainer moves one micro-batch's to its GPU at a time);
+- per step: weight-sync bytes (rank 0 sends the packed weights to every engine rank) and
+  guidance bytes.
 
 Activation counts are estimates (what autograd saves per token in our layer, in BF16); the rest
 is exact. A layout that does not fit is refused with the shortfall. `choose_layout` searches the
@@ -161,24 +164,46 @@ class Plan:
 def _peak(items: dict[str, float]) -> float:
     """The larger of the forward-backward and the optimizer-step working sets."""
     step_only = items.get("optimizer step: FP32 gradient copies", 0.0)
-    fwd_only = sum(v for k, v in items.items() if k.startswith(("activations", "logits", "QAT", "guidance", "KL")))
+    fwd_only = sum(v for k, v in items.items() if k.startswith(("activations", "logits", "QAT", "guidance")))
     static = sum(items.values()) - step_only - fwd_only
     return static + max(step_only, fwd_only)
 
 
-def guidance_bytes_per_token(arch: Architecture, layer_count: int, coding: str = "dense") -> float:
-    """Guidance record bytes per token for `layer_count` guided layers (guidance.rows format:
-    per row a float32 global scale, an E4M3 scale per 16 elements and a mantissa bit per
-    element; sparse coding adds a known-bit mask, so dense is its floor)."""
+def guidance_bytes_per_token(arch: Architecture, layer_count: int, decoded_sparse: bool = False) -> float:
+    """Guidance bytes per token for `layer_count` guided layers: dense records (per row a float32
+    global scale, an E4M3 scale per 16 elements and a mantissa bit per element). Sparse records
+    carry fewer (only near-tie elements' bits); the plan counts them as dense, an upper bound.
+    `decoded_sparse`: the trainer's decoded form of sparse guidance, which adds known-bit and
+    known-scale masks (guidance.rows)."""
     h = arch.hidden
-    sites = [(1, h), (1, arch.attn_out_width), (1, h), (arch.top_k, arch.moe_ffn),
-             (arch.kv_heads, arch.kv_width // (2 * arch.kv_heads)), (arch.kv_heads, arch.kv_width // (2 * arch.kv_heads))]
-    per_layer = sum(rows * (4 + cols // 16 + cols // 8 * (2 if coding == "sparse" else 1)) for rows, cols in sites)
-    return layer_count * per_layer
+    head = arch.kv_width // (2 * arch.kv_heads)
+    sites = [(1, h), (1, arch.attn_out_width), (1, h), (arch.top_k, arch.moe_ffn), (arch.kv_heads, head),
+             (arch.kv_heads, head)]
+    per_row = (lambda c: 4 + 2 * (c // 16) + 2 * (c // 8)) if decoded_sparse else (lambda c: 4 + c // 16 + c // 8)
+    return layer_count * sum(rows * per_row(cols) for rows, cols in sites)
 
 
 def routed_expert_bytes_per_token(arch: Architecture) -> int:
     return arch.moe_layers * arch.top_k * 8  # int64 ids, as the engine records them
+
+
+KV_BLOCK = 16  # tokens per KV-cache block of the built-in engine (EngineConfig.block_size)
+
+
+def kv_blocks(groups: int, group_size: int, prompt_tokens: int, new_tokens: int, block: int = KV_BLOCK) -> int:
+    """KV-cache blocks `groups` groups need at once, at their longest: the prompt's blocks once
+    per group, each sample's own (the prompt's partial last block is copied per sample)."""
+    own = math.ceil((prompt_tokens + new_tokens) / block) - prompt_tokens // block
+    return groups * (math.ceil(prompt_tokens / block) + group_size * own)
+
+
+def engine_kv_blocks(cfg) -> int:
+    """KV blocks an engine needs to hold its share of a step's groups at once (the built-in
+    engine is built with that many)."""
+    _, engines = gpu_counts(cfg)
+    instances = max(1, engines // cfg.dist.engine_tp)
+    rl = cfg.rl
+    return kv_blocks(math.ceil(rl.prompts_per_step / instances), rl.group_size, rl.max_prompt_tokens, rl.max_new_tokens)
 
 
 def _guided_layers(policy: str, arch: Architecture, precision: str) -> int:
@@ -227,12 +252,15 @@ def make_plan(cfg, arch: Architecture, layout: Layout | None = None) -> Plan:
         fp4 += (arch.attn_params + tp_params) / lay.tp + ep_params / (lay.ep * lay.etp)
     ends = arch.vocab * h / lay.tp * (1 if lay.pp > 1 or arch.tie_embeddings else 2) + h
     params = dense + expert + ends
-    T = math.ceil(rl.prompts_per_step * rl.group_size / dp) * (rl.max_prompt_tokens + rl.max_new_tokens)
+    # the rank's samples (all packed up front, guidance included), then its largest micro-batch
+    rank_tokens = math.ceil(rl.prompts_per_step * rl.group_size / dp) * (rl.max_prompt_tokens + rl.max_new_tokens)
+    T = rank_tokens if not rl.max_tokens_per_microbatch else min(
+        rank_tokens, max(rl.max_tokens_per_microbatch, rl.max_prompt_tokens + rl.max_new_tokens))
     guided = _guided_layers(rl.guide, arch, rl.precision)
-    coding = rl.coding
+    norms_stage = stage_layers * arch.norm_params + h  # Megatron keeps norm weights in float32
     trainer = {
-        "parameters (BF16)": 2 * params,
-        "gradients (BF16)": 2 * params,
+        "parameters (BF16, norms FP32)": 2 * params + 2 * norms_stage,
+        "gradients (as the parameters)": 2 * params + 2 * norms_stage,
         "FP32 masters + AdamW moments": 12 * params,
         "optimizer step: FP32 gradient copies": 4 * params,
     }
@@ -242,49 +270,55 @@ def make_plan(cfg, arch: Architecture, layout: Layout | None = None) -> Plan:
         trainer["KL reference weights (BF16)"] = 2 * params
     trainer["activations"] = _activation_bytes(arch, lay, T, stage_layers, dist.recompute)
     trainer["logits (FP32)"] = 3 * 4 * T * arch.vocab / lay.tp
-    trainer["guidance received"] = T * (guidance_bytes_per_token(arch, min(guided, stage_layers), coding)
-                                        + routed_expert_bytes_per_token(arch) * stage_layers / L)
+    guidance_per_token = (guidance_bytes_per_token(arch, min(guided, stage_layers), rl.coding == "sparse")
+                          + routed_expert_bytes_per_token(arch) * stage_layers / L)
+    in_flight = min(lay.pp, math.ceil(rank_tokens / T))  # 1F1B keeps up to PP micro-batches alive
+    trainer["guidance (micro-batches in flight)"] = in_flight * T * guidance_per_token
 
     # engine: one instance per dist.engine_tp GPUs, generating its share of the step
     etp = dist.engine_tp
     instances = 1 if colocated else max(1, engine_gpus // etp)
     fp4_all = sum(arch.attn_params + sum(arch.ffn_params(i)) for i in range(L))
     other = arch.num_params - fp4_all
+    norms = L * arch.norm_params + h  # the engine holds norms in float32: 2 more bytes each
     fp4_engine = rl.precision != "bf16"
-    groups = math.ceil(rl.prompts_per_step / instances)
-    kv_tokens = groups * rl.max_prompt_tokens + groups * rl.group_size * rl.max_new_tokens
+    kv_tokens = engine_kv_blocks(cfg) * KV_BLOCK
     kv_per_token = L * (arch.kv_width * (0.5 + 1 / 16) + 2 * arch.kv_heads * 4 if fp4_engine else arch.kv_width * 2)
     recorded = guided if rl.precision == "trace" else (L if rl.precision == "fp4-qat" and rl.measure_flips else 0)
     engine = {
         "weights (FP4 codes + scales)" if fp4_engine else "weights (BF16)":
-            (fp4_all * (0.5 + 1 / 16) if fp4_engine else 2 * fp4_all) / etp + 2 * other / etp,
+            ((fp4_all * (0.5 + 1 / 16) if fp4_engine else 2 * fp4_all) + 2 * other + 2 * norms) / etp,
         "KV cache": kv_tokens * kv_per_token / etp,
-        "guidance recorded": kv_tokens * (guidance_bytes_per_token(arch, recorded, "dense")
-                                          + routed_expert_bytes_per_token(arch)) / etp,
     }
     packed = fp4_all * (0.5 + 1 / 16) + 2 * other if fp4_engine else 2 * arch.num_params
     step_tokens = rl.prompts_per_step * rl.max_prompt_tokens + rl.prompts_per_step * rl.group_size * rl.max_new_tokens
     traffic = {
         "weight gather to trainer rank 0": 2 * arch.num_params * (0 if trainer_gpus == 1 else 1),
         "weight sync, rank 0 to the engines": packed * (instances if not colocated else 0),
-        "guidance streamed to trainers": step_tokens * (guidance_bytes_per_token(arch, guided, coding)
+        "guidance streamed to trainers": step_tokens * (guidance_bytes_per_token(arch, guided)
                                                         + routed_expert_bytes_per_token(arch)) * (not colocated),
     }
-    host = {"trainer rank 0: full BF16 weights + packed copy": 2 * arch.num_params + packed}
     limits = {"gpu": cl.gpu_memory_gib * GiB * USABLE, "host": cl.host_memory_gib * GiB * USABLE}
     t_peak = _peak(trainer) + (sum(engine.values()) if colocated else 0)
     if t_peak > limits["gpu"]:
         problems.append(f"trainer GPU needs {t_peak / GiB:.1f} GiB, {(t_peak - limits['gpu']) / GiB:.1f} GiB more "
                         f"than the {limits['gpu'] / GiB:.1f} GiB usable of {cl.gpu_memory_gib:g} GiB")
-    if not colocated and sum(engine.values()) > limits["gpu"]:
-        e = sum(engine.values())
-        problems.append(f"engine GPU needs {e / GiB:.1f} GiB, {(e - limits['gpu']) / GiB:.1f} GiB more than usable; "
-                        f"raise dist.engine_tp or use more engine GPUs")
-    if host[next(iter(host))] > limits["host"]:
-        x = host[next(iter(host))]
-        problems.append(f"weight sync gathers the full model on trainer rank 0's host: {x / GiB:.0f} GiB, "
-                        f"{(x - limits['host']) / GiB:.0f} GiB more than usable of {cl.host_memory_gib:g} GiB "
-                        "(sharded weight sync is not built yet)")
+    e = sum(engine.values())
+    if not colocated and e > limits["gpu"]:
+        problems.append(f"engine GPU needs {e / GiB:.1f} GiB, {(e - limits['gpu']) / GiB:.1f} GiB more than the "
+                        f"{limits['gpu'] / GiB:.1f} GiB usable; raise dist.engine_tp or use more engine GPUs")
+    # host memory per node: guidance waits there (records leave the engine's GPU layer by layer)
+    local_trainers, local_engines = min(cl.gpus_per_node, trainer_gpus), min(cl.gpus_per_node, engine_gpus)
+    host = {"trainer node: rank 0's full BF16 weights + packed copy": 2 * arch.num_params + packed,
+            "trainer node: its ranks' rollout guidance": local_trainers * rank_tokens * guidance_per_token,
+            "engine node: its engines' recorded guidance": max(1, local_engines // etp) * kv_tokens * (
+                guidance_bytes_per_token(arch, recorded) + routed_expert_bytes_per_token(arch))}
+    trainer_node = sum(v for k, v in host.items() if k.startswith("trainer"))
+    for what, x in (("trainer node", trainer_node), ("engine node", host["engine node: its engines' recorded guidance"])):
+        if x > limits["host"]:
+            problems.append(f"{what} host memory: {x / GiB:.0f} GiB, {(x - limits['host']) / GiB:.0f} GiB more than "
+                            f"usable of {cl.host_memory_gib:g} GiB" + (" (the weight sync gathers the full model on "
+                            "rank 0; sharded sync is not built yet)" if what == "trainer node" else ""))
     if arch.implemented:
         problems.append(f"{arch.name} is plan-only: {arch.implemented}")
     return Plan(arch, lay, trainer_gpus, engine_gpus, trainer, engine, traffic, host, limits, problems)
@@ -334,20 +368,24 @@ def architecture(cfg) -> Architecture:
 
 
 def format_plan(plan: Plan) -> str:
-    """The plan as text tables (GiB per GPU, GiB per step)."""
-    def rows(items):
-        return "\n".join(f"  {k:<44} {v / GiB:10.3f}" for k, v in items.items())
+    """The plan as text tables, in GiB (MiB for a small model)."""
+    big = max(plan.trainer_peak, plan.engine_total, *plan.host.values()) >= GiB
+    unit, div = ("GiB", GiB) if big else ("MiB", 2**20)
 
-    a = plan.arch
-    lines = [f"model {a.name}: {a.num_params / 1e9:.2f} B parameters, {a.layers} layers, {a.experts} experts top-{a.top_k}",
-             f"trainer: {plan.trainer_gpus} GPUs, {plan.layout}, DP{max(1, plan.trainer_gpus // (plan.layout.tp * plan.layout.pp))}"
-             f"; engines: {plan.engine_gpus or 'colocated'}",
-             "trainer GPU (GiB)", rows(plan.trainer),
-             f"  {'peak (forward-backward or optimizer step)':<44} {plan.trainer_peak / GiB:10.3f}",
-             "engine GPU (GiB)", rows(plan.engine), f"  {'total':<44} {plan.engine_total / GiB:10.3f}",
-             "per RL step (GiB moved)", rows(plan.traffic),
-             "host memory (GiB)", rows(plan.host),
-             f"usable per GPU {plan.limits['gpu'] / GiB:.1f} GiB ({USABLE:.0%}), per host {plan.limits['host'] / GiB:.0f} GiB"]
+    def rows(items):
+        return "\n".join(f"  {k:<48} {v / div:10.3f}" for k, v in items.items())
+
+    a, lay = plan.arch, plan.layout
+    dp = max(1, plan.trainer_gpus // (lay.tp * lay.pp))
+    lines = [f"model {a.name}: {a.num_params / 1e9:.3f} B parameters, {a.layers} layers, {a.experts} experts top-{a.top_k}",
+             f"trainer: {plan.trainer_gpus} GPU(s), {lay}, DP{dp}; engines: "
+             + (f"{plan.engine_gpus} GPU(s)" if plan.engine_gpus else "colocated on the trainer's GPU"),
+             f"trainer GPU ({unit})", rows(plan.trainer),
+             f"  {'peak (forward-backward or optimizer step)':<48} {plan.trainer_peak / div:10.3f}",
+             f"engine GPU ({unit})", rows(plan.engine), f"  {'total':<48} {plan.engine_total / div:10.3f}",
+             f"per RL step ({unit} moved)", rows(plan.traffic),
+             f"host memory ({unit})", rows(plan.host),
+             f"usable: {plan.limits['gpu'] / GiB:.1f} GiB per GPU ({USABLE:.0%} of it), {plan.limits['host'] / GiB:.0f} GiB per host"]
     lines += ["FITS" if plan.fits else "DOES NOT FIT:"] + [f"  - {p}" for p in plan.problems]
     return "\n".join(lines)
 

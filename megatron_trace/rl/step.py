@@ -231,7 +231,7 @@ def _pack(trainer, batch: RolloutBatch, cfg: StepConfig, samples: list[int], obs
         index += range(offset + s.prompt_len - 1, offset + len(q) - 1)
         sample_of += [i] * len(s.tokens)
         offset += len(q)
-    mb = MicroBatch(tokens, positions, torch.roll(tokens, -1, 1), psp, carried.padded(pad, len(seqs[0])).to(dev))
+    mb = MicroBatch(tokens, positions, torch.roll(tokens, -1, 1), psp, carried.padded(pad, len(seqs[0])))
     return _Packed(mb, torch.tensor(index, device=dev, dtype=torch.long),
                    torch.tensor(sample_of, device=dev, dtype=torch.long),
                    torch.cat([s.logprobs for s in chosen]).to(dev), weight)

@@ -407,7 +407,7 @@ def train(cfg: TrainConfig, make_engine, model_cfg: ModelConfig, progress: bool 
         save_checkpoint(out_dir, trainer, model_cfg, opt, task.state_dict(), RunState(phase, step, version, state.guide),
                         run_config, cfg.checkpoint.keep)
 
-    if state.phase == "sft":
+    if state.phase == "sft" and state.step < cfg.sft.steps:
         opt = _optimizer(trainer, cfg.sft.lr)
         if saved is not None:
             opt.load_state_dict(saved["optimizer"])
@@ -418,6 +418,8 @@ def train(cfg: TrainConfig, make_engine, model_cfg: ModelConfig, progress: bool 
             bar.set_postfix(loss=f"{loss:.3f}")
             if cfg.checkpoint.sft_every and (i + 1) % cfg.checkpoint.sft_every == 0 and i + 1 < cfg.sft.steps:
                 checkpoint(opt, "sft", i + 1, 0)
+        del opt  # before the RL optimizer's masters exist
+    if state.phase == "sft":
         state, saved = RunState("rl", 0, 0), None
     opt = _optimizer(trainer, cfg.rl.lr)
     if saved is not None:
