@@ -41,7 +41,7 @@ def train_main(args: argparse.Namespace) -> list[dict]:
     try:
         model_cfg = model_config(cfg)
         if cfg.dist.engine_ranks:
-            history = _train_disaggregated(cfg, model_cfg)
+            history = _lost_peer_exits(_train_disaggregated, cfg, model_cfg)
         else:
             init_one_process()
             history = train(cfg, engine_factory(cfg.engine, model_cfg, cfg.model.preset, engine_kv_blocks(cfg)), model_cfg)
@@ -55,6 +55,27 @@ def train_main(args: argparse.Namespace) -> list[dict]:
               f"k3_kl last {history[-1].get('k3_kl', float('nan')):.2e}; metrics in {cfg.output_dir}/metrics.jsonl, "
               f"plot in {cfg.output_dir}/report.png")
     return history
+
+
+# what gloo, NCCL and the TCP store say when the other end of a connection is gone
+LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited",
+             "failed to recv", "Socket Timeout", "NCCL communicator was aborted")
+
+
+def _lost_peer_exits(fn, *args):
+    """fn(*args); when another rank of the job failed (a collective or the store lost its peer),
+    exit with a message that says so instead of a backend traceback."""
+    import os
+
+    try:
+        return fn(*args)
+    except (RuntimeError, ConnectionError, EOFError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        if isinstance(e, RuntimeError) and not isinstance(e, torch.distributed.DistError) and \
+                not any(s in str(e) for s in LOST_PEER):
+            raise
+        raise SystemExit(f"trace-rl: rank {os.environ.get('RANK', '?')} lost contact with another rank (it failed or "
+                         f"was killed; see its log); stopping. [{type(e).__name__}: {first[:300]}]") from None
 
 
 def _train_disaggregated(cfg, model_cfg) -> list[dict]:
@@ -130,6 +151,9 @@ def slurm_main(args: argparse.Namespace) -> None:
         script = render_sbatch(cfg, args.config, args.set or [])
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
+    if cfg.dist.engine_tp != 1 and cfg.engine == DEFAULT_ENGINE and not args.force:
+        raise SystemExit("error: dist.engine_tp > 1: the built-in engine runs on one GPU (engine tensor parallelism "
+                         "waits for the SGLang backend); --force renders the script anyway")
     if not plan.fits and not args.force:
         raise SystemExit(format_plan(plan) + "\n(--force renders the script anyway)")
     if args.out:
