@@ -73,6 +73,17 @@ def test_sbatch_scripts_render_from_the_config_and_parse(tmp_path, shape):
     assert len(sets) == len(SHAPES[shape]) // 2
 
 
+def test_submit_script_plans_renders_and_submits(tmp_path):
+    env = dict(os.environ, PATH=f"{FAKE}:{os.environ['PATH']}", TRACE_JOBS=str(tmp_path), PYTHON=sys.executable)
+    run = subprocess.run(["bash", str(ROOT / "launch" / "slurm" / "submit.sh"),
+                          str(ROOT / "launch" / "configs" / "qwen3-30b-a3b.yaml")], env=env, capture_output=True,
+                         text=True, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "FITS" in run.stdout and "Submitted batch job" in run.stdout
+    (script,) = tmp_path.glob("qwen3-30b-a3b-*.sbatch")
+    assert "#SBATCH --ntasks-per-node=8" in script.read_text() and "dist.engine_ranks=2" in script.read_text()
+
+
 def test_a_layout_that_disagrees_with_the_cluster_is_refused():
     run = subprocess.run([sys.executable, "-m", "megatron_trace.cli", "slurm", "--config",
                           str(ROOT / "launch" / "configs" / "tiny.yaml"), "--set", "cluster.nodes=2", "--set",
