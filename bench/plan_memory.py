@@ -56,22 +56,30 @@ def measure(overrides: list[str]) -> dict:
         make_engine = engine_factory(cfg.engine, model_cfg, cfg.model.preset, engine_kv_blocks(cfg))
         from megatron_trace.rl import checkpoint
 
+        cuda = torch.cuda.is_available()
+
+        def peak_bytes():  # on a GPU the caching allocator's peak, else the process's peak RSS
+            return torch.cuda.max_memory_allocated() if cuda else _status_kib("VmHWM") * 1024
+
         save, peaks = checkpoint.save_checkpoint, []
 
         def save_after_peak(*args, **kwargs):  # the write stages tensors in host memory: not the GPU plan's
-            peaks.append(_status_kib("VmHWM"))
+            peaks.append(peak_bytes())
             return save(*args, **kwargs)
         checkpoint.save_checkpoint = save_after_peak
-        base = _status_kib("VmRSS")
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() if cuda else _status_kib("VmRSS") * 1024
         try:
             train(cfg, make_engine, model_cfg, progress=False)
         finally:
             checkpoint.save_checkpoint = save
-        with_checkpoint = _status_kib("VmHWM")
-    measured = (max(peaks) - base) * 1024
+        with_checkpoint = peak_bytes()
+    measured = max(peaks) - base
     planned = plan.trainer_peak + plan.engine_total
     return {"plan": plan_json(plan), "measured_bytes": measured, "planned_bytes": planned, "ratio": planned / measured,
-            "measured_with_checkpoint_write_bytes": (with_checkpoint - base) * 1024}
+            "measured_with_checkpoint_write_bytes": with_checkpoint - base,
+            "device": torch.cuda.get_device_name() if cuda else "cpu"}
 
 
 def main() -> None:
@@ -86,7 +94,8 @@ def main() -> None:
           f"(planned / measured {r['ratio']:.3f}); with the checkpoint write "
           f"{r['measured_with_checkpoint_write_bytes'] / mib:.1f} MiB; {time.perf_counter() - t0:.0f} s")
     if args.out:
-        r |= {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores",
+        machine = r["device"] if r["device"] != "cpu" else f"{platform.machine()} CPU, {os.cpu_count()} cores"
+        r |= {"date": time.strftime("%Y-%m-%d"), "machine": machine,
               "command": "python bench/plan_memory.py " + " ".join(f"--set {s}" for s in args.set)}
         Path(args.out + ".json").write_text(json.dumps(r, indent=1) + "\n")
         rows = "\n".join(f"| {k} | {v / mib:.2f} |" for k, v in {**r["plan"]["trainer_bytes"],
@@ -94,8 +103,8 @@ def main() -> None:
         Path(args.out + ".md").write_text(
             f"# trace-rl plan vs a measured run, {r['date']}, {r['machine']}\n\n    {r['command']}\n\n"
             f"| item (MiB) | planned |\n|---|---|\n{rows}\n\n"
-            f"Planned peak (trainer peak + colocated engine): {r['planned_bytes'] / mib:.1f} MiB; measured peak RSS "
-            f"above the post-import baseline: {r['measured_bytes'] / mib:.1f} MiB; planned / measured "
+            f"Planned peak (trainer peak + colocated engine): {r['planned_bytes'] / mib:.1f} MiB; measured peak "
+            f"({'torch.cuda.max_memory_allocated' if r['device'] != 'cpu' else 'RSS'}) above the baseline: {r['measured_bytes'] / mib:.1f} MiB; planned / measured "
             f"{r['ratio']:.3f}. Writing the end-of-run checkpoint (host memory on a GPU) raises the measured peak to "
             f"{r['measured_with_checkpoint_write_bytes'] / mib:.1f} MiB.\n")
 
