@@ -30,8 +30,10 @@ def _status_kib(field: str) -> int:
 
 def measure(overrides: list[str]) -> dict:
     """{"plan": plan_json, "measured_bytes", "planned_bytes", "ratio"} for the run."""
-    os.environ.setdefault("TRITON_INTERPRET", "1")
     import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # the engine's Triton kernels, interpreted on the CPU
 
     torch.backends.mkldnn.enabled = False
     from megatron_trace.checkpoint.safetensors_io import release_large_frees
