@@ -197,11 +197,11 @@ def kv_blocks(groups: int, group_size: int, prompt_tokens: int, new_tokens: int,
     return groups * (math.ceil(prompt_tokens / block) + group_size * own)
 
 
-def engine_kv_blocks(cfg) -> int:
+def engine_kv_blocks(cfg, engine_tp: int | None = None) -> int:
     """KV blocks an engine needs to hold its share of a step's groups at once (the built-in
-    engine is built with that many)."""
+    engine is built with that many); engine_tp: GPUs per engine (default dist.engine_tp)."""
     _, engines = gpu_counts(cfg)
-    instances = max(1, engines // cfg.dist.engine_tp)
+    instances = max(1, engines // (engine_tp or cfg.dist.engine_tp))
     rl = cfg.rl
     return kv_blocks(math.ceil(rl.prompts_per_step / instances), rl.group_size, rl.max_prompt_tokens, rl.max_new_tokens)
 
@@ -280,16 +280,10 @@ def make_plan(cfg, arch: Architecture, layout: Layout | None = None) -> Plan:
     instances = 1 if colocated else max(1, engine_gpus // etp)
     fp4_all = sum(arch.attn_params + sum(arch.ffn_params(i)) for i in range(L))
     other = arch.num_params - fp4_all
-    norms = L * arch.norm_params + h  # the engine holds norms in float32: 2 more bytes each
     fp4_engine = rl.precision != "bf16"
     kv_tokens = engine_kv_blocks(cfg) * KV_BLOCK
-    kv_per_token = L * (arch.kv_width * (0.5 + 1 / 16) + 2 * arch.kv_heads * 4 if fp4_engine else arch.kv_width * 2)
     recorded = guided if rl.precision == "trace" else (L if rl.precision == "fp4-qat" and rl.measure_flips else 0)
-    engine = {
-        "weights (FP4 codes + scales)" if fp4_engine else "weights (BF16)":
-            ((fp4_all * (0.5 + 1 / 16) if fp4_engine else 2 * fp4_all) + 2 * other + 2 * norms) / etp,
-        "KV cache": kv_tokens * kv_per_token / etp,
-    }
+    engine = _engine_bytes(arch, fp4_engine, etp, kv_tokens)
     packed = fp4_all * (0.5 + 1 / 16) + 2 * other if fp4_engine else 2 * arch.num_params
     step_tokens = rl.prompts_per_step * rl.max_prompt_tokens + rl.prompts_per_step * rl.group_size * rl.max_new_tokens
     traffic = {
@@ -305,8 +299,11 @@ def make_plan(cfg, arch: Architecture, layout: Layout | None = None) -> Plan:
                         f"than the {limits['gpu'] / GiB:.1f} GiB usable of {cl.gpu_memory_gib:g} GiB")
     e = sum(engine.values())
     if not colocated and e > limits["gpu"]:
+        fitting = [t for t in (2, 4, 8, 16) if t > etp and t <= engine_gpus and engine_gpus % t == 0 and sum(
+            _engine_bytes(arch, fp4_engine, t, engine_kv_blocks(cfg, t) * KV_BLOCK).values()) <= limits["gpu"]]
         problems.append(f"engine GPU needs {e / GiB:.1f} GiB, {(e - limits['gpu']) / GiB:.1f} GiB more than the "
-                        f"{limits['gpu'] / GiB:.1f} GiB usable; raise dist.engine_tp or use more engine GPUs")
+                        f"{limits['gpu'] / GiB:.1f} GiB usable; "
+                        + (f"dist.engine_tp={fitting[0]} fits" if fitting else "no engine_tp fits these engine GPUs"))
     # host memory per node: guidance waits there (records leave the engine's GPU layer by layer)
     local_trainers, local_engines = min(cl.gpus_per_node, trainer_gpus), min(cl.gpus_per_node, engine_gpus)
     host = {"trainer node: rank 0's full BF16 weights + packed copy": 2 * arch.num_params + packed,
@@ -322,6 +319,20 @@ def make_plan(cfg, arch: Architecture, layout: Layout | None = None) -> Plan:
     if arch.implemented:
         problems.append(f"{arch.name} is plan-only: {arch.implemented}")
     return Plan(arch, lay, trainer_gpus, engine_gpus, trainer, engine, traffic, host, limits, problems)
+
+
+def _engine_bytes(arch: Architecture, fp4: bool, engine_tp: int, kv_tokens: int) -> dict[str, float]:
+    """One engine GPU: its shard of the weights (FP4 sites packed, or BF16; the rest BF16, norms
+    float32) and of the KV cache for `kv_tokens` token slots (FP4: codes, E4M3 scales and a
+    float32 scale per token and head)."""
+    L = arch.layers
+    fp4_all = sum(arch.attn_params + sum(arch.ffn_params(i)) for i in range(L))
+    norms = L * arch.norm_params + arch.hidden
+    other = arch.num_params - fp4_all
+    kv_per_token = L * (arch.kv_width * (0.5 + 1 / 16) + 2 * arch.kv_heads * 4 if fp4 else arch.kv_width * 2)
+    return {"weights (FP4 codes + scales)" if fp4 else "weights (BF16)":
+            ((fp4_all * (0.5 + 1 / 16) if fp4 else 2 * fp4_all) + 2 * other + 2 * norms) / engine_tp,
+            "KV cache": kv_tokens * kv_per_token / engine_tp}
 
 
 def _activation_bytes(arch: Architecture, lay: Layout, T: int, layers: int, recompute: str) -> float:

@@ -102,6 +102,10 @@ def test_large_layouts_fit_or_are_refused_with_the_shortfall():
     assert make_plan(qwen235, arch, Layout(tp=3)).problems[0].startswith("4 trainer GPUs do not divide")
     cfg = load_config(ROOT / "launch" / "configs" / "qwen3-235b-a22b.yaml")
     assert make_plan(cfg, arch).fits
+    one_gpu_engines = make_plan(load_config(ROOT / "launch" / "configs" / "qwen3-235b-a22b.yaml",
+                                            ["dist.engine_tp=1"]), arch)
+    assert one_gpu_engines.problems == [p for p in one_gpu_engines.problems if p.startswith("engine GPU needs")]
+    assert one_gpu_engines.problems[0].endswith("dist.engine_tp=2 fits")  # 235 B in FP4 is 132 GiB of weights
     best = choose_layout(cfg, arch)[0]
     assert best.fits and best.trainer_peak <= best.limits["gpu"]
     ds = load_config(ROOT / "launch" / "configs" / "deepseek-v3.yaml")
