@@ -242,11 +242,14 @@ def split_microbatches(lengths: list[int], max_tokens: int, count: int | None = 
     (0: all in one; a longer sample goes alone), split further into `count` micro-batches when
     asked (while some holds two samples or more). Returns lists of sample indices."""
     chunks: list[list[int]] = []
+    filled = 0  # tokens in the last chunk
     for i, n in enumerate(lengths):
-        if chunks and max_tokens and sum(lengths[j] for j in chunks[-1]) + n <= max_tokens or chunks and not max_tokens:
+        if chunks and (not max_tokens or filled + n <= max_tokens):
             chunks[-1].append(i)
+            filled += n
         else:
             chunks.append([i])
+            filled = n
     while count is not None and len(chunks) < count:
         big = max(range(len(chunks)), key=lambda k: len(chunks[k]))
         if len(chunks[big]) < 2:
