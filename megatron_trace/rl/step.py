@@ -126,22 +126,23 @@ def distributed_trainer() -> bool:
     return torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
 
 
-def _max_over_ranks(n: int) -> int:
-    """The largest `n` of all trainer ranks (a collective when there are several)."""
+def _reduce_over_ranks(n: int, op) -> int:
+    """`n` reduced with `op` (a torch.distributed.ReduceOp) over the trainer ranks (a collective
+    when there are several)."""
     if not distributed_trainer():
         return n
     t = torch.tensor([n], device="cuda" if torch.distributed.get_backend() == "nccl" else "cpu")
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    torch.distributed.all_reduce(t, op=op)
     return int(t.item())
 
 
+def _max_over_ranks(n: int) -> int:
+    return _reduce_over_ranks(n, torch.distributed.ReduceOp.MAX)
+
+
 def _all_ranks(flag: bool) -> bool:
-    """`flag` on every trainer rank (a collective when there are several)."""
-    if not distributed_trainer():
-        return flag
-    t = torch.tensor([int(flag)], device="cuda" if torch.distributed.get_backend() == "nccl" else "cpu")
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
-    return bool(t.item())
+    """`flag` on every trainer rank."""
+    return bool(_reduce_over_ranks(int(flag), torch.distributed.ReduceOp.MIN))
 
 
 @dataclass
