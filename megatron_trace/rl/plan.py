@@ -76,6 +76,11 @@ class Architecture:
         return self.experts * 3 * self.hidden * self.moe_ffn, 3 * self.hidden * self.shared_ffn
 
     @property
+    def fp4_params(self) -> int:
+        """Parameters at FP4 sites: every attention and FFN linear."""
+        return sum(self.attn_params + sum(self.ffn_params(L)) for L in range(self.layers))
+
+    @property
     def num_params(self) -> int:
         per_layer = sum(self.attn_params + self.norm_params + sum(self.ffn_params(L)) for L in range(self.layers))
         router = self.moe_layers * self.experts * self.hidden
@@ -278,7 +283,7 @@ def make_plan(cfg, arch: Architecture, layout: Layout | None = None) -> Plan:
     # engine: one instance per dist.engine_tp GPUs, generating its share of the step
     etp = dist.engine_tp
     instances = 1 if colocated else max(1, engine_gpus // etp)
-    fp4_all = sum(arch.attn_params + sum(arch.ffn_params(i)) for i in range(L))
+    fp4_all = arch.fp4_params
     other = arch.num_params - fp4_all
     fp4_engine = rl.precision != "bf16"
     kv_tokens = engine_kv_blocks(cfg) * KV_BLOCK
@@ -326,7 +331,7 @@ def _engine_bytes(arch: Architecture, fp4: bool, engine_tp: int, kv_tokens: int)
     float32) and of the KV cache for `kv_tokens` token slots (FP4: codes, E4M3 scales and a
     float32 scale per token and head)."""
     L = arch.layers
-    fp4_all = sum(arch.attn_params + sum(arch.ffn_params(i)) for i in range(L))
+    fp4_all = arch.fp4_params
     norms = L * arch.norm_params + arch.hidden
     other = arch.num_params - fp4_all
     kv_per_token = L * (arch.kv_width * (0.5 + 1 / 16) + 2 * arch.kv_heads * 4 if fp4 else arch.kv_width * 2)

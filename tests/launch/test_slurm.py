@@ -60,7 +60,6 @@ def test_sbatch_scripts_render_from_the_config_and_parse(tmp_path, shape):
     assert run.returncode == 0, run.stderr[-2000:]
     text = out.read_text()
     assert subprocess.run(["bash", "-n", str(out)]).returncode == 0
-    sets = [a.partition("=")[0] for a in SHAPES[shape][1::2]]
     cfg = load_config(str(ROOT / "launch" / "configs" / "tiny.yaml"), SHAPES[shape][1::2])
     nodes, per_node = (1, 1) if shape == "colocated" else (cfg.cluster.nodes, cfg.cluster.gpus_per_node)
     assert f"#SBATCH --nodes={nodes}\n" in text and f"#SBATCH --ntasks-per-node={per_node}\n" in text
@@ -70,7 +69,6 @@ def test_sbatch_scripts_render_from_the_config_and_parse(tmp_path, shape):
     if shape == "multi-node":
         assert all(s in text for s in ("#SBATCH --partition=batch", "#SBATCH --account=rl", "--container-image=",
                                        "NCCL_SOCKET_IFNAME=ib0", "source /opt/venv/bin/activate"))
-    assert len(sets) == len(SHAPES[shape]) // 2
 
 
 def test_submit_script_plans_renders_and_submits(tmp_path):
