@@ -52,6 +52,49 @@ def floor_seconds(cfg, batch, context, fp4, bandwidth):
     return total / bandwidth
 
 
+def fill_cache(cache, seed: int = 0) -> None:
+    """Random K/V in every slot (decode speed does not depend on the values, but never time on
+    zeros: the MMAs run faster on them): codes any byte, block scales E4M3 bytes 0x20..0x47
+    (2**-4 .. 15), global scales about 0.01; or BF16 rows ~ N(0, 1)."""
+    g = torch.Generator(device=cache.k[0][next(iter(cache.k[0]))].device).manual_seed(seed)
+    for layer in cache.k + cache.v:
+        for name, t in layer.items():
+            if name == "codes":
+                t.random_(0, 256, generator=g)
+            elif name == "scales":
+                t.random_(0x20, 0x48, generator=g)
+            elif name == "g":
+                t.uniform_(0.005, 0.015, generator=g)
+            else:
+                t.normal_(generator=g)
+
+
+def token_ids(batch: int, step: int, cfg) -> list[int]:
+    """A different random token for every sequence and step: with one shared token the batch's
+    hidden states are alike and route to the same few experts, which the floor's uniform routing
+    does not assume (and a real batch does not do)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, cfg.vocab_size, (batch,), generator=g).tolist()
+
+
+def kernel_table(segments, step_fn, title: str, top: int = 24) -> str:
+    """GPU time per kernel of one step (torch.profiler), largest first, as a markdown table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step_fn(segments)
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    total = sum(e.self_device_time_total for e in events)
+    events.sort(key=lambda e: -e.self_device_time_total)
+    lines = [f"### {title}: {total / 1e3:.3f} ms of kernels", "", "| kernel | calls | ms | share |", "|---|---|---|---|"]
+    for e in events[:top]:
+        lines.append(f"| {e.key[:70]} | {e.count} | {e.self_device_time_total / 1e3:.3f} | "
+                     f"{e.self_device_time_total / total:.1%} |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny")
@@ -64,8 +107,12 @@ def main() -> None:
     ap.add_argument("--bandwidth", type=float, default=COPY_BANDWIDTH)
     ap.add_argument("--memory-gib", type=float, default=None, help="KV-cache budget (default: 60%% of free memory)")
     ap.add_argument("--cuda-graphs", action="store_true", help="also time decode replayed as a CUDA graph")
+    ap.add_argument("--profile", default="", help="batch sizes (e.g. 64) whose GPU time per kernel is printed "
+                    "and recorded, for one eager step (torch.profiler)")
     ap.add_argument("--record", action="store_true")
     args = ap.parse_args()
+    args.profile_batches = {int(v) for v in args.profile.split(",") if v}
+    profiles: list[str] = []
 
     from tqdm import tqdm
 
@@ -94,6 +141,7 @@ def main() -> None:
         engine = TraceEngine(cfg, EngineConfig(precision=precision, block_size=block, num_blocks=num_blocks,
                                                max_batch_tokens=max(batches), device=device))
         engine.update_weights(weights, 0)
+        fill_cache(engine.cache)
         for context in contexts:
             for batch in batches:
                 need = batch * math.ceil((context + args.warmup + args.steps + 1) / block)
@@ -119,7 +167,7 @@ def main() -> None:
                     times = []
                     for i in tqdm(range(args.warmup + args.steps), desc=f"{precision} b{batch} c{context} {mode}",
                                   leave=False):
-                        segs = [Segment([1], context + i, t) for t in tables]
+                        segs = [Segment([tok], context + i, t) for tok, t in zip(token_ids(batch, i, cfg), tables)]
                         if cuda:
                             torch.cuda.synchronize()
                         t0 = time.perf_counter()
@@ -128,6 +176,11 @@ def main() -> None:
                             torch.cuda.synchronize()
                         if i >= args.warmup:
                             times.append(time.perf_counter() - t0)
+                    if args.profile and mode == "eager" and batch in args.profile_batches:
+                        profiles.append(kernel_table([Segment([tok], context + args.warmup + args.steps, t)
+                                            for tok, t in zip(token_ids(batch, -1, cfg), tables)],
+                                           step_fn, f"{precision} b{batch} c{context}"))
+                        print(profiles[-1], flush=True)
                     if mode == "cuda_graph":
                         del graph
                         engine.cache.allocator.release([scratch])
@@ -156,6 +209,8 @@ def main() -> None:
             ratio = "" if tps is None else f"{floor / tps:.1f}"
             lines.append(f"| {r['precision']} | {r['batch']} | {r['context']} | {r['mode']} | {measured} | {floor:.1f} | "
                          f"{ratio} |")
+        if profiles:
+            lines += ["", "## GPU time per kernel, one eager step", ""] + profiles
         (RESULTS / "rollout_throughput.md").write_text("\n".join(lines) + "\n")
 
 

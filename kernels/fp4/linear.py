@@ -21,7 +21,7 @@ try:
     import triton
     import triton.language as tl
 
-    from .triton_fp4 import _bf16_rne, _e2m1_value, _e4m3_value, _interpreting
+    from .triton_fp4 import _bf16_rne, _e2m1_halves_div64, _e4m3_value, _interpreting
 except ImportError:  # pragma: no cover - triton is optional on the CPU
     triton = None
 
@@ -88,72 +88,116 @@ def fp4_grouped_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tenso
     r1 = torch.minimum(r0 + block_m, row_end[expert])
     r1 = torch.where(t < tile_end[-1], r1, r0)  # past the last tile: no rows
     tile_info = torch.stack([expert, r0, r1], 1).to(torch.int32).contiguous()
-    block_n, block_k = 64, 128 if k % 128 == 0 else 64 if k % 64 == 0 else 32 if k % 32 == 0 else 16
+    block_n, block_k = TILE["block_n"], _block_k(k)
     _fp4_grouped_kernel[(max_tiles, triton.cdiv(n, block_n))](
         x.contiguous(), codes, scales.view(torch.uint8), g.float().contiguous(), tile_info, y, n, k,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, INTERPRET=_interpreting(),
-        num_warps=4, enable_fp_fusion=False,
+        num_warps=TILE["num_warps"], enable_fp_fusion=False,
     )
     return y
+
+
+# Launch shape of the FP4 GEMMs for decode-sized M (bench/decode_kernels.py --sweep measures others).
+# "programs": split K across programs until a dense GEMM has about this many per multiprocessor.
+TILE = {"block_n": 64, "block_k": 128, "num_warps": 4, "programs": 8}
+
+
+def _block_k(k: int) -> int:
+    """K per loop step: the largest power of two from TILE["block_k"] down to 32 dividing k, else
+    32 with the tail masked (tl.dot needs 16 packed columns)."""
+    sizes = [b for b in (512, 256, 128, 64, 32) if b <= TILE["block_k"]]
+    return next((b for b in sizes if k % b == 0), 32)
+
+
+def _k_splits(programs: int, k_steps: int, device: torch.device) -> int:
+    """K splits (a power of two dividing k_steps) that bring `programs` up to TILE["programs"] per
+    multiprocessor (the interpreter counts one multiprocessor, so CPU tests split too). A decode
+    GEMM has few output tiles; unsplit, each program walks all of K one latency at a time."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    splits = 1
+    while programs * splits < TILE["programs"] * sms and k_steps % (2 * splits) == 0:
+        splits *= 2
+    return splits
 
 
 def _fp4_linear_triton(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     m, k = x.shape
     n = w.shape[0]
-    y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
-    block_m = 16 if m <= 16 else 64
-    block_n, block_k = 64, 128 if k % 128 == 0 else 64 if k % 64 == 0 else 32 if k % 32 == 0 else 16
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _fp4_linear_kernel[grid](
-        x, w.codes, w.block_scales.view(torch.uint8), w.global_scale.reshape(1).float(), y, m, n, k,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, INTERPRET=_interpreting(),
-        num_warps=4, enable_fp_fusion=False,
+    block_m = 16 if m <= 64 else 64  # decode batches: more programs, the weight tiles re-read from L2
+    block_n, block_k = TILE["block_n"], _block_k(k)
+    grid_mn = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    splits = _k_splits(grid_mn, triton.cdiv(k, block_k), x.device)
+    # Split K: FP32 partial products summed in a fixed order (deterministic), then one rounding
+    out = torch.empty((splits, m, n), dtype=torch.float32 if splits > 1 else torch.bfloat16, device=x.device)
+    _fp4_linear_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), splits)](
+        x, w.codes, w.block_scales.view(torch.uint8), w.global_scale.reshape(1).float(), out, m, n, k,
+        K_SPLIT=triton.cdiv(k, block_k) // splits * block_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        INTERPRET=_interpreting(), num_warps=TILE["num_warps"], enable_fp_fusion=False,
     )
-    return y
+    return out[0] if splits == 1 else out.sum(0).to(torch.bfloat16)
 
 
 if triton is not None:
 
-    # K is a compile-time constant (a model dimension): Triton 3.6's interpreter cannot loop to a
-    # runtime bound inside a nested jit function.
     @triton.jit
-    def _fp4_tile_product(acc, x_ptr, codes_ptr, scales_ptr, g, rm, m_ok, rn, n_ok, K: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
-        """acc += x[rm, :] @ dequantize(W[rn, :])^T, W's codes/scales at the given pointers."""
-        for k0 in range(0, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], mask=m_ok[:, None], other=0.0)
-            rkh = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            packed = tl.load(codes_ptr + rn[:, None].to(tl.int64) * (K // 2) + rkh[None, :], mask=n_ok[:, None],
-                             other=0)
-            codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_N, BLOCK_K]).to(tl.int32)
-            val = (_e2m1_value(codes & 7).to(tl.int32, bitcast=True) | ((codes & 8) << 28)).to(tl.float32,
-                                                                                               bitcast=True)
-            rb = k0 // 16 + tl.arange(0, BLOCK_K // 16)
-            sb = tl.load(scales_ptr + rn[:, None].to(tl.int64) * (K // 16) + rb[None, :], mask=n_ok[:, None],
-                         other=0).to(tl.int32)
-            s = tl.reshape(tl.broadcast_to(_e4m3_value(sb)[:, :, None], [BLOCK_N, BLOCK_K // 16, 16]),
-                           [BLOCK_N, BLOCK_K])
-            w = (val * s) * g
+    def _fp4_tile_product(acc, x_ptr, codes_ptr, scales_ptr, g, rm, m_ok, rn, n_ok, k_begin, K: tl.constexpr,
+                          K_LEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          INTERPRET: tl.constexpr):
+        """acc[BLOCK_N, BLOCK_M] += dequantize(W[rn, k]) @ x[rm, k]^T over k in
+        [k_begin, k_begin + K_LEN): the output transposed, so that the wide weight tile is the
+        MMA's left operand, kept in registers, and the few x rows its right one.
+
+        The even and odd columns of K are two products (W_even x_even^T + W_odd x_odd^T), so a
+        packed byte's two codes never have to be interleaved in registers.
+        """
+        for kk in range(0, K_LEN, BLOCK_K):
+            jh = (k_begin + kk) // 2 + tl.arange(0, BLOCK_K // 2)  # packed byte columns: elements 2j, 2j + 1
+            k_ok = jh < K // 2  # K is a multiple of 16, not always of BLOCK_K
+            packed = tl.load(codes_ptr + rn[:, None].to(tl.int64) * (K // 2) + jh[None, :],
+                             mask=n_ok[:, None] & k_ok[None, :], other=0)
+            rb = (k_begin + kk) // 16 + tl.arange(0, BLOCK_K // 16)
+            sb = tl.load(scales_ptr + rn[:, None].to(tl.int64) * (K // 16) + rb[None, :],
+                         mask=n_ok[:, None] & (rb < K // 16)[None, :], other=0).to(tl.int32)
+            x_cols = x_ptr + rm[None, :].to(tl.int64) * K + 2 * jh[:, None]  # x^T halves [BLOCK_K/2, BLOCK_M]
+            x_even = tl.load(x_cols, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+            x_odd = tl.load(x_cols + 1, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+            even, odd = _e2m1_halves_div64(packed, INTERPRET)
+            # 64 * s is exact, and (e2m1 / 64) * (64 * s) = e2m1 * s exactly: `dequantize`'s first product
+            s = tl.reshape(tl.broadcast_to((_e4m3_value(sb) * 64.0)[:, :, None], [BLOCK_N, BLOCK_K // 16, 8]),
+                           [BLOCK_N, BLOCK_K // 2])
+            w_even, w_odd = (even * s) * g, (odd * s) * g
             if INTERPRET:  # the interpreter's bf16 dot is unreliable; bf16 -> fp32 is exact
-                acc += tl.dot(x.to(tl.float32), tl.trans(_bf16_rne(w).to(tl.float32)))
+                acc += tl.dot(_bf16_rne(w_even).to(tl.float32), x_even.to(tl.float32))
+                acc += tl.dot(_bf16_rne(w_odd).to(tl.float32), x_odd.to(tl.float32))
             else:
-                acc += tl.dot(x, tl.trans(w.to(tl.bfloat16)))
+                acc += tl.dot(w_even.to(tl.bfloat16), x_even)
+                acc += tl.dot(w_odd.to(tl.bfloat16), x_odd)
         return acc
 
     @triton.jit
-    def _fp4_linear_kernel(x_ptr, codes_ptr, scales_ptr, g_ptr, y_ptr, M, N, K: tl.constexpr,
+    def _store_transposed(y_ptr, acc, rm, m_ok, rn, n_ok, N, INTERPRET: tl.constexpr):
+        """y[rm, rn] = acc[rn, rm] in y's dtype (FP32 partials or BF16)."""
+        if y_ptr.dtype.element_ty == tl.float32:
+            y = acc
+        elif INTERPRET:
+            y = _bf16_rne(acc)
+        else:
+            y = acc.to(tl.bfloat16)
+        tl.store(y_ptr + rm[None, :].to(tl.int64) * N + rn[:, None], y, mask=m_ok[None, :] & n_ok[:, None])
+
+    @triton.jit
+    def _fp4_linear_kernel(x_ptr, codes_ptr, scales_ptr, g_ptr, y_ptr, M, N, K: tl.constexpr, K_SPLIT: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            INTERPRET: tl.constexpr):
-        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        """Output tile (pid_m, pid_n) over K split pid_k (y_ptr: [splits, M, N])."""
+        pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_ok, n_ok = rm < M, rn < N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc = _fp4_tile_product(acc, x_ptr, codes_ptr, scales_ptr, tl.load(g_ptr), rm, m_ok, rn, n_ok, K,
-                                BLOCK_N, BLOCK_K, INTERPRET)
-        y = _bf16_rne(acc) if INTERPRET else acc.to(tl.bfloat16)
-        tl.store(y_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], y, mask=m_ok[:, None] & n_ok[None, :])
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc = _fp4_tile_product(acc, x_ptr, codes_ptr, scales_ptr, tl.load(g_ptr), rm, m_ok, rn, n_ok,
+                                pid_k * K_SPLIT, K, K_SPLIT, BLOCK_N, BLOCK_K, INTERPRET)
+        _store_transposed(y_ptr + pid_k.to(tl.int64) * M * N, acc, rm, m_ok, rn, n_ok, N, INTERPRET)
 
     @triton.jit
     def _fp4_grouped_kernel(x_ptr, codes_ptr, scales_ptr, g_ptr, tiles_ptr, y_ptr, N, K: tl.constexpr,
@@ -162,11 +206,12 @@ if triton is not None:
         tile, pid_n = tl.program_id(0), tl.program_id(1)
         expert = tl.load(tiles_ptr + tile * 3).to(tl.int64)
         row0, row1 = tl.load(tiles_ptr + tile * 3 + 1), tl.load(tiles_ptr + tile * 3 + 2)
+        if row1 <= row0:  # a tile past the last one: no rows, so no weights to read
+            return
         rm = row0 + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_ok, n_ok = rm < row1, rn < N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         acc = _fp4_tile_product(acc, x_ptr, codes_ptr + expert * N * (K // 2), scales_ptr + expert * N * (K // 16),
-                                tl.load(g_ptr + expert), rm, m_ok, rn, n_ok, K, BLOCK_N, BLOCK_K, INTERPRET)
-        y = _bf16_rne(acc) if INTERPRET else acc.to(tl.bfloat16)
-        tl.store(y_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], y, mask=m_ok[:, None] & n_ok[None, :])
+                                tl.load(g_ptr + expert), rm, m_ok, rn, n_ok, 0, K, K, BLOCK_N, BLOCK_K, INTERPRET)
+        _store_transposed(y_ptr, acc, rm, m_ok, rn, n_ok, N, INTERPRET)

@@ -3,9 +3,11 @@
 One query token per sequence attends over all its cached tokens. The cache holds, per token
 slot and KV head, packed E2M1 codes [d/2], E4M3 block scales [d/16] and one FP32 global scale
 (slot = block * block_size + offset; each sequence's blocks in its row of `block_tables`). The
-Triton kernel dequantizes K and V tiles in registers (as `dequantize` does, then BF16) and runs
-an online softmax in FP32; the torch reference gathers and dequantizes the rows, then computes
-the same softmax attention.
+torch reference gathers and dequantizes the rows (to BF16), then runs softmax attention. The
+Triton kernel (flash-decoding: chunks of the context in parallel, then a combine) dequantizes K
+and V tiles in registers exactly as `dequantize` does, to the same BF16 values the trainer's
+fake-quantized attention uses, and runs an online softmax in FP32. Hopper has no FP4 MMA, so
+this per-element work, not bytes, bounds the FP4 kernel (bench/decode_kernels.py).
 
 Shapes: q [B, Hq, d] bf16, codes uint8 [S, Hkv, d/2], scales uint8 [S, Hkv, d/16] (E4M3 bits),
 g float32 [S, Hkv, 1] (or a BF16 cache: rows [S, Hkv, d]), block_tables int32 [B, max_blocks],
@@ -26,16 +28,36 @@ try:
     import triton
     import triton.language as tl
 
-    from .triton_fp4 import _bf16_rne, _e2m1_value, _e4m3_value, _interpreting
+    from .triton_fp4 import _bf16_rne, _e2m1_halves_div64, _e4m3_value, _interpreting
 except ImportError:  # pragma: no cover
     triton = None
 
 
+# Flash-decoding: each (sequence, KV head) is cut into chunks of at most MAX_SPLITS pieces of
+# the block table's width, attended in parallel, then combined. Without the split a batch of 64
+# sequences with 4 KV heads is 256 programs, each looping over the whole context.
+MAX_SPLITS = 32
+MIN_CHUNK = 256
+TILE = {"block_t": 32, "num_warps": 4}  # cached tokens per loop step (bench/decode_kernels.py --sweep)
+
+
+def split_chunk(width_tokens: int, block_t: int) -> int:
+    """Tokens per split for a block table `width_tokens` wide: a power of two >= MIN_CHUNK that
+    leaves at most MAX_SPLITS splits. Depends on the table width only (host-side, known when a
+    CUDA graph is captured), not on the sequence lengths, which live on the device."""
+    chunk = max(MIN_CHUNK, block_t)
+    while chunk * MAX_SPLITS < width_tokens:
+        chunk *= 2
+    return chunk
+
+
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, block_size: int, *,
-                           scale: float | None = None, backend: str = "auto") -> torch.Tensor:
+                           scale: float | None = None, chunk: int | None = None,
+                           backend: str = "auto") -> torch.Tensor:
     """Softmax attention of one query per sequence over its cached keys (GQA: query head h reads
     KV head h // (Hq / Hkv)). k_cache / v_cache: dicts with "codes", "scales", "g" (FP4) or
-    "rows" (BF16)."""
+    "rows" (BF16). chunk: tokens per split of the Triton kernel (a multiple of 32; default
+    `split_chunk` of the table width)."""
     b, hq, d = q.shape
     fp4 = "codes" in k_cache
     hkv = (k_cache["codes"] if fp4 else k_cache["rows"]).shape[1]
@@ -44,17 +66,25 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, block_si
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     if not _use_triton(q, backend):
         return _reference(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale)
-    out = torch.empty_like(q)
     kp = (k_cache["codes"], k_cache["scales"], k_cache["g"]) if fp4 else (k_cache["rows"],) * 3
     vp = (v_cache["codes"], v_cache["scales"], v_cache["g"]) if fp4 else (v_cache["rows"],) * 3
     group = hq // hkv
-    _decode_kernel[(b, hkv)](  # one program per (sequence, KV head): its K/V are read once for the group
-        q.contiguous(), *kp, *vp, block_tables, seq_lens, out, block_tables.shape[1], scale,
+    block_t = TILE["block_t"]
+    chunk = split_chunk(block_tables.shape[1] * block_size, block_t) if chunk is None else chunk
+    if chunk % block_t:
+        raise ValueError(f"paged_decode_attention: chunk={chunk} is not a multiple of {block_t}")
+    splits = triton.cdiv(block_tables.shape[1] * block_size, chunk)
+    part_o = torch.empty((b, hq, splits, d), dtype=torch.float32, device=q.device)
+    part_ml = torch.empty((b, hq, splits, 2), dtype=torch.float32, device=q.device)
+    _split_kernel[(b, hkv, splits)](  # one program per (sequence, KV head, chunk): K/V read once for the group
+        q.contiguous(), *kp, *vp, block_tables, seq_lens, part_o, part_ml, block_tables.shape[1], scale,
         HQ=hq, HKV=hkv, G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK_SIZE=block_size,
-        BLOCK_T=32, IS_FP4=fp4, INTERPRET=_interpreting(), num_warps=4,
-        # the interpreter (Triton 3.6) needs a Python loop bound; compiled kernels loop to each length
-        MAX_LEN=int(seq_lens.max()) if _interpreting() else 0,
+        BLOCK_T=block_t, CHUNK=chunk, SPLITS=splits, IS_FP4=fp4, INTERPRET=_interpreting(), SMALL=d < 32,
+        num_warps=TILE["num_warps"],
     )
+    out = torch.empty_like(q)
+    _combine_kernel[(b, hq)](part_o, part_ml, seq_lens, out, HQ=hq, D=d, CHUNK=chunk, SPLITS=splits,
+                             SPLITS_PAD=triton.next_power_of_2(splits), INTERPRET=_interpreting(), num_warps=4)
     return out
 
 
@@ -86,69 +116,138 @@ def _reference(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale):
 if triton is not None:
 
     @triton.jit
-    def _dequant_rows(codes_ptr, scales_ptr, g_ptr, slot, h, ok, HKV: tl.constexpr, D: tl.constexpr,
-                      BLOCK_T: tl.constexpr, IS_FP4: tl.constexpr, INTERPRET: tl.constexpr):
-        """K or V rows [BLOCK_T, D] of KV head h at `slot` (int64 [BLOCK_T]), as float32 of BF16."""
-        row = slot * HKV + h
-        if IS_FP4:
-            jh = tl.arange(0, D // 2)
-            packed = tl.load(codes_ptr + row[:, None] * (D // 2) + jh[None, :], mask=ok[:, None], other=0)
-            codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_T, D]).to(tl.int32)
-            val = (_e2m1_value(codes & 7).to(tl.int32, bitcast=True) | ((codes & 8) << 28)).to(tl.float32,
-                                                                                               bitcast=True)
-            jb = tl.arange(0, D // 16)
-            sb = tl.load(scales_ptr + row[:, None] * (D // 16) + jb[None, :], mask=ok[:, None], other=0).to(tl.int32)
-            s = tl.reshape(tl.broadcast_to(_e4m3_value(sb)[:, :, None], [BLOCK_T, D // 16, 16]), [BLOCK_T, D])
-            g = tl.load(g_ptr + row, mask=ok, other=1.0)
-            x = (val * s) * g[:, None]
-            out = (_bf16_rne(x) if INTERPRET else x.to(tl.bfloat16)).to(tl.float32)
-        else:  # a BF16 cache: codes_ptr holds the rows
-            out = tl.load(codes_ptr + row[:, None] * D + tl.arange(0, D)[None, :], mask=ok[:, None],
-                          other=0.0).to(tl.float32)
-        return out
+    def _slots(tables_ptr, b, MAX_BLOCKS, t, ok, BLOCK_SIZE: tl.constexpr):
+        """Cache slots (int64) of sequence b's tokens t."""
+        block = tl.load(tables_ptr + b * MAX_BLOCKS + t // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+        return block * BLOCK_SIZE + t % BLOCK_SIZE
 
     @triton.jit
-    def _decode_kernel(q_ptr, kc_ptr, ks_ptr, kg_ptr, vc_ptr, vs_ptr, vg_ptr, tables_ptr, lens_ptr, out_ptr,
-                       MAX_BLOCKS, scale, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-                       D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, IS_FP4: tl.constexpr,
-                       INTERPRET: tl.constexpr, MAX_LEN: tl.constexpr):
-        """The G query heads of KV head h of sequence b (padded to G_PAD rows for the MMA),
-        online softmax over BLOCK_T cached tokens at a time."""
-        b, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
-        d = tl.arange(0, D)
+    def _load_rows(codes_ptr, scales_ptr, g_ptr, slot, h, ok, HKV: tl.constexpr, D: tl.constexpr,
+                   IS_FP4: tl.constexpr):
+        """What the cache holds for KV head h at `slot` (int64 [T]): FP4 packed codes [T, D/2],
+        scale bytes [T, D/16] and global scales [T]; or BF16 rows [T, D] (and two placeholders)."""
+        row = slot * HKV + h
+        if IS_FP4:
+            packed = tl.load(codes_ptr + row[:, None] * (D // 2) + tl.arange(0, D // 2)[None, :], mask=ok[:, None],
+                             other=0)
+            sb = tl.load(scales_ptr + row[:, None] * (D // 16) + tl.arange(0, D // 16)[None, :], mask=ok[:, None],
+                         other=0)
+            g = tl.load(g_ptr + row, mask=ok, other=1.0)
+            return packed, sb, g
+        else:  # a BF16 cache: codes_ptr holds the rows
+            rows = tl.load(codes_ptr + row[:, None] * D + tl.arange(0, D)[None, :], mask=ok[:, None], other=0.0)
+            return rows, ok, ok
+
+    @triton.jit
+    def _halves(raw, T: tl.constexpr, D: tl.constexpr, IS_FP4: tl.constexpr, INTERPRET: tl.constexpr):
+        """`_load_rows`' result as two BF16 tiles [T, D/2]: the even and the odd elements (a packed
+        byte's two codes), FP4 dequantized as `dequantize`."""
+        if IS_FP4:
+            packed, sb, g = raw
+            even, odd = _e2m1_halves_div64(packed, INTERPRET)
+            s64 = _e4m3_value(sb.to(tl.int32)) * 64.0  # exact; (e2m1 / 64) * (64 * s) = e2m1 * s exactly
+            if D == 16:  # one scale per row
+                s = tl.broadcast_to(s64, [T, D // 2])
+            else:
+                s = tl.reshape(tl.broadcast_to(s64[:, :, None], [T, D // 16, 8]), [T, D // 2])
+            even, odd = (even * s) * g[:, None], (odd * s) * g[:, None]
+            if INTERPRET:
+                return _bf16_rne(even), _bf16_rne(odd)
+            else:
+                return even.to(tl.bfloat16), odd.to(tl.bfloat16)
+        else:
+            rows, _, _ = raw
+            return tl.split(tl.reshape(rows, [T, D // 2, 2]))
+
+    @triton.jit
+    def _mma(a, b, INTERPRET: tl.constexpr, SMALL: tl.constexpr):
+        """a @ b with BF16 operands and an FP32 result (the interpreter's BF16 dot is unreliable:
+        there the BF16 values are multiplied as FP32, which is exact). SMALL (inner dim < 16, too
+        short for an MMA): CUDA-core products."""
+        if SMALL:
+            return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
+        elif INTERPRET:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32))
+        else:
+            return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+
+    @triton.jit
+    def _split_kernel(q_ptr, kc_ptr, ks_ptr, kg_ptr, vc_ptr, vs_ptr, vg_ptr, tables_ptr, lens_ptr, part_o_ptr,
+                      part_ml_ptr, MAX_BLOCKS, scale, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
+                      G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_T: tl.constexpr,
+                      CHUNK: tl.constexpr, SPLITS: tl.constexpr, IS_FP4: tl.constexpr, INTERPRET: tl.constexpr,
+                      SMALL: tl.constexpr):
+        """The G query heads of KV head h of sequence b (padded to G_PAD rows for the MMA) over
+        the cached tokens [c * CHUNK, (c + 1) * CHUNK): unnormalised output, running max and sum
+        of the online softmax, in FP32. Chunks past the sequence's end write nothing.
+
+        Loads run ahead of the arithmetic: block-table entries two tiles ahead, K/V one tile."""
+        b, h, c = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+        n = tl.load(lens_ptr + b)
+        start = c * CHUNK
+        if start >= n:
+            return
+        jh = tl.arange(0, D // 2)
         rg = tl.arange(0, G_PAD)
         g_ok = rg < G
-        q_rows = (b * HQ + h * G + rg)[:, None] * D + d[None, :]
-        q = tl.load(q_ptr + q_rows, mask=g_ok[:, None], other=0.0)
-        n = tl.load(lens_ptr + b)
+        q_rows = q_ptr + (b * HQ + h * G + rg)[:, None] * D + 2 * jh[None, :]
+        q_even = tl.load(q_rows, mask=g_ok[:, None], other=0.0)
+        q_odd = tl.load(q_rows + 1, mask=g_ok[:, None], other=0.0)
         m_i = tl.full((G_PAD,), -float("inf"), dtype=tl.float32)
         l_i = tl.zeros((G_PAD,), dtype=tl.float32)
-        acc = tl.zeros((G_PAD, D), dtype=tl.float32)
-        for t0 in range(0, MAX_LEN if INTERPRET else n, BLOCK_T):  # blocks past n are fully masked
-            t = t0 + tl.arange(0, BLOCK_T)
-            ok = t < n
-            block = tl.load(tables_ptr + b * MAX_BLOCKS + t // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
-            slot = block * BLOCK_SIZE + t % BLOCK_SIZE
-            k = _dequant_rows(kc_ptr, ks_ptr, kg_ptr, slot, h, ok, HKV, D, BLOCK_T, IS_FP4, INTERPRET)
-            v = _dequant_rows(vc_ptr, vs_ptr, vg_ptr, slot, h, ok, HKV, D, BLOCK_T, IS_FP4, INTERPRET)
-            if D < 32:  # small heads: CUDA-core products (the MMA path gave wrong results at D=16 on H200)
-                s = tl.sum(q.to(tl.float32)[:, None, :] * k[None, :, :], 2)
-            elif INTERPRET:  # the interpreter's bf16 dot is unreliable; K and V are BF16 values in fp32
-                s = tl.dot(q.to(tl.float32), tl.trans(k))
-            else:
-                s = tl.dot(q, tl.trans(k.to(tl.bfloat16)))
+        acc_even = tl.zeros((G_PAD, D // 2), dtype=tl.float32)
+        acc_odd = tl.zeros((G_PAD, D // 2), dtype=tl.float32)
+        span = tl.minimum(n - start, CHUNK)  # tokens of this chunk
+        if INTERPRET:  # the interpreter needs a Python loop bound; compiled kernels stop at the span
+            stop = CHUNK
+        else:
+            stop = span
+        i = tl.arange(0, BLOCK_T)
+        ok = i < span
+        slot = _slots(tables_ptr, b, MAX_BLOCKS, start + i, ok, BLOCK_SIZE)
+        k_raw = _load_rows(kc_ptr, ks_ptr, kg_ptr, slot, h, ok, HKV, D, IS_FP4)
+        v_raw = _load_rows(vc_ptr, vs_ptr, vg_ptr, slot, h, ok, HKV, D, IS_FP4)
+        ok_next = i + BLOCK_T < span
+        slot_next = _slots(tables_ptr, b, MAX_BLOCKS, start + BLOCK_T + i, ok_next, BLOCK_SIZE)
+        for t0 in range(0, stop, BLOCK_T):
+            ok_after = t0 + 2 * BLOCK_T + i < span
+            slot_after = _slots(tables_ptr, b, MAX_BLOCKS, start + t0 + 2 * BLOCK_T + i, ok_after, BLOCK_SIZE)
+            k_next = _load_rows(kc_ptr, ks_ptr, kg_ptr, slot_next, h, ok_next, HKV, D, IS_FP4)
+            v_next = _load_rows(vc_ptr, vs_ptr, vg_ptr, slot_next, h, ok_next, HKV, D, IS_FP4)
+            k_even, k_odd = _halves(k_raw, BLOCK_T, D, IS_FP4, INTERPRET)
+            s = _mma(q_even, tl.trans(k_even), INTERPRET, SMALL) + _mma(q_odd, tl.trans(k_odd), INTERPRET, SMALL)
             s = tl.where(ok[None, :], s * scale, -float("inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
-            if D < 32:
-                pv = tl.sum(p[:, :, None] * v[None, :, :], 1)
-            elif INTERPRET:
-                pv = tl.dot(p, v)
-            else:
-                pv = tl.dot(p.to(tl.bfloat16), v.to(tl.bfloat16))
-            acc = acc * alpha[:, None] + pv
+            v_even, v_odd = _halves(v_raw, BLOCK_T, D, IS_FP4, INTERPRET)
+            acc_even = acc_even * alpha[:, None] + _mma(p, v_even, INTERPRET, SMALL)
+            acc_odd = acc_odd * alpha[:, None] + _mma(p, v_odd, INTERPRET, SMALL)
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
-        o = acc / l_i[:, None]
-        tl.store(out_ptr + q_rows, _bf16_rne(o) if INTERPRET else o.to(tl.bfloat16), mask=g_ok[:, None])
+            k_raw, v_raw, ok = k_next, v_next, ok_next
+            slot_next, ok_next = slot_after, ok_after
+        rows = (b * HQ + h * G + rg) * SPLITS + c
+        o_rows = part_o_ptr + rows[:, None] * D + 2 * jh[None, :]
+        tl.store(o_rows, acc_even, mask=g_ok[:, None])
+        tl.store(o_rows + 1, acc_odd, mask=g_ok[:, None])
+        tl.store(part_ml_ptr + rows * 2, m_i, mask=g_ok)
+        tl.store(part_ml_ptr + rows * 2 + 1, l_i, mask=g_ok)
+
+    @triton.jit
+    def _combine_kernel(part_o_ptr, part_ml_ptr, lens_ptr, out_ptr, HQ: tl.constexpr, D: tl.constexpr,
+                        CHUNK: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                        INTERPRET: tl.constexpr):
+        """out[b, hq] = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c over the chunks that ran."""
+        b, hq = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        n = tl.load(lens_ptr + b)
+        c = tl.arange(0, SPLITS_PAD)
+        ran = c * CHUNK < n
+        rows = (b * HQ + hq) * SPLITS + c
+        m = tl.load(part_ml_ptr + rows * 2, mask=ran, other=-float("inf"))
+        l_c = tl.load(part_ml_ptr + rows * 2 + 1, mask=ran, other=0.0)
+        w = tl.where(ran, tl.exp(m - tl.max(m, 0)), 0.0)
+        d = tl.arange(0, D)
+        o = tl.load(part_o_ptr + rows[:, None] * D + d[None, :], mask=ran[:, None], other=0.0)
+        o = tl.sum(w[:, None] * o, 0) / tl.sum(w * l_c, 0)
+        tl.store(out_ptr + (b * HQ + hq) * D + d, _bf16_rne(o) if INTERPRET else o.to(tl.bfloat16))

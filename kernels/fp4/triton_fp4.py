@@ -92,6 +92,50 @@ def _e2m1_value(mag):
     return bits.to(tl.float32, bitcast=True)
 
 
+# Packed E2M1 codes -> E4M3 bytes with the same value / 64, four bytes per register: a nibble's
+# magnitude bits (exponent e, mantissa m) land in the byte's low exponent and top mantissa bits,
+# which makes 2**(e-7) * (1 + m/2) for e >= 1 and the subnormal 2**-7 for code 1: each value
+# divided by 64 exactly. The sign moves to bit 7. Hopper then converts E4M3 pairs to f16x2 in
+# one instruction (cvt.rn.f16x2.e4m3x2): about 1.5 instructions per element instead of ~10.
+_E2M1_HALVES_ASM = tl.constexpr("""
+{
+.reg .b32 lo, hi, t;
+.reg .b16 l0, l1, h0, h1;
+and.b32 lo, $4, 0x07070707;
+shl.b32 lo, lo, 2;
+and.b32 t, $4, 0x08080808;
+shl.b32 t, t, 4;
+or.b32 lo, lo, t;
+shr.b32 hi, $4, 2;
+and.b32 hi, hi, 0x1C1C1C1C;
+and.b32 t, $4, 0x80808080;
+or.b32 hi, hi, t;
+mov.b32 {l0, l1}, lo;
+mov.b32 {h0, h1}, hi;
+cvt.rn.f16x2.e4m3x2 $0, l0;
+cvt.rn.f16x2.e4m3x2 $1, l1;
+cvt.rn.f16x2.e4m3x2 $2, h0;
+cvt.rn.f16x2.e4m3x2 $3, h1;
+}
+""")
+
+
+@triton.jit
+def _e2m1_halves_div64(packed, INTERPRET: tl.constexpr):
+    """float32 values / 64 (exact) of the low and high E2M1 codes of packed uint8 bytes: element
+    2j and 2j + 1 of a row. Code 8 gives -0.0, as `dequantize`."""
+    if INTERPRET:
+        lo = packed.to(tl.int32) & 0xF
+        hi = packed.to(tl.int32) >> 4
+        lo = (_e2m1_value(lo & 7).to(tl.int32, bitcast=True) | ((lo & 8) << 28)).to(tl.float32, bitcast=True)
+        hi = (_e2m1_value(hi & 7).to(tl.int32, bitcast=True) | ((hi & 8) << 28)).to(tl.float32, bitcast=True)
+        return lo * 0.015625, hi * 0.015625
+    else:
+        lo, hi = tl.inline_asm_elementwise(_E2M1_HALVES_ASM, "=r,=r,=r,=r,r", [packed],
+                                           dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+        return lo.to(tl.float32), hi.to(tl.float32)
+
+
 @triton.jit
 def _e4m3_value(sb):
     """float32 value of E4M3 scale bytes (int32, positive codes 0..126)."""

@@ -18,7 +18,9 @@ class EngineConfig:
     experts are returned for every layer regardless). coding / tau / scale_coding: as
     `megatron_trace.guidance.capture`. model_id: written into every record's header.
     device: "cpu" or "cuda". kernels: "auto" (Triton on CUDA), "torch" or "triton" (the Triton
-    kernels also run on the CPU under TRITON_INTERPRET=1, slowly: for tests)."""
+    kernels also run on the CPU under TRITON_INTERPRET=1, slowly: for tests).
+    cuda_graph_max_batch: decode steps of up to this many sequences replay CUDA graphs (CUDA
+    only; one graph per batch-size bucket, captured on first use); 0 runs every step eagerly."""
 
     precision: str = "fp4"
     block_size: int = 16
@@ -31,10 +33,13 @@ class EngineConfig:
     model_id: str = "tiny"
     device: str = "cpu"
     kernels: str = "auto"
+    cuda_graph_max_batch: int = 256
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise ValueError(f"EngineConfig.precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.cuda_graph_max_batch < 0:
+            raise ValueError(f"EngineConfig.cuda_graph_max_batch must be >= 0, got {self.cuda_graph_max_batch}")
         for name in ("block_size", "num_blocks", "max_batch_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")

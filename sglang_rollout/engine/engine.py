@@ -33,10 +33,13 @@ from megatron_trace.rollout import (
 
 from .config import EngineConfig
 from .kv_cache import PagedKVCache
-from .model import ModelRunner, Segment
+from .model import DecodeGraph, ModelRunner, Segment, rows_per_token
 from .sampler import sample, sample_stream
 from .sequence import Sequence, Status
 from .weights import EngineWeights
+
+# Batch sizes that get their own decode CUDA graph (a batch runs in the smallest that holds it).
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512)
 
 
 class _PromptJob:
@@ -62,6 +65,14 @@ class TraceEngine:
         self.runner = ModelRunner(model, self.weights, self.cache, fp4, config.kernels)
         self.guided_layers = frozenset(LayerPolicy.parse(config.guide).select(model.num_layers))
         self.weight_version = -1
+        # CUDA graphs for decode steps, one per batch-size bucket, captured on first use; their
+        # padding rows write K/V into a cache block kept out of the allocator's reach
+        self._graphs: dict[int, DecodeGraph] = {}
+        self._graph_pool, self._scratch = None, None
+        if config.cuda_graph_max_batch and torch.device(config.device).type == "cuda":
+            (self._scratch,) = self.cache.allocator.allocate(1)
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        self._capacity = config.num_blocks - (self._scratch is not None)  # KV blocks sequences can use
         self._committed = 0  # worst-case KV blocks of the admitted jobs
         self._streaming = None  # during generate(on_group=...): (callback, samples per group, groups sent)
 
@@ -168,7 +179,7 @@ class TraceEngine:
             return f"token ids {bad[:5]} outside the vocabulary 0..{self.cfg.vocab_size - 1}"
         if req.n < 1:
             return f"n must be >= 1, got {req.n}"
-        limit = min(self.cfg.max_position_embeddings, self.config.block_size * self.config.num_blocks)
+        limit = min(self.cfg.max_position_embeddings, self.config.block_size * self._capacity)
         if n + sampling.max_new_tokens > limit:
             return (f"prompt of {n} tokens + max_new_tokens {sampling.max_new_tokens} exceeds the context "
                     f"of {limit} tokens")
@@ -176,8 +187,8 @@ class TraceEngine:
             return f"prompt of {n} tokens exceeds max_batch_tokens={self.config.max_batch_tokens}"
         per_job = req.n if self.share_prompts else 1
         need = self._worst_blocks(n, per_job, sampling)
-        if need > self.config.num_blocks:
-            return f"{per_job} samples of this prompt need up to {need} KV blocks; the cache holds {self.config.num_blocks}"
+        if need > self._capacity:
+            return f"{per_job} samples of this prompt need up to {need} KV blocks; the cache holds {self._capacity}"
         return None
 
     def _ensure_blocks(self, seq: Sequence, upto: int) -> None:
@@ -195,7 +206,7 @@ class TraceEngine:
                 owners.append(seq)
             budget = self.config.max_batch_tokens - len(segments)
             while jobs and len(jobs[0].prompt.tokens) <= budget and \
-                    self._committed + jobs[0].blocks <= self.config.num_blocks:
+                    self._committed + jobs[0].blocks <= self._capacity:
                 job = jobs.popleft()
                 self._committed += job.blocks
                 self._ensure_blocks(job.prompt, job.prompt.num_tokens)
@@ -204,7 +215,12 @@ class TraceEngine:
                 budget -= job.prompt.num_tokens
             if not segments:  # _check_request keeps every job admissible into an empty engine
                 raise RuntimeError("the scheduler found no work it could run")
-            logits, captured, routed = self.runner.forward(segments, self.guided_layers)
+            prefill = any(isinstance(o, _PromptJob) for o in owners)
+            graph = None if prefill else self._decode_graph(len(segments))
+            if graph is not None:
+                logits, captured, routed = graph.run(segments)
+            else:
+                logits, captured, routed = self.runner.forward(segments, self.guided_layers)
             # one device-to-host copy per layer and site, not one per sequence
             captured = {key: t.cpu() for key, t in captured.items()}
             routed = {layer: t.cpu() for layer, t in routed.items()}
@@ -224,12 +240,25 @@ class TraceEngine:
                     next_running.append(seq)
             running = next_running
 
+    def _decode_graph(self, batch: int) -> DecodeGraph | None:
+        """The CUDA graph for a decode step of `batch` sequences (the smallest bucket that holds
+        it, captured on first use), or None where graphs are off or the batch is too large."""
+        limit = self.config.cuda_graph_max_batch
+        if self._scratch is None or batch > limit:
+            return None
+        size = min(next(b for b in GRAPH_BUCKETS + (limit,) if b >= batch), limit)
+        if size not in self._graphs:
+            max_blocks = math.ceil(min(self.cfg.max_position_embeddings, self.config.block_size * self._capacity)
+                                   / self.config.block_size)
+            self._graphs[size] = DecodeGraph(self.runner, size, max_blocks, self._scratch, self.guided_layers,
+                                             self._graph_pool)
+        return self._graphs[size]
+
     def _keep_rows(self, seq, captured, routed, offset, m) -> None:
-        k, kvh = self.cfg.top_k, self.cfg.num_key_value_heads
         for layer, ids in routed.items():
             seq.experts.setdefault(layer, []).append(ids[offset:offset + m])
         for (layer, site), rows in captured.items():
-            per = {"k": kvh, "v": kvh, "fc2": k}.get(site, 1)
+            per = rows_per_token(self.cfg, site)
             seq.rows.setdefault((layer, site), []).append(rows[offset * per:(offset + m) * per])
 
     def _fork(self, job: _PromptJob, logits_V, sampling, guidance) -> list[Sequence]:

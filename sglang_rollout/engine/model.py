@@ -204,16 +204,25 @@ class ModelRunner:
         return out
 
 
+def rows_per_token(cfg: ModelConfig, site: str) -> int:
+    """Captured rows per token of an FP4 site: one per KV head for k / v, one per routed expert
+    for fc2, else one."""
+    return {"k": cfg.num_key_value_heads, "v": cfg.num_key_value_heads, "fc2": cfg.top_k}.get(site, 1)
+
+
 class DecodeGraph:
     """One decode step for a fixed batch size, captured as a CUDA graph.
 
     Token ids, positions, cache slots, block tables [B, max_blocks] and lengths live in static
-    buffers that `run` fills before each replay; the outputs (logits, routed experts) are the
-    graph's static outputs, overwritten by the next replay. Warm-up and capture write K/V only
-    into `scratch_block`, a cache block reserved for it.
+    buffers that `run` fills before each replay; the outputs (logits, captured site rows of
+    `capture_layers`, routed experts) are the graph's static outputs, overwritten by the next
+    replay. Warm-up and capture write K/V only into `scratch_block`, a cache block reserved for
+    it, and so do the padding rows of a smaller batch. `pool`: a graph memory pool shared with
+    the other batch sizes' graphs (they never replay at the same time).
     """
 
-    def __init__(self, runner: ModelRunner, batch_size: int, max_blocks: int, scratch_block: int):
+    def __init__(self, runner: ModelRunner, batch_size: int, max_blocks: int, scratch_block: int,
+                 capture_layers=frozenset(), pool=None):
         dev = runner.w.device
         bs = runner.cache.block_size
         self.runner, self.batch_size, self.max_blocks, self.scratch = runner, batch_size, max_blocks, scratch_block
@@ -227,25 +236,29 @@ class DecodeGraph:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # compile the Triton kernels and warm the allocator
             for _ in range(2):
-                runner.forward_batch(self)
+                runner.forward_batch(self, capture_layers)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits, _, self.routed = runner.forward_batch(self)
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.logits, self.captured, self.routed = runner.forward_batch(self, capture_layers)
 
     def run(self, segments: list[Segment]):
-        """(logits [len(segments), V], routed experts) of one decode step of these sequences;
-        fewer sequences than the batch size are padded with the scratch block."""
-        n, bs = len(segments), self.runner.cache.block_size
+        """`ModelRunner.forward` of one decode step of these sequences: (logits [n, V], captured
+        rows, routed experts), views of the static outputs; fewer than batch_size sequences are
+        padded with the scratch block."""
+        n, bs, cfg = len(segments), self.runner.cache.block_size, self.runner.cfg
         if n > self.batch_size or any(len(s.token_ids) != 1 or len(s.block_table) > self.max_blocks for s in segments):
             raise ValueError(f"DecodeGraph({self.batch_size}, max_blocks={self.max_blocks}) cannot run this batch")
-        pos = [s.start for s in segments] + [0] * (self.batch_size - n)
-        tables = [s.block_table + [self.scratch] * (self.max_blocks - len(s.block_table)) for s in segments]
-        tables += [[self.scratch] * self.max_blocks] * (self.batch_size - n)
-        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)]
-        for buf, vals in ((self.ids, [s.token_ids[0] for s in segments] + [0] * (self.batch_size - n)),
-                          (self.pos, pos), (self.slots, slots), (self.lens, [p + 1 for p in pos])):
-            buf.copy_(torch.tensor(vals, dtype=buf.dtype), non_blocking=True)
-        self.tables.copy_(torch.tensor(tables, dtype=torch.int32), non_blocking=True)
+        tables = torch.full((self.batch_size, self.max_blocks), self.scratch, dtype=torch.int32)
+        for i, s in enumerate(segments):
+            tables[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+        pos = torch.tensor([s.start for s in segments] + [0] * (self.batch_size - n))
+        slots = tables[torch.arange(self.batch_size), pos // bs].long() * bs + pos % bs
+        ids = torch.tensor([s.token_ids[0] for s in segments] + [0] * (self.batch_size - n))
+        for buf, vals in ((self.ids, ids), (self.pos, pos), (self.slots, slots), (self.lens, pos + 1),
+                          (self.tables, tables)):
+            buf.copy_(vals.to(buf.dtype), non_blocking=True)
         self.graph.replay()
-        return self.logits[:n], {layer: t[:n] for layer, t in self.routed.items()}
+        captured = {(layer, site): rows[:n * rows_per_token(cfg, site)]
+                    for (layer, site), rows in self.captured.items()}
+        return self.logits[:n], captured, {layer: t[:n] for layer, t in self.routed.items()}
