@@ -69,6 +69,38 @@ def fill_cache(cache, seed: int = 0) -> None:
                 t.normal_(generator=g)
 
 
+def goal_line(rows, batch: int = 64, context: int = 8192) -> str:
+    """The issue's goals at one batch and context: FP4 / BF16 tokens/s (goal >= 2) and FP4's
+    distance from its bandwidth floor (goal <= 2), for each way of running the step measured."""
+    def pick(precision, mode):
+        return next((r for r in rows if (r["precision"], r["batch"], r["context"], r["mode"]) ==
+                     (precision, batch, context, mode) and r["tokens_per_s"]), None)
+    parts = []
+    for mode, key in (("eager", "tokens_per_s"), ("cuda_graph", "tokens_per_s"), ("cuda_graph", "gpu_tokens_per_s")):
+        fp4, bf16 = pick("fp4", mode), pick("bf16", mode)
+        if fp4 and bf16 and fp4.get(key) and bf16.get(key):
+            name = mode + (" replay alone" if key == "gpu_tokens_per_s" else "")
+            parts.append(f"{name}: FP4 / BF16 = {fp4[key] / bf16[key]:.2f}, FP4 at "
+                         f"{fp4['floor_tokens_per_s'] / fp4[key]:.1f}x its floor")
+    if not parts:
+        return f"(batch {batch} / context {context} not measured)"
+    return f"Goals at batch {batch} / context {context} (FP4 / BF16 >= 2, FP4 within 2x of its floor): " + \
+        "; ".join(parts) + "."
+
+
+def replay_seconds(graph, reps: int) -> list[float]:
+    """Seconds of `reps` replays of a captured decode step, each timed with CUDA events."""
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return times
+
+
 def token_ids(batch: int, step: int, cfg) -> list[int]:
     """A different random token for every sequence and step: with one shared token the batch's
     hidden states are alike and route to the same few experts, which the floor's uniform routing
@@ -93,6 +125,33 @@ def kernel_table(segments, step_fn, title: str, top: int = 24) -> str:
         lines.append(f"| {e.key[:70]} | {e.count} | {e.self_device_time_total / 1e3:.3f} | "
                      f"{e.self_device_time_total / total:.1%} |")
     return "\n".join(lines) + "\n"
+
+
+def write_record(rows, profiles, args, cfg, gpu) -> None:
+    """bench/results/rollout_throughput.{json,md} from the rows so far (rewritten after every
+    case, so that a run cut short keeps what it measured)."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "rollout_throughput.json").write_text(json.dumps(rows, indent=1) + "\n")
+    cmd = "python bench/rollout_throughput.py " + " ".join(sys.argv[1:])
+    lines = [f"# Decode throughput, {rows[0]['date']}, {gpu}", "", f"`{cmd}`", "",
+             f"{args.model} width, {cfg.num_layers} layers, random weights; floor at {args.bandwidth / 1e12:.2f} TB/s.",
+             "",
+             "Decode `eager` runs the step's kernels from Python; `cuda_graph` replays the step as a CUDA "
+             "graph (what the engine does), and tokens/s counts the host's preparation of the step too; "
+             "`replay alone` is the graph replay timed with CUDA events, the GPU's share.", "",
+             "| precision | batch | context | decode | tokens/s | replay alone | floor tokens/s | floor / measured |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        tps, floor = r["tokens_per_s"], r["floor_tokens_per_s"]
+        measured = "does not fit" if tps is None else f"{tps:.1f}"
+        ratio = "" if tps is None else f"{floor / tps:.1f}"
+        replay = "" if r.get("gpu_tokens_per_s") is None else f"{r['gpu_tokens_per_s']:.1f}"
+        lines.append(f"| {r['precision']} | {r['batch']} | {r['context']} | {r['mode']} | {measured} | {replay} | "
+                     f"{floor:.1f} | {ratio} |")
+    lines += ["", goal_line(rows)]
+    if profiles:
+        lines += ["", "## GPU time per kernel, one eager step", ""] + profiles
+    (RESULTS / "rollout_throughput.md").write_text("\n".join(lines) + "\n")
 
 
 def main() -> None:
@@ -181,38 +240,28 @@ def main() -> None:
                                             for tok, t in zip(token_ids(batch, -1, cfg), tables)],
                                            step_fn, f"{precision} b{batch} c{context}"))
                         print(profiles[-1], flush=True)
-                    if mode == "cuda_graph":
+                    replay_s = None
+                    if mode == "cuda_graph":  # the GPU's share of a step: the replay alone, host work left out
+                        replay_s = statistics.median(replay_seconds(graph.graph, args.steps))
                         del graph
                         engine.cache.allocator.release([scratch])
                     step = statistics.median(times)
-                    r = dict(row, mode=mode, tokens_per_s=batch / step, step_s=step)
+                    r = dict(row, mode=mode, tokens_per_s=batch / step, step_s=step,
+                             gpu_tokens_per_s=None if replay_s is None else batch / replay_s)
                     rows.append(r)
                     floor = r["floor_tokens_per_s"]
+                    replay_note = "" if replay_s is None else f", replay alone {batch / replay_s:10.1f}"
                     print(f"{precision:5s} batch {batch:4d} context {context:5d} {mode:10s}: {batch / step:10.1f} "
-                          f"tokens/s (floor {floor:10.1f}; {floor / (batch / step):6.1f}x slower)", flush=True)
+                          f"tokens/s{replay_note} (floor {floor:10.1f}; {floor / (batch / step):6.1f}x slower)", flush=True)
                 for t in tables:
                     engine.cache.allocator.release(t)
+                if args.record:
+                    write_record(rows, profiles, args, cfg, gpu)
         del engine
         if cuda:
             torch.cuda.empty_cache()
     if args.record:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / "rollout_throughput.json").write_text(json.dumps(rows, indent=1) + "\n")
-        cmd = "python bench/rollout_throughput.py " + " ".join(sys.argv[1:])
-        lines = [f"# Decode throughput, {rows[0]['date']}, {gpu}", "", f"`{cmd}`", "",
-                 f"{args.model} width, {cfg.num_layers} layers, random weights; floor at {args.bandwidth / 1e12:.2f} TB/s.",
-                 "", "| precision | batch | context | decode | tokens/s | floor tokens/s | floor / measured |",
-                 "|---|---|---|---|---|---|---|"]
-        for r in rows:
-            tps, floor = r["tokens_per_s"], r["floor_tokens_per_s"]
-            measured = "does not fit" if tps is None else f"{tps:.1f}"
-            ratio = "" if tps is None else f"{floor / tps:.1f}"
-            lines.append(f"| {r['precision']} | {r['batch']} | {r['context']} | {r['mode']} | {measured} | {floor:.1f} | "
-                         f"{ratio} |")
-        if profiles:
-            lines += ["", "## GPU time per kernel, one eager step", ""] + profiles
-        (RESULTS / "rollout_throughput.md").write_text("\n".join(lines) + "\n")
-
+        write_record(rows, profiles, args, cfg, gpu)
 
 if __name__ == "__main__":
     main()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from trace_kernels.fp4 import dequantize, quantize
@@ -232,6 +233,11 @@ class DecodeGraph:
         self.tables = torch.full((batch_size, max_blocks), scratch_block, dtype=torch.int32, device=dev)
         self.lens = torch.ones(batch_size, dtype=torch.int32, device=dev)
         self.decode_only, self.last = True, None
+        # pinned host copies of the inputs, filled in place by `run` (numpy views) and copied over
+        # asynchronously; `_copied` marks when the last copy has left them
+        self._host = {name: torch.empty_like(getattr(self, name), device="cpu").pin_memory()
+                      for name in ("ids", "pos", "slots", "tables", "lens")}
+        self._copied = torch.cuda.Event()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # compile the Triton kernels and warm the allocator
@@ -249,15 +255,21 @@ class DecodeGraph:
         n, bs, cfg = len(segments), self.runner.cache.block_size, self.runner.cfg
         if n > self.batch_size or any(len(s.token_ids) != 1 or len(s.block_table) > self.max_blocks for s in segments):
             raise ValueError(f"DecodeGraph({self.batch_size}, max_blocks={self.max_blocks}) cannot run this batch")
-        tables = torch.full((self.batch_size, self.max_blocks), self.scratch, dtype=torch.int32)
+        self._copied.synchronize()  # the previous step's copies have read the host buffers
+        host = {name: t.numpy() for name, t in self._host.items()}
+        tables, pos = host["tables"], host["pos"]
+        tables.fill(self.scratch)
+        pos.fill(0)
         for i, s in enumerate(segments):
-            tables[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
-        pos = torch.tensor([s.start for s in segments] + [0] * (self.batch_size - n))
-        slots = tables[torch.arange(self.batch_size), pos // bs].long() * bs + pos % bs
-        ids = torch.tensor([s.token_ids[0] for s in segments] + [0] * (self.batch_size - n))
-        for buf, vals in ((self.ids, ids), (self.pos, pos), (self.slots, slots), (self.lens, pos + 1),
-                          (self.tables, tables)):
-            buf.copy_(vals.to(buf.dtype), non_blocking=True)
+            tables[i, :len(s.block_table)] = s.block_table
+            pos[i] = s.start
+            host["ids"][i] = s.token_ids[0]
+        host["ids"][n:] = 0
+        host["slots"][:] = tables[np.arange(self.batch_size), pos // bs].astype(np.int64) * bs + pos % bs
+        host["lens"][:] = pos + 1
+        for name, t in self._host.items():
+            getattr(self, name).copy_(t, non_blocking=True)
+        self._copied.record()
         self.graph.replay()
         captured = {(layer, site): rows[:n * rows_per_token(cfg, site)]
                     for (layer, site), rows in self.captured.items()}
