@@ -9,6 +9,7 @@ from .api import (
     dequantize,
     fake_quantize,
     fake_quantize_guided,
+    fake_quantize_rows,
     quantize,
     quantize_guided,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "e8m0_to_float",
     "fake_quantize",
     "fake_quantize_guided",
+    "fake_quantize_rows",
     "float_to_e2m1_rne",
     "pack_bits",
     "pack_codes",

@@ -12,7 +12,7 @@ import torch
 
 from . import reference
 from .formats import Format, MXScaleRule, e4m3_to_float, e8m0_to_float
-from .packing import pack_codes, unpack_bits, unpack_codes
+from .packing import pack_bits, pack_codes, unpack_bits, unpack_codes
 from .qtensor import QTensor
 from .rng import seed_key
 
@@ -173,6 +173,36 @@ def quantize(
         fmt=fmt,
         shape=torch.Size(x.shape),
     )
+
+
+def fake_quantize_rows(
+    x: torch.Tensor, *, capture: bool = False, backend: str = "auto", check_finite: bool = False
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
+    """Row-scaled NVFP4 fake quantization of activation rows, in one kernel on the GPU, with
+    what a dense guidance record keeps about the rounding when `capture`.
+
+    Args:
+        x: float32/bfloat16/float16 [R, K], K a multiple of 16.
+        capture: also return the mantissa bits, block scales and global scales.
+        check_finite: refuse NaN/Inf (one host synchronisation on the GPU).
+    Returns:
+        (dequantize(quantize(x, "nvfp4", scale="row"), x.dtype) [R, K],
+         None, or (mantissa bits uint8 [R, K/8] = pack_bits(codes & 1),
+                   block scale bytes uint8 [R, K/16], global scales float32 [R])).
+    """
+    _validate_input(x, Format.NVFP4)
+    if x.dim() != 2:
+        raise ValueError(f"fake_quantize_rows expects rows [R, K], got shape {tuple(x.shape)}")
+    if _use_triton(x, backend):
+        out, bits, scales, g, bad = triton_fp4.fake_quantize_rows_triton(x.contiguous(), capture)
+        if check_finite and bool(bad.any()):
+            _raise_nonfinite("detected by the Triton kernel")
+        return out, (bits, scales, g) if capture else None
+    q = quantize(x, "nvfp4", scale="row", backend="torch", check_finite=check_finite)
+    out = dequantize(q, x.dtype, backend="torch")
+    if not capture:
+        return out, None
+    return out, (pack_bits(unpack_codes(q.codes) & 1), q.block_scales.view(torch.uint8), q.global_scale.reshape(-1))
 
 
 def _check_guidance_shapes(x: torch.Tensor, global_scale, block_scales, mantissa_bits) -> None:

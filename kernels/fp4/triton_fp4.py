@@ -213,11 +213,15 @@ def _quantize_kernel(
     x_ptr, codes_ptr, scales_ptr, g_ptr, bad_ptr, bits_ptr, NB, BPR, key,
     IS_MX: tl.constexpr, G_MODE: tl.constexpr, STOCHASTIC: tl.constexpr, CEIL_RULE: tl.constexpr,
     GUIDED: tl.constexpr, BS: tl.constexpr, BLOCK_B: tl.constexpr,
+    FAKE: tl.constexpr = False, BITS_OUT: tl.constexpr = False, INTERPRET: tl.constexpr = False,
 ):
     """Quantize NB blocks of BS elements; BPR blocks per row. One [BLOCK_B, BS] tile per program.
 
     GUIDED (NVFP4, G_ROW): block scales are read from scales_ptr instead of computed, and each
     element takes the code nearest to it whose mantissa bit is the one in bits_ptr.
+    FAKE (NVFP4, per-row g): codes_ptr receives the dequantized values, (e2m1 * s) * g in its
+    dtype, instead of packed codes: fake quantization in one pass. BITS_OUT: bits_ptr receives
+    each element's mantissa bit (code & 1), eight per byte, what guidance records keep.
     """
     pid = tl.program_id(0).to(tl.int64)
     key = key.to(tl.uint32)
@@ -269,9 +273,24 @@ def _quantize_kernel(
         codes = _e2m1_guided_codes(v, (word[:, None] >> j[None, :]) & 1)
     else:
         codes = _e2m1_codes(v, offs, key, STOCHASTIC)
-    even, odd = tl.split(tl.reshape(codes, [BLOCK_B, BS // 2, 2]))
-    jh = tl.arange(0, BS // 2)
-    tl.store(codes_ptr + b_idx[:, None] * (BS // 2) + jh[None, :], even | (odd << 4), mask=mask)
+    if FAKE:
+        c = codes.to(tl.int32)
+        val = (_e2m1_value(c & 7).to(tl.int32, bitcast=True) | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+        out = (val * s[:, None]) * (g + tl.zeros([BLOCK_B], tl.float32))[:, None]  # as _dequantize_kernel
+        if INTERPRET and codes_ptr.dtype.element_ty == tl.bfloat16:
+            out = _bf16_rne(out)
+        else:
+            out = out.to(codes_ptr.dtype.element_ty)
+        tl.store(codes_ptr + offs, out, mask=mask)
+    else:
+        even, odd = tl.split(tl.reshape(codes, [BLOCK_B, BS // 2, 2]))
+        jh = tl.arange(0, BS // 2)
+        tl.store(codes_ptr + b_idx[:, None] * (BS // 2) + jh[None, :], even | (odd << 4), mask=mask)
+    if BITS_OUT:  # element i of a block in bit i % 8 of its byte i // 8, as packing.pack_bits
+        lsb = tl.reshape((codes & 1).to(tl.int32), [BLOCK_B, BS // 8, 8])
+        packed_bits = tl.sum(lsb << tl.arange(0, 8)[None, None, :], axis=2)
+        jb = tl.arange(0, BS // 8)
+        tl.store(bits_ptr + b_idx[:, None] * (BS // 8) + jb[None, :], packed_bits.to(tl.uint8), mask=mask)
     if not GUIDED:
         tl.store(scales_ptr + b_idx, scale_byte.to(tl.uint8), mask=b_mask)
 
@@ -382,6 +401,41 @@ def quantize_rows_triton(
         num_warps=num_warps, enable_fp_fusion=False,
     )
     return codes, scales, g, bad
+
+
+def fake_quantize_rows_triton(
+    x_MK: torch.Tensor, capture: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row-scaled NVFP4 fake quantization of contiguous rows in one kernel.
+
+    Args:
+        x_MK: float32/bfloat16/float16 [M, K], contiguous, K a multiple of 16.
+        capture: also write each element's mantissa bit.
+    Returns:
+        (dequantized values in x's dtype [M, K], mantissa bits uint8 [M, K/8] or None,
+         block scale bytes uint8 [M, K/16], global scales float32 [M], non-finite flag per program).
+    """
+    m, k = x_MK.shape
+    nb, bpr = m * k // 16, k // 16
+    dev = x_MK.device
+    out = torch.empty_like(x_MK)
+    scales = torch.empty((m, bpr), dtype=torch.uint8, device=dev)
+    bits = torch.empty((m, k // 8), dtype=torch.uint8, device=dev) if capture else scales
+    if k <= MAX_ROW_ELEMENTS:
+        g, g_mode = torch.empty((m,), dtype=torch.float32, device=dev), G_ROW_AMAX
+        block_b, grid = triton.next_power_of_2(bpr), m
+    else:  # long rows: amax by a torch reduction (exact), then the per-row path
+        row_amax = torch.linalg.vector_norm(x_MK, float("inf"), dim=-1, dtype=torch.float32)
+        g, g_mode = nvfp4_global_scale(row_amax), G_ROW
+        block_b, grid = _flat_grid(nb, 16)
+    bad = torch.empty((grid,), dtype=torch.uint8, device=dev)
+    _quantize_kernel[(grid,)](
+        x_MK, out, scales, g, bad, bits, nb, bpr, 0,
+        IS_MX=False, G_MODE=g_mode, STOCHASTIC=False, CEIL_RULE=False, GUIDED=False, BS=16, BLOCK_B=block_b,
+        FAKE=True, BITS_OUT=capture, INTERPRET=_interpreting(),
+        num_warps=8 if block_b * 16 >= 4096 else 4, enable_fp_fusion=False,
+    )
+    return out, bits if capture else None, scales, g, bad
 
 
 def quantize_guided_rows_triton(

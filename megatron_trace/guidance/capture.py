@@ -83,13 +83,13 @@ def capture(
         raise GuidanceFormatError("capture needs 2-D rows and their row-scaled NVFP4 QTensor of the same shape")
     rows, cols = x_RK.shape
     g_R1 = q.global_scale
+    if coding is Coding.DENSE:
+        return capture_dense(pack_bits(unpack_codes(q.codes) & 1), q.block_scales.view(torch.uint8), g_R1.reshape(-1),
+                             model_id=model_id, layer=layer, site=site, sample_id=sample_id,
+                             weight_version=weight_version, policy=policy)
     payload = {"g": g_R1.reshape(-1).float().cpu()}
     header = dict(model_id=model_id, layer=layer, site=site, rows=rows, cols=cols, sample_id=str(sample_id),
                   weight_version=weight_version, policy=policy, coding=coding)
-    if coding is Coding.DENSE:
-        payload["scales"] = q.block_scales.view(torch.uint8).cpu()
-        payload["bits"] = pack_bits(unpack_codes(q.codes) & 1).cpu()
-        return GuidanceRecord(RecordHeader(**header), payload)
 
     elem_idx = (boundary_distance_ulps(nvfp4_scaled_values(x_RK, g_R1, q.block_scales)) < tau).reshape(-1).nonzero().reshape(-1)
     payload |= {"elem_pos": encode_positions(elem_idx),
@@ -105,6 +105,36 @@ def capture(
     return GuidanceRecord(RecordHeader(**header, tau=tau, scale_coding=scale_coding,
                                        scale_tau=scale_tau if scale_coding == "near" else None,
                                        n_scales=n_scales, n_elems=elem_idx.numel()), payload)
+
+
+def capture_dense(
+    bits_RK8: torch.Tensor,
+    scales_RB: torch.Tensor,
+    g_R: torch.Tensor,
+    *,
+    model_id: str,
+    layer: int,
+    site: str,
+    sample_id: str,
+    weight_version: int,
+    policy: str,
+) -> GuidanceRecord:
+    """A dense guidance record from what the engine's fused quantize kernel kept
+    (trace_kernels.fp4.fake_quantize_rows(capture=True)): no second quantization of the rows.
+
+    Args:
+        bits_RK8: uint8 [R, K/8], each element's mantissa bit (element i in bit i % 8 of byte i // 8).
+        scales_RB: uint8 [R, K/16], E4M3 block scale bytes. g_R: float32 [R], global scales.
+    """
+    rows = g_R.numel()
+    if bits_RK8.dtype != torch.uint8 or scales_RB.dtype != torch.uint8 or bits_RK8.dim() != 2 or \
+            tuple(scales_RB.shape) != (rows, bits_RK8.shape[1] // 2) or bits_RK8.shape[0] != rows:
+        raise GuidanceFormatError(f"capture_dense: bits {tuple(bits_RK8.shape)} {bits_RK8.dtype}, scales "
+                                  f"{tuple(scales_RB.shape)} {scales_RB.dtype} and g {tuple(g_R.shape)} do not fit")
+    header = RecordHeader(model_id=model_id, layer=layer, site=site, rows=rows, cols=bits_RK8.shape[1] * 8,
+                          sample_id=str(sample_id), weight_version=weight_version, policy=policy, coding=Coding.DENSE)
+    payload = {"g": g_R.reshape(-1).float().cpu(), "scales": scales_RB.cpu(), "bits": bits_RK8.cpu()}
+    return GuidanceRecord(header, payload)
 
 
 def pack_padded_bits(bits: torch.Tensor) -> torch.Tensor:

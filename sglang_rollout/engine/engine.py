@@ -22,6 +22,7 @@ from megatron_trace.guidance import (
     LayerPolicy,
     SampleGuidance,
     capture,
+    capture_dense,
 )
 from megatron_trace.model_config import ModelConfig
 from megatron_trace.rollout import (
@@ -33,7 +34,7 @@ from megatron_trace.rollout import (
 
 from .config import EngineConfig
 from .kv_cache import PagedKVCache
-from .model import DecodeGraph, ModelRunner, Segment, rows_per_token
+from .model import DecodeGraph, ModelRunner, Segment, cat_rows, map_rows, rows_per_token
 from .sampler import sample, sample_stream
 from .sequence import Sequence, Status
 from .weights import EngineWeights
@@ -64,6 +65,9 @@ class TraceEngine:
                                   model.head_dim, fp4, config.device)
         self.runner = ModelRunner(model, self.weights, self.cache, fp4, config.kernels)
         self.guided_layers = frozenset(LayerPolicy.parse(config.guide).select(model.num_layers))
+        # dense records come straight from the fused quantize kernel (bits, scales, g); sparse
+        # coding needs the rows themselves (their distance to rounding boundaries)
+        self._capture_codes = fp4 and config.coding == "dense"
         self.weight_version = -1
         # CUDA graphs for decode steps, one per batch-size bucket, captured on first use; their
         # padding rows write K/V into a cache block kept out of the allocator's reach
@@ -220,9 +224,9 @@ class TraceEngine:
             if graph is not None:
                 logits, captured, routed = graph.run(segments)
             else:
-                logits, captured, routed = self.runner.forward(segments, self.guided_layers)
+                logits, captured, routed = self.runner.forward(segments, self.guided_layers, codes=self._capture_codes)
             # one device-to-host copy per layer and site, not one per sequence
-            captured = {key: t.cpu() for key, t in captured.items()}
+            captured = {key: map_rows(torch.Tensor.cpu, rows) for key, rows in captured.items()}
             routed = {layer: t.cpu() for layer, t in routed.items()}
             offset = 0
             next_running = []
@@ -251,7 +255,7 @@ class TraceEngine:
             max_blocks = math.ceil(min(self.cfg.max_position_embeddings, self.config.block_size * self._capacity)
                                    / self.config.block_size)
             self._graphs[size] = DecodeGraph(self.runner, size, max_blocks, self._scratch, self.guided_layers,
-                                             self._graph_pool)
+                                             self._graph_pool, codes=self._capture_codes)
         return self._graphs[size]
 
     def _keep_rows(self, seq, captured, routed, offset, m) -> None:
@@ -259,7 +263,8 @@ class TraceEngine:
             seq.experts.setdefault(layer, []).append(ids[offset:offset + m])
         for (layer, site), rows in captured.items():
             per = rows_per_token(self.cfg, site)
-            seq.rows.setdefault((layer, site), []).append(rows[offset * per:(offset + m) * per])
+            seq.rows.setdefault((layer, site), []).append(
+                map_rows(lambda t, a=offset * per, b=(offset + m) * per: t[a:b], rows))
 
     def _fork(self, job: _PromptJob, logits_V, sampling, guidance) -> list[Sequence]:
         """Samples start from the prefilled prompt: full KV blocks shared, the partial one copied."""
@@ -310,11 +315,14 @@ class TraceEngine:
     def _records(self, seq: Sequence, owner: str) -> dict:
         records = {}
         for (layer, site), chunks in seq.rows.items():
-            x = torch.cat(chunks)
+            kept = cat_rows(chunks)
+            header = dict(model_id=self.config.model_id, layer=layer, site=site, sample_id=owner,
+                          weight_version=self.weight_version, policy=self.config.guide)
+            if isinstance(kept, tuple):  # (bits, scales, g) from the fused quantize kernel
+                records[(layer, site)] = capture_dense(*kept, **header)
+                continue
             records[(layer, site)] = capture(
-                x, quantize(x, "nvfp4", scale="row"), model_id=self.config.model_id, layer=layer, site=site,
-                sample_id=owner, weight_version=self.weight_version, policy=self.config.guide,
-                coding=self.config.coding,
+                kept, quantize(kept, "nvfp4", scale="row"), **header, coding=self.config.coding,
                 **({} if self.config.coding == "dense" else {"tau": self.config.tau,
                                                             "scale_coding": self.config.scale_coding}))
         return records

@@ -19,7 +19,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
-from trace_kernels.fp4 import dequantize, quantize
+from trace_kernels.fp4 import (
+    QTensor,
+    fake_quantize_rows,
+    pack_bits,
+    unpack_codes,
+)
 from trace_kernels.fp4.linear import fp4_grouped_linear, fp4_linear
 from trace_kernels.fp4.paged_attention import paged_decode_attention
 
@@ -38,8 +43,23 @@ class Segment:
     block_table: list[int]
 
 
-def _fake_quant_rows(x: torch.Tensor) -> torch.Tensor:
-    return dequantize(quantize(x, "nvfp4", scale="row", check_finite=False), x.dtype)
+def map_rows(fn, captured):
+    """fn applied to a captured site's rows [R, ...], or to each part of its (bits, scales, g)."""
+    return tuple(fn(t) for t in captured) if isinstance(captured, tuple) else fn(captured)
+
+
+def cat_rows(chunks: list):
+    """Concatenate captured chunks along rows (tensors, or (bits, scales, g) part by part)."""
+    if isinstance(chunks[0], tuple):
+        return tuple(torch.cat(parts) for parts in zip(*chunks, strict=True))
+    return torch.cat(chunks)
+
+
+def _dense_capture(q: QTensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mantissa bits [R, k/8], scale bytes [R, k/16], g [R]) of row-scaled FP4 rows of length k."""
+    codes = q.codes.reshape(-1, k // 2)
+    return (pack_bits(unpack_codes(codes) & 1), q.block_scales.view(torch.uint8).reshape(-1, k // 16),
+            q.global_scale.reshape(-1))
 
 
 class _Batch:
@@ -79,11 +99,18 @@ class ModelRunner:
         d = cfg.head_dim
         self.inv_freq = (1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))).to(weights.device)
 
-    def _site(self, rows, layer, name, x):
-        """Quantize an FP4 site's input rows (fp4) and keep them when the layer is captured."""
+    def _site(self, rows, layer, name, x, codes=False):
+        """Fake-quantize an FP4 site's input rows (fp4) and, when the layer is captured, keep the
+        rows, or with `codes` what the quantize kernel kept of their rounding."""
+        x2 = x.reshape(-1, x.shape[-1])
+        if not self.fp4:
+            if rows is not None:
+                rows[(layer, name)] = x2
+            return x
+        xq, kept = fake_quantize_rows(x2, capture=rows is not None and codes, backend=self.backend)
         if rows is not None:
-            rows[(layer, name)] = x.reshape(-1, x.shape[-1])
-        return _fake_quant_rows(x) if self.fp4 else x
+            rows[(layer, name)] = x2 if kept is None else kept
+        return xq.view_as(x)
 
     def _linear(self, x, name):
         """x [n, K] @ W^T for an FP4-site weight (packed in fp4 precision)."""
@@ -99,18 +126,21 @@ class ModelRunner:
         return x * cos + torch.cat([-x2, x1], -1) * sin
 
     @torch.no_grad()
-    def forward(self, segments: list[Segment], capture_layers=frozenset(), all_logits: bool = False):
+    def forward(self, segments: list[Segment], capture_layers=frozenset(), all_logits: bool = False,
+                codes: bool = False):
         """Run the segments; write their K/V into the cache.
 
         Returns:
             logits float32 [len(segments), V] (each segment's last token) or [N, V] (all_logits),
             captured site rows {(layer, site): [R, K]} for `capture_layers` (R = N, or N * kv_heads
-            for k/v, N * top_k for fc2), routed experts {layer: int64 [N, top_k]}.
+            for k/v, N * top_k for fc2; with `codes` (fp4): (mantissa bits uint8 [R, K/8], block
+            scale bytes uint8 [R, K/16], g float32 [R]) from the fused quantize kernel instead),
+            routed experts {layer: int64 [N, top_k]}.
         """
         batch = _Batch(segments, self.cache.block_size, self.w.device)  # index tensors built once per forward
-        return self.forward_batch(batch, capture_layers, all_logits)
+        return self.forward_batch(batch, capture_layers, all_logits, codes)
 
-    def forward_batch(self, batch, capture_layers=frozenset(), all_logits: bool = False):
+    def forward_batch(self, batch, capture_layers=frozenset(), all_logits: bool = False, codes: bool = False):
         """`forward` on prebuilt index tensors (`_Batch` or the static buffers of a `DecodeGraph`).
         Decode-only batches run without host synchronisation, so they can be graph-captured."""
         cfg, w = self.cfg, self.w
@@ -123,23 +153,24 @@ class ModelRunner:
             p = f"decoder.layers.{L}."
             rows = captured if L in capture_layers else None
             h = F.rms_norm(x, (cfg.hidden_size,), w.dense(p + "input_layernorm.weight"), cfg.rms_norm_eps)
-            qkv = self._linear(self._site(rows, L, "qkv", h), p + "self_attention.linear_qkv.weight")
+            qkv = self._linear(self._site(rows, L, "qkv", h, codes), p + "self_attention.linear_qkv.weight")
             qkv = qkv.view(n, ng, nq // ng + 2, d)
             q = qkv[:, :, : nq // ng].reshape(n, nq, d)
             q = F.rms_norm(q, (d,), w.dense(p + "self_attention.q_layernorm.weight"), cfg.rms_norm_eps)
             kk = F.rms_norm(qkv[:, :, -2], (d,), w.dense(p + "self_attention.k_layernorm.weight"), cfg.rms_norm_eps)
             q, kk, v = self._rope(q, pos), self._rope(kk, pos), qkv[:, :, -1]
-            if rows is not None:
-                rows[(L, "k")], rows[(L, "v")] = kk.reshape(-1, d), v.reshape(-1, d)
             if self.fp4:
                 kq, vq = PagedKVCache.quantize_rows(kk), PagedKVCache.quantize_rows(v)
             else:
                 kq, vq = kk, v
+            if rows is not None:  # with codes: the rounding the cache itself holds
+                rows[(L, "k")], rows[(L, "v")] = ((_dense_capture(kq, d), _dense_capture(vq, d)) if codes and self.fp4
+                                                  else (kk.reshape(-1, d), v.reshape(-1, d)))
             ctx = self._attention(L, batch, q, kq, vq)
             ctx = ctx.reshape(n, nq * d)
-            x = x + self._linear(self._site(rows, L, "proj", ctx), p + "self_attention.linear_proj.weight")
+            x = x + self._linear(self._site(rows, L, "proj", ctx, codes), p + "self_attention.linear_proj.weight")
             x = x + self._moe(L, p, F.rms_norm(x, (cfg.hidden_size,), w.dense(p + "pre_mlp_layernorm.weight"),
-                                               cfg.rms_norm_eps), rows, routed)
+                                               cfg.rms_norm_eps), rows, routed, codes)
         x = F.rms_norm(x, (cfg.hidden_size,), w.dense("decoder.final_layernorm.weight"), cfg.rms_norm_eps)
         if not all_logits and batch.last is not None:
             x = x[batch.last]
@@ -178,7 +209,7 @@ class ModelRunner:
             return torch._grouped_mm(x, w.transpose(1, 2), offs=counts.cumsum(0).to(torch.int32))
         return torch.cat([chunk @ w[e].T for e, chunk in enumerate(x.split(counts.tolist()))])
 
-    def _moe(self, L, p, h, rows, routed):
+    def _moe(self, L, p, h, rows, routed, codes=False):
         """Top-k routing, then every (token, slot) row through its expert as two grouped GEMMs
         (rows sorted by expert, tokens ascending within an expert)."""
         cfg, w = self.cfg, self.w
@@ -192,14 +223,18 @@ class ModelRunner:
         # per-expert row counts, on the device (bincount would synchronise to size its output)
         counts = torch.zeros(cfg.num_experts, dtype=torch.int64, device=h.device).scatter_add_(
             0, top.reshape(-1), torch.ones(n * k, dtype=torch.int64, device=h.device))
-        gate_up = self._experts(self._site(rows, L, "fc1", h)[tok], L, "fc1", counts)
+        gate_up = self._experts(self._site(rows, L, "fc1", h, codes)[tok], L, "fc1", counts)
         g_, u_ = gate_up.chunk(2, -1)
-        act = F.silu(g_) * u_
-        if rows is not None:
-            fc2_rows = torch.empty(n, k, cfg.moe_intermediate_size, dtype=h.dtype, device=h.device)
-            fc2_rows[tok, slot] = act
-            rows[(L, "fc2")] = fc2_rows.reshape(-1, cfg.moe_intermediate_size)
-        y = self._experts(_fake_quant_rows(act) if self.fp4 else act, L, "fc2", counts)
+        act = F.silu(g_) * u_  # rows in expert order
+        fc2 = {}
+        act_in = self._site(fc2 if rows is not None else None, L, "fc2", act, codes)
+        if rows is not None:  # captured rows in token order, as the trainer's records are
+            def token_order(t):
+                out = t.new_empty((n, k) + t.shape[1:])
+                out[tok, slot] = t
+                return out.reshape((n * k,) + t.shape[1:])
+            rows[(L, "fc2")] = map_rows(token_order, fc2[(L, "fc2")])
+        y = self._experts(act_in, L, "fc2", counts)
         out = torch.zeros_like(h)
         out.index_add_(0, tok, (y * gate[tok, slot, None]).to(h.dtype))
         return out
@@ -219,11 +254,11 @@ class DecodeGraph:
     `capture_layers`, routed experts) are the graph's static outputs, overwritten by the next
     replay. Warm-up and capture write K/V only into `scratch_block`, a cache block reserved for
     it, and so do the padding rows of a smaller batch. `pool`: a graph memory pool shared with
-    the other batch sizes' graphs (they never replay at the same time).
+    the other batch sizes' graphs (they never replay at the same time). `codes`: as `forward`.
     """
 
     def __init__(self, runner: ModelRunner, batch_size: int, max_blocks: int, scratch_block: int,
-                 capture_layers=frozenset(), pool=None):
+                 capture_layers=frozenset(), pool=None, codes: bool = False):
         dev = runner.w.device
         bs = runner.cache.block_size
         self.runner, self.batch_size, self.max_blocks, self.scratch = runner, batch_size, max_blocks, scratch_block
@@ -242,11 +277,11 @@ class DecodeGraph:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # compile the Triton kernels and warm the allocator
             for _ in range(2):
-                runner.forward_batch(self, capture_layers)
+                runner.forward_batch(self, capture_layers, codes=codes)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
-            self.logits, self.captured, self.routed = runner.forward_batch(self, capture_layers)
+            self.logits, self.captured, self.routed = runner.forward_batch(self, capture_layers, codes=codes)
 
     def run(self, segments: list[Segment]):
         """`ModelRunner.forward` of one decode step of these sequences: (logits [n, V], captured
@@ -271,6 +306,6 @@ class DecodeGraph:
             getattr(self, name).copy_(t, non_blocking=True)
         self._copied.record()
         self.graph.replay()
-        captured = {(layer, site): rows[:n * rows_per_token(cfg, site)]
+        captured = {(layer, site): map_rows(lambda t, r=n * rows_per_token(cfg, site): t[:r], rows)
                     for (layer, site), rows in self.captured.items()}
         return self.logits[:n], captured, {layer: t[:n] for layer, t in self.routed.items()}

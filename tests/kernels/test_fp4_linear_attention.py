@@ -134,3 +134,37 @@ def test_fp4_grouped_linear_is_each_experts_matmul(counts):
         fp4_grouped_linear(x, codes, scales, gs, torch.tensor(counts[:-1] + [counts[-1] + 1]))
     with pytest.raises(ValueError, match="do not fit"):
         fp4_grouped_linear(x, codes, scales, gs, torch.tensor(counts[:-1]))
+
+
+@pytest.mark.parametrize("shape, dtype", [((37, 64), torch.bfloat16), ((5, 256), torch.float32), ((9, 48), torch.float16)])
+def test_fake_quantize_rows_in_one_pass(shape, dtype):
+    """The fused kernel (fake quantization plus the capture of mantissa bits, block scales and
+    global scales) against the float64 spec: the same codes, scales and g, the same dequantized
+    values, and bits equal to the spec codes' lowest bit. Rows of zeros and of tiny values
+    included."""
+    from trace_kernels.fp4 import fake_quantize_rows, pack_bits
+
+    from .spec64 import nvfp4
+
+    x = heavy_tailed(*shape, seed=shape[0]) * torch.logspace(-30, 10, shape[0], base=2.0)[:, None]
+    x[1] = 0.0
+    x = x.to(dtype)
+    codes, s, g = (torch.from_numpy(a) for a in nvfp4(x.double().numpy(), row_scale=True))
+    magnitude = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6])[codes.long() & 7]
+    values = torch.where(codes >= 8, -magnitude, magnitude)  # float32, the sign of zero aside
+    # (e2m1 * s) * g in float32 (e2m1 * s is exact), then x's dtype
+    want = ((values.reshape(shape[0], -1, 16) * s[..., None]) * g.float()[..., None]).reshape(shape).to(dtype)
+    scales = s.to(torch.float8_e4m3fn).view(torch.uint8)  # s holds E4M3 values: exact
+    dev = triton_device()
+    for backend in ("torch", "triton"):
+        on = "cpu" if backend == "torch" else dev
+        out, (bits, sb, gg) = fake_quantize_rows(x.to(on), capture=True, backend=backend)
+        assert out.dtype == dtype
+        assert torch.equal(out.cpu(), want), backend  # -0.0 == 0.0: the sign of zero is not compared
+        assert torch.equal(bits.cpu(), pack_bits(codes & 1)), backend
+        assert torch.equal(sb.cpu(), scales), backend
+        assert torch.equal(gg.cpu(), g.reshape(-1).float()), backend
+        plain, none = fake_quantize_rows(x.to(on), backend=backend)
+        assert none is None and torch.equal(plain.cpu(), out.cpu())
+    with pytest.raises(ValueError, match="rows"):
+        fake_quantize_rows(x[None])
