@@ -74,20 +74,13 @@ def fp4_grouped_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tenso
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
     if m == 0:
         return y
-    # Tiles of at most block_m rows of one expert, listed on the device: tile t belongs to the
-    # expert whose cumulative tile count first exceeds t; tiles past the last are empty.
-    counts = counts.to(x.device, torch.int64)
-    row_end = counts.cumsum(0)
-    row_start = row_end - counts
-    n_tiles = (counts + block_m - 1) // block_m
-    tile_end = n_tiles.cumsum(0)
+    # Tiles of at most block_m rows of one expert, listed on the device by one small kernel (no
+    # host synchronisation, so the step stays graph-capturable); tiles past the last are empty.
     max_tiles = triton.cdiv(m, block_m) + e
-    t = torch.arange(max_tiles, device=x.device)
-    expert = torch.searchsorted(tile_end, t, right=True).clamp(max=e - 1)
-    r0 = row_start[expert] + (t - (tile_end - n_tiles)[expert]) * block_m
-    r1 = torch.minimum(r0 + block_m, row_end[expert])
-    r1 = torch.where(t < tile_end[-1], r1, r0)  # past the last tile: no rows
-    tile_info = torch.stack([expert, r0, r1], 1).to(torch.int32).contiguous()
+    tile_info = torch.empty((max_tiles, 3), dtype=torch.int32, device=x.device)
+    _tile_list_kernel[(triton.cdiv(max_tiles, 32),)](
+        counts.to(x.device), tile_info, e, max_tiles, BLOCK_M=block_m, E_PAD=triton.next_power_of_2(e), T_BLOCK=32,
+    )
     block_n, block_k = TILE["block_n"], _block_k(k)
     _fp4_grouped_kernel[(max_tiles, triton.cdiv(n, block_n))](
         x.contiguous(), codes, scales.view(torch.uint8), g.float().contiguous(), tile_info, y, n, k,
@@ -173,6 +166,28 @@ if triton is not None:
                 acc += tl.dot(w_even.to(tl.bfloat16), x_even)
                 acc += tl.dot(w_odd.to(tl.bfloat16), x_odd)
         return acc
+
+    @triton.jit
+    def _tile_list_kernel(counts_ptr, tiles_ptr, E, MAX_TILES, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
+                          T_BLOCK: tl.constexpr):
+        """(expert, first row, end row) int32 of T_BLOCK tiles: tile t is the (t - first tile of
+        e)-th block of BLOCK_M rows of the expert e whose tiles [first, end) contain t, rows
+        sorted by expert with counts[e] each; (0, 0, 0) past the last tile."""
+        e = tl.arange(0, E_PAD)
+        c = tl.load(counts_ptr + e, mask=e < E, other=0).to(tl.int32)
+        row_end = tl.cumsum(c, 0)
+        n_tiles = (c + BLOCK_M - 1) // BLOCK_M
+        tile_end = tl.cumsum(n_tiles, 0)
+        tile_start = tile_end - n_tiles
+        t = tl.program_id(0) * T_BLOCK + tl.arange(0, T_BLOCK)
+        hit = (tile_start[None, :] <= t[:, None]) & (t[:, None] < tile_end[None, :])  # [T, E], one per row at most
+        expert = tl.sum(tl.where(hit, e[None, :], 0), 1)
+        r0 = tl.sum(tl.where(hit, row_end[None, :] - c[None, :] + (t[:, None] - tile_start[None, :]) * BLOCK_M, 0), 1)
+        r1 = tl.minimum(r0 + BLOCK_M, tl.sum(tl.where(hit, row_end[None, :], 0), 1))
+        ok = t < MAX_TILES
+        tl.store(tiles_ptr + t * 3, expert, mask=ok)
+        tl.store(tiles_ptr + t * 3 + 1, r0, mask=ok)
+        tl.store(tiles_ptr + t * 3 + 2, r1, mask=ok)
 
     @triton.jit
     def _store_transposed(y_ptr, acc, rm, m_ok, rn, n_ok, N, INTERPRET: tl.constexpr):

@@ -68,3 +68,17 @@ def test_gpu_guided_kernel_equals_cpu_reference(shape, dtype):
     ref = quantize_guided(x_t, q_e.global_scale, q_e.block_scales, bits, backend="torch")
     gpu = quantize_guided(x_t.cuda(), q_e.global_scale.cuda(), q_e.block_scales.cuda(), bits.cuda(), backend="triton")
     assert_same_qtensor(ref, gpu.to("cpu"))
+
+
+@pytest.mark.parametrize("shape", [(4096, 2048), (64, 65536)])  # one program per row; long rows
+def test_gpu_fused_fake_quantize_equals_cpu_reference(shape):
+    """The fused quantize + dequantize + capture kernel against the CPU torch path, bit for bit."""
+    from trace_kernels.fp4 import fake_quantize_rows
+
+    x = extreme_rows(*shape, seed=3).bfloat16()
+    want, want_kept = fake_quantize_rows(x, capture=True, backend="torch")
+    got, got_kept = fake_quantize_rows(x.cuda(), capture=True)
+    assert_bitwise_equal(got.cpu(), want)
+    (bits, scales, g), (want_bits, want_scales, want_g) = got_kept, want_kept
+    assert torch.equal(bits.cpu(), want_bits) and torch.equal(scales.cpu(), want_scales)
+    assert_bitwise_equal(g.cpu(), want_g)

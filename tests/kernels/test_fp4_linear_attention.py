@@ -168,3 +168,20 @@ def test_fake_quantize_rows_in_one_pass(shape, dtype):
         assert none is None and torch.equal(plain.cpu(), out.cpu())
     with pytest.raises(ValueError, match="rows"):
         fake_quantize_rows(x[None])
+
+
+def test_fp4_grouped_linear_many_experts():
+    """40 experts, some without rows: the device-side tile list spans several programs."""
+    from trace_kernels.fp4.linear import fp4_grouped_linear
+
+    e, n, k = 40, 32, 32
+    g = torch.Generator().manual_seed(5)
+    counts = torch.randint(0, 4, (e,), generator=g)
+    experts = [quantize(heavy_tailed(n, k, seed=i)) for i in range(e)]
+    codes, scales = torch.stack([w.codes for w in experts]), torch.stack([w.block_scales for w in experts])
+    gs = torch.stack([w.global_scale for w in experts])
+    x = torch.randn(int(counts.sum()), k, generator=g).bfloat16()
+    want = fp4_grouped_linear(x, codes, scales, gs, counts, backend="torch")
+    dev = triton_device()
+    y = fp4_grouped_linear(x.to(dev), codes.to(dev), scales.to(dev), gs.to(dev), counts.to(dev), backend="triton")
+    torch.testing.assert_close(y.cpu().float(), want.float(), atol=1e-2, rtol=2 * BF16_ULP)
