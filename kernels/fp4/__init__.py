@@ -24,7 +24,7 @@ from .formats import (
     e8m0_to_float,
     float_to_e2m1_rne,
 )
-from .packing import pack_bits, pack_codes, unpack_bits, unpack_codes
+from .packing import mantissa_bits, pack_bits, pack_codes, unpack_bits, unpack_codes
 from .qtensor import QTensor
 
 __all__ = [
@@ -43,6 +43,7 @@ __all__ = [
     "fake_quantize_guided",
     "fake_quantize_rows",
     "float_to_e2m1_rne",
+    "mantissa_bits",
     "pack_bits",
     "pack_codes",
     "quantize",

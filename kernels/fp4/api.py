@@ -12,7 +12,7 @@ import torch
 
 from . import reference
 from .formats import Format, MXScaleRule, e4m3_to_float, e8m0_to_float
-from .packing import pack_bits, pack_codes, unpack_bits, unpack_codes
+from .packing import mantissa_bits, pack_codes, unpack_bits, unpack_codes
 from .qtensor import QTensor
 from .rng import seed_key
 
@@ -202,7 +202,7 @@ def fake_quantize_rows(
     out = dequantize(q, x.dtype, backend="torch")
     if not capture:
         return out, None
-    return out, (pack_bits(unpack_codes(q.codes) & 1), q.block_scales.view(torch.uint8), q.global_scale.reshape(-1))
+    return out, (mantissa_bits(q.codes), q.block_scales.view(torch.uint8), q.global_scale.reshape(-1))
 
 
 def _check_guidance_shapes(x: torch.Tensor, global_scale, block_scales, mantissa_bits) -> None:

@@ -57,3 +57,21 @@ def unpack_bits(packed: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"unpack_bits needs uint8, got {packed.dtype}")
     shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
     return ((packed.unsqueeze(-1) >> shifts) & 1).flatten(-2)
+
+
+def mantissa_bits(packed: torch.Tensor) -> torch.Tensor:
+    """Each element's mantissa bit (code & 1) packed eight per byte, what a dense guidance record
+    keeps: `pack_bits(unpack_codes(packed) & 1)` without `pack_bits`' value check, whose host
+    synchronisation a CUDA graph cannot capture (the bits are 0/1 by construction).
+
+    Args:
+        packed: uint8 [..., K/2] packed codes, K a multiple of 8.
+    Returns:
+        uint8 [..., K/8].
+    """
+    if packed.dtype != torch.uint8 or packed.dim() == 0 or packed.shape[-1] % 4:
+        raise ValueError(f"mantissa_bits needs packed uint8 codes [..., K/2] with K % 8 == 0, got "
+                         f"{packed.dtype} {tuple(packed.shape)}")
+    bits = torch.stack((packed & 1, (packed >> 4) & 1), dim=-1).reshape(*packed.shape[:-1], -1, 8)
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=packed.device)
+    return (bits * weights).sum(-1, dtype=torch.uint8)

@@ -11,7 +11,7 @@ and mantissa bits from its own round-to-nearest codes under those scales.
 from __future__ import annotations
 
 import torch
-from trace_kernels.fp4 import QTensor, pack_bits, unpack_codes
+from trace_kernels.fp4 import QTensor, mantissa_bits, pack_bits, unpack_codes
 from trace_kernels.fp4.formats import E2M1_ROUNDING_BOUNDARIES
 from trace_kernels.fp4.reference import (
     nvfp4_block_amax,
@@ -84,7 +84,7 @@ def capture(
     rows, cols = x_RK.shape
     g_R1 = q.global_scale
     if coding is Coding.DENSE:
-        return capture_dense(pack_bits(unpack_codes(q.codes) & 1), q.block_scales.view(torch.uint8), g_R1.reshape(-1),
+        return capture_dense(mantissa_bits(q.codes), q.block_scales.view(torch.uint8), g_R1.reshape(-1),
                              model_id=model_id, layer=layer, site=site, sample_id=sample_id,
                              weight_version=weight_version, policy=policy)
     payload = {"g": g_R1.reshape(-1).float().cpu()}

@@ -19,12 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
-from trace_kernels.fp4 import (
-    QTensor,
-    fake_quantize_rows,
-    pack_bits,
-    unpack_codes,
-)
+from trace_kernels.fp4 import QTensor, fake_quantize_rows, mantissa_bits
 from trace_kernels.fp4.linear import fp4_grouped_linear, fp4_linear
 from trace_kernels.fp4.paged_attention import paged_decode_attention
 
@@ -57,8 +52,7 @@ def cat_rows(chunks: list):
 
 def _dense_capture(q: QTensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(mantissa bits [R, k/8], scale bytes [R, k/16], g [R]) of row-scaled FP4 rows of length k."""
-    codes = q.codes.reshape(-1, k // 2)
-    return (pack_bits(unpack_codes(codes) & 1), q.block_scales.view(torch.uint8).reshape(-1, k // 16),
+    return (mantissa_bits(q.codes.reshape(-1, k // 2)), q.block_scales.view(torch.uint8).reshape(-1, k // 16),
             q.global_scale.reshape(-1))
 
 

@@ -102,3 +102,12 @@ def test_uniforms_are_uniform_and_seed_dependent():
     hist = torch.histc(u, bins=10, min=0, max=1) / u.numel()
     assert torch.allclose(hist, torch.full((10,), 0.1), atol=0.005)
     assert not torch.equal(u, rng.uniform_from_counter(idx, rng.seed_key(8)))
+
+
+def test_mantissa_bits_is_pack_bits_of_the_codes_lowest_bit():
+    from trace_kernels.fp4 import mantissa_bits, pack_bits, pack_codes
+
+    codes = torch.randint(0, 16, (5, 64), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    assert torch.equal(mantissa_bits(pack_codes(codes)), pack_bits(codes & 1))
+    with pytest.raises(ValueError, match="mantissa_bits"):
+        mantissa_bits(pack_codes(codes)[:, :6])
