@@ -73,5 +73,5 @@ def mantissa_bits(packed: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"mantissa_bits needs packed uint8 codes [..., K/2] with K % 8 == 0, got "
                          f"{packed.dtype} {tuple(packed.shape)}")
     bits = torch.stack((packed & 1, (packed >> 4) & 1), dim=-1).reshape(*packed.shape[:-1], -1, 8)
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=packed.device)
-    return (bits * weights).sum(-1, dtype=torch.uint8)
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)  # made on the device: no copy
+    return (bits << shifts).sum(-1, dtype=torch.uint8)
