@@ -152,6 +152,37 @@ def write_record(rows, profiles, args, cfg, gpu) -> None:
     if profiles:
         lines += ["", "## GPU time per kernel, one eager step", ""] + profiles
     (RESULTS / "rollout_throughput.md").write_text("\n".join(lines) + "\n")
+    plot(rows, RESULTS / "rollout_throughput.png")
+
+
+def plot(rows, path: Path) -> None:
+    """tokens/s against batch, one panel per context: BF16 and FP4 as the engine runs them (CUDA
+    graphs where measured, else eager), each beside its bandwidth floor. Log-log PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    contexts = sorted({r["context"] for r in rows})
+    fig, axes = plt.subplots(1, len(contexts), figsize=(5.5 * len(contexts), 4.2), squeeze=False)
+    for ax, context in zip(axes[0], contexts):
+        for precision, color in (("bf16", "tab:blue"), ("fp4", "tab:red")):
+            mine = [r for r in rows if r["context"] == context and r["precision"] == precision and r["tokens_per_s"]]
+            mode = "cuda_graph" if any(r["mode"] == "cuda_graph" for r in mine) else "eager"
+            pts = sorted((r["batch"], r["tokens_per_s"], r["floor_tokens_per_s"]) for r in mine if r["mode"] == mode)
+            if not pts:
+                continue
+            b, tps, floor = zip(*pts)
+            ax.plot(b, tps, "o-", color=color, label=f"{precision} ({mode})")
+            ax.plot(b, floor, "--", color=color, alpha=0.6, label=f"{precision} bandwidth floor")
+        ax.set(xscale="log", yscale="log", xlabel="batch (sequences)", ylabel="decode tokens/s",
+               title=f"context {context}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{rows[0]['model']} width, {rows[0]['layers']} layers, {rows[0]['gpu']}, {rows[0]['date']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main() -> None:
@@ -169,7 +200,11 @@ def main() -> None:
     ap.add_argument("--profile", default="", help="batch sizes (e.g. 64) whose GPU time per kernel is printed "
                     "and recorded, for one eager step (torch.profiler)")
     ap.add_argument("--record", action="store_true")
+    ap.add_argument("--replot", action="store_true", help="only redraw the PNG from the recorded JSON")
     args = ap.parse_args()
+    if args.replot:
+        plot(json.loads((RESULTS / "rollout_throughput.json").read_text()), RESULTS / "rollout_throughput.png")
+        return
     args.profile_batches = {int(v) for v in args.profile.split(",") if v}
     profiles: list[str] = []
 
