@@ -240,15 +240,65 @@ def rows_per_token(cfg: ModelConfig, site: str) -> int:
     return {"k": cfg.num_key_value_heads, "v": cfg.num_key_value_heads, "fc2": cfg.top_k}.get(site, 1)
 
 
+class StepInputs:
+    """The host side of a decode graph's inputs: token ids, positions, cache slots, block tables
+    [B, max_blocks] and lengths, filled in place for each step (pinned on CUDA, for asynchronous
+    copies). A row's block table is rewritten only from where it changed: a sequence that keeps
+    its row between steps only appends a block every block_size tokens, and converting whole
+    Python lists every step cost more host time than the step's GPU work at large batches.
+
+    Contract: a segment's `block_table` list only grows in place while the same sequence decodes
+    (the engine's tables do: blocks are appended, never replaced); a new list object is a new
+    sequence and rewrites its row.
+    """
+
+    def __init__(self, batch_size: int, max_blocks: int, scratch_block: int, block_size: int, pin: bool):
+        def buf(shape, dtype):
+            return torch.zeros(shape, dtype=dtype, pin_memory=pin)
+        self.tensors = {"ids": buf(batch_size, torch.long), "pos": buf(batch_size, torch.long),
+                        "slots": buf(batch_size, torch.long), "tables": buf((batch_size, max_blocks), torch.int32),
+                        "lens": buf(batch_size, torch.int32)}
+        self.arrays = {name: t.numpy() for name, t in self.tensors.items()}
+        self.arrays["tables"].fill(scratch_block)
+        self.batch_size, self.max_blocks, self.scratch, self.block_size = batch_size, max_blocks, scratch_block, block_size
+        self._rows: list[tuple[list[int] | None, int]] = [(None, 0)] * batch_size  # (table written, its length)
+
+    def fill(self, segments: list[Segment]) -> None:
+        """Write one decode step of these sequences (padding rows: token 0 at position 0 of the
+        scratch block)."""
+        n, bs, tables = len(segments), self.block_size, self.arrays["tables"]
+        if n > self.batch_size or any(len(s.token_ids) != 1 or len(s.block_table) > self.max_blocks for s in segments):
+            raise ValueError(f"a decode graph for {self.batch_size} sequences of up to {self.max_blocks} blocks "
+                             "cannot run this batch")
+        for i in range(self.batch_size):
+            table = segments[i].block_table if i < n else None
+            old, written = self._rows[i]
+            if table is not None and table is old and len(table) >= written:
+                tables[i, written:len(table)] = table[written:]
+            else:
+                tables[i, :written] = self.scratch
+                if table is not None:
+                    tables[i, :len(table)] = table
+            self._rows[i] = (table, 0 if table is None else len(table))
+        pos, ids = self.arrays["pos"], self.arrays["ids"]
+        pos[:n] = [s.start for s in segments]
+        pos[n:] = 0
+        ids[:n] = [s.token_ids[0] for s in segments]
+        ids[n:] = 0
+        self.arrays["slots"][:] = tables[np.arange(self.batch_size), pos // bs].astype(np.int64) * bs + pos % bs
+        self.arrays["lens"][:] = pos + 1
+
+
 class DecodeGraph:
     """One decode step for a fixed batch size, captured as a CUDA graph.
 
     Token ids, positions, cache slots, block tables [B, max_blocks] and lengths live in static
-    buffers that `run` fills before each replay; the outputs (logits, captured site rows of
-    `capture_layers`, routed experts) are the graph's static outputs, overwritten by the next
-    replay. Warm-up and capture write K/V only into `scratch_block`, a cache block reserved for
-    it, and so do the padding rows of a smaller batch. `pool`: a graph memory pool shared with
-    the other batch sizes' graphs (they never replay at the same time). `codes`: as `forward`.
+    buffers that `run` fills before each replay (from `StepInputs`); the outputs (logits,
+    captured site rows of `capture_layers`, routed experts) are the graph's static outputs,
+    overwritten by the next replay. Warm-up and capture write K/V only into `scratch_block`, a
+    cache block reserved for it, and so do the padding rows of a smaller batch. `pool`: a graph
+    memory pool shared with the other batch sizes' graphs (they never replay at the same time).
+    `codes`: as `forward`.
     """
 
     def __init__(self, runner: ModelRunner, batch_size: int, max_blocks: int, scratch_block: int,
@@ -256,17 +306,12 @@ class DecodeGraph:
         dev = runner.w.device
         bs = runner.cache.block_size
         self.runner, self.batch_size, self.max_blocks, self.scratch = runner, batch_size, max_blocks, scratch_block
-        self.ids = torch.zeros(batch_size, dtype=torch.long, device=dev)
-        self.pos = torch.zeros(batch_size, dtype=torch.long, device=dev)
-        self.slots = torch.full((batch_size,), scratch_block * bs, dtype=torch.long, device=dev)
-        self.tables = torch.full((batch_size, max_blocks), scratch_block, dtype=torch.int32, device=dev)
-        self.lens = torch.ones(batch_size, dtype=torch.int32, device=dev)
+        self.inputs = StepInputs(batch_size, max_blocks, scratch_block, bs, pin=True)
+        self.inputs.fill([])  # every row padding: the scratch block
+        for name, t in self.inputs.tensors.items():  # the static buffers the graph reads
+            setattr(self, name, t.to(dev))
         self.decode_only, self.last = True, None
-        # pinned host copies of the inputs, filled in place by `run` (numpy views) and copied over
-        # asynchronously; `_copied` marks when the last copy has left them
-        self._host = {name: torch.empty_like(getattr(self, name), device="cpu").pin_memory()
-                      for name in ("ids", "pos", "slots", "tables", "lens")}
-        self._copied = torch.cuda.Event()
+        self._copied = torch.cuda.Event()  # recorded once the last copies have read the host buffers
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # compile the Triton kernels and warm the allocator
@@ -281,22 +326,10 @@ class DecodeGraph:
         """`ModelRunner.forward` of one decode step of these sequences: (logits [n, V], captured
         rows, routed experts), views of the static outputs; fewer than batch_size sequences are
         padded with the scratch block."""
-        n, bs, cfg = len(segments), self.runner.cache.block_size, self.runner.cfg
-        if n > self.batch_size or any(len(s.token_ids) != 1 or len(s.block_table) > self.max_blocks for s in segments):
-            raise ValueError(f"DecodeGraph({self.batch_size}, max_blocks={self.max_blocks}) cannot run this batch")
+        n, cfg = len(segments), self.runner.cfg
         self._copied.synchronize()  # the previous step's copies have read the host buffers
-        host = {name: t.numpy() for name, t in self._host.items()}
-        tables, pos = host["tables"], host["pos"]
-        tables.fill(self.scratch)
-        pos.fill(0)
-        for i, s in enumerate(segments):
-            tables[i, :len(s.block_table)] = s.block_table
-            pos[i] = s.start
-            host["ids"][i] = s.token_ids[0]
-        host["ids"][n:] = 0
-        host["slots"][:] = tables[np.arange(self.batch_size), pos // bs].astype(np.int64) * bs + pos % bs
-        host["lens"][:] = pos + 1
-        for name, t in self._host.items():
+        self.inputs.fill(segments)
+        for name, t in self.inputs.tensors.items():
             getattr(self, name).copy_(t, non_blocking=True)
         self._copied.record()
         self.graph.replay()

@@ -240,3 +240,45 @@ def test_triton_kernels_decode_like_the_torch_path(sd):
     for a, b in zip(torch_out.samples, triton_out.samples, strict=True):
         assert a.tokens == b.tokens
         torch.testing.assert_close(a.logprobs, b.logprobs, atol=0.02, rtol=0)
+
+
+def test_decode_graph_inputs_follow_growing_and_changing_sequences():
+    """StepInputs (the host side of a CUDA-graph decode step) rewrites only what changed; after
+    every step its buffers must equal a from-scratch build: tables padded with the scratch
+    block, slot = table[pos // bs] * bs + pos % bs, length pos + 1, padding rows at position 0."""
+    import numpy as np
+
+    from sglang_rollout.engine.model import Segment, StepInputs
+
+    batch, width, scratch, bs = 4, 6, 99, 4
+    inputs = StepInputs(batch, width, scratch, bs, pin=False)
+    g = torch.Generator().manual_seed(0)
+    tables = {i: [int(b) for b in torch.randint(0, 50, (1,), generator=g)] for i in range(6)}
+    length = {i: 1 for i in tables}
+    order = [0, 1, 2, 3]
+    for step in range(40):
+        if step % 7 == 6:  # a sequence finishes, another takes its place, rows shift
+            order = order[1:] + [max(order) + 1] if max(order) + 1 < 6 else order[1:]
+            for i in order:
+                tables.setdefault(i, [int(torch.randint(0, 50, (), generator=g))])
+                length.setdefault(i, 1)
+        segs = []
+        for i in order:
+            length[i] += 1
+            if (length[i] - 1) // bs >= len(tables[i]) and len(tables[i]) < width:
+                tables[i] += [int(torch.randint(0, 50, (), generator=g))]  # grows in place
+            pos = min(length[i] - 1, len(tables[i]) * bs - 1)
+            segs.append(Segment([step + i], pos, tables[i]))
+        inputs.fill(segs)
+        want_tables = np.full((batch, width), scratch, dtype=np.int32)
+        want_pos = np.zeros(batch, dtype=np.int64)
+        for r, s in enumerate(segs):
+            want_tables[r, :len(s.block_table)] = s.block_table
+            want_pos[r] = s.start
+        a = inputs.arrays
+        assert (a["tables"] == want_tables).all(), step
+        assert (a["pos"] == want_pos).all() and (a["lens"] == want_pos + 1).all()
+        assert (a["slots"] == want_tables[np.arange(batch), want_pos // bs] * bs + want_pos % bs).all()
+        assert list(a["ids"][:len(segs)]) == [s.token_ids[0] for s in segs] and not a["ids"][len(segs):].any()
+    with pytest.raises(ValueError, match="cannot run this batch"):
+        inputs.fill([Segment([1], 0, [1] * (width + 1))])
