@@ -198,10 +198,6 @@ if triton is not None:
         acc_even = tl.zeros((G_PAD, D // 2), dtype=tl.float32)
         acc_odd = tl.zeros((G_PAD, D // 2), dtype=tl.float32)
         span = tl.minimum(n - start, CHUNK)  # tokens of this chunk
-        if INTERPRET:  # the interpreter needs a Python loop bound; compiled kernels stop at the span
-            stop = CHUNK
-        else:
-            stop = span
         i = tl.arange(0, BLOCK_T)
         ok = i < span
         slot = _slots(tables_ptr, b, MAX_BLOCKS, start + i, ok, BLOCK_SIZE)
@@ -209,7 +205,8 @@ if triton is not None:
         v_raw = _load_rows(vc_ptr, vs_ptr, vg_ptr, slot, h, ok, HKV, D, IS_FP4)
         ok_next = i + BLOCK_T < span
         slot_next = _slots(tables_ptr, b, MAX_BLOCKS, start + BLOCK_T + i, ok_next, BLOCK_SIZE)
-        for t0 in range(0, stop, BLOCK_T):
+        # the interpreter (Triton 3.6) needs a Python loop bound; compiled kernels stop at the span
+        for t0 in range(0, CHUNK if INTERPRET else span, BLOCK_T):
             ok_after = t0 + 2 * BLOCK_T + i < span
             slot_after = _slots(tables_ptr, b, MAX_BLOCKS, start + t0 + 2 * BLOCK_T + i, ok_after, BLOCK_SIZE)
             k_next = _load_rows(kc_ptr, ks_ptr, kg_ptr, slot_next, h, ok_next, HKV, D, IS_FP4)
