@@ -127,13 +127,17 @@ def _e2m1_halves_div64(packed, INTERPRET: tl.constexpr):
     if INTERPRET:
         lo = packed.to(tl.int32) & 0xF
         hi = packed.to(tl.int32) >> 4
-        lo = (_e2m1_value(lo & 7).to(tl.int32, bitcast=True) | ((lo & 8) << 28)).to(tl.float32, bitcast=True)
-        hi = (_e2m1_value(hi & 7).to(tl.int32, bitcast=True) | ((hi & 8) << 28)).to(tl.float32, bitcast=True)
-        return lo * 0.015625, hi * 0.015625
+        return _e2m1_signed(lo) * 0.015625, _e2m1_signed(hi) * 0.015625
     else:
         lo, hi = tl.inline_asm_elementwise(_E2M1_HALVES_ASM, "=r,=r,=r,=r,r", [packed],
                                            dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
         return lo.to(tl.float32), hi.to(tl.float32)
+
+
+@triton.jit
+def _e2m1_signed(code):
+    """float32 value of E2M1 codes 0..15 (int32), the sign by bit, so code 8 decodes to -0.0."""
+    return (_e2m1_value(code & 7).to(tl.int32, bitcast=True) | ((code & 8) << 28)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -275,8 +279,7 @@ def _quantize_kernel(
         codes = _e2m1_codes(v, offs, key, STOCHASTIC)
     if FAKE:
         c = codes.to(tl.int32)
-        val = (_e2m1_value(c & 7).to(tl.int32, bitcast=True) | ((c & 8) << 28)).to(tl.float32, bitcast=True)
-        out = (val * s[:, None]) * (g + tl.zeros([BLOCK_B], tl.float32))[:, None]  # as _dequantize_kernel
+        out = (_e2m1_signed(c) * s[:, None]) * (g + tl.zeros([BLOCK_B], tl.float32))[:, None]  # as _dequantize_kernel
         if INTERPRET and codes_ptr.dtype.element_ty == tl.bfloat16:
             out = _bf16_rne(out)
         else:
@@ -320,8 +323,7 @@ def _dequantize_kernel(
     jh = tl.arange(0, BS // 2)
     packed = tl.load(codes_ptr + b_idx[:, None] * (BS // 2) + jh[None, :], mask=b_mask[:, None], other=0)
     codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_B, BS]).to(tl.int32)
-    # Sign by bit, so code 8 decodes to -0.0.
-    val = (_e2m1_value(codes & 7).to(tl.int32, bitcast=True) | ((codes & 8) << 28)).to(tl.float32, bitcast=True)
+    val = _e2m1_signed(codes)
     sb = tl.load(scales_ptr + b_idx, mask=b_mask, other=0).to(tl.int32)
     if IS_MX:
         out = val * _pow2(sb - 127)[:, None]
