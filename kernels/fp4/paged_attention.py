@@ -33,31 +33,24 @@ except ImportError:  # pragma: no cover
     triton = None
 
 
-# Flash-decoding: each (sequence, KV head) is cut into chunks of at most MAX_SPLITS pieces of
-# the block table's width, attended in parallel, then combined. Without the split a batch of 64
-# sequences with 4 KV heads is 256 programs, each looping over the whole context.
+# Flash-decoding: each (sequence, KV head) is cut into at most MAX_SPLITS chunks attended in
+# parallel, then combined. A sequence's chunk is the smallest power of two >= MIN_CHUNK tokens
+# that covers it in MAX_SPLITS pieces, computed on the device from its length: the split follows
+# each sequence, not the block table's width (a CUDA graph's table is as wide as the longest
+# context the engine allows), and the partial results take B * Hq * MAX_SPLITS rows whatever
+# the width. Unsplit, a batch of 64 sequences with 4 KV heads is 256 programs walking the context.
 MAX_SPLITS = 32
 MIN_CHUNK = 256
 TILE = {"block_t": 32, "num_warps": 4}  # cached tokens per loop step (bench/decode_kernels.py --sweep)
 
 
-def split_chunk(width_tokens: int, block_t: int) -> int:
-    """Tokens per split for a block table `width_tokens` wide: a power of two >= MIN_CHUNK that
-    leaves at most MAX_SPLITS splits. Depends on the table width only (host-side, known when a
-    CUDA graph is captured), not on the sequence lengths, which live on the device."""
-    chunk = max(MIN_CHUNK, block_t)
-    while chunk * MAX_SPLITS < width_tokens:
-        chunk *= 2
-    return chunk
-
-
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, block_size: int, *,
-                           scale: float | None = None, chunk: int | None = None,
+                           scale: float | None = None, min_chunk: int = MIN_CHUNK, max_splits: int = MAX_SPLITS,
                            backend: str = "auto") -> torch.Tensor:
     """Softmax attention of one query per sequence over its cached keys (GQA: query head h reads
     KV head h // (Hq / Hkv)). k_cache / v_cache: dicts with "codes", "scales", "g" (FP4) or
-    "rows" (BF16). chunk: tokens per split of the Triton kernel (a multiple of 32; default
-    `split_chunk` of the table width)."""
+    "rows" (BF16). min_chunk / max_splits: the Triton kernel's split of each sequence (see
+    MAX_SPLITS); min_chunk a power of two, at least TILE["block_t"]."""
     b, hq, d = q.shape
     fp4 = "codes" in k_cache
     hkv = (k_cache["codes"] if fp4 else k_cache["rows"]).shape[1]
@@ -66,25 +59,29 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, block_si
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     if not _use_triton(q, backend):
         return _reference(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale)
+    block_t = TILE["block_t"]
+    if min_chunk < block_t or min_chunk & (min_chunk - 1) or max_splits < 1:
+        raise ValueError(f"paged_decode_attention: min_chunk={min_chunk} must be a power of two >= {block_t}, "
+                         f"max_splits={max_splits} >= 1")
     kp = (k_cache["codes"], k_cache["scales"], k_cache["g"]) if fp4 else (k_cache["rows"],) * 3
     vp = (v_cache["codes"], v_cache["scales"], v_cache["g"]) if fp4 else (v_cache["rows"],) * 3
     group = hq // hkv
-    block_t = TILE["block_t"]
-    chunk = split_chunk(block_tables.shape[1] * block_size, block_t) if chunk is None else chunk
-    if chunk % block_t:
-        raise ValueError(f"paged_decode_attention: chunk={chunk} is not a multiple of {block_t}")
-    splits = triton.cdiv(block_tables.shape[1] * block_size, chunk)
+    width = block_tables.shape[1] * block_size  # no sequence is longer
+    splits = max(1, min(max_splits, triton.cdiv(width, min_chunk)))
+    max_chunk = max(min_chunk, triton.next_power_of_2(triton.cdiv(width, splits)))
+    doublings = (max_chunk // min_chunk).bit_length() - 1  # min_chunk * 2**doublings == max_chunk
     part_o = torch.empty((b, hq, splits, d), dtype=torch.float32, device=q.device)
     part_ml = torch.empty((b, hq, splits, 2), dtype=torch.float32, device=q.device)
     _split_kernel[(b, hkv, splits)](  # one program per (sequence, KV head, chunk): K/V read once for the group
         q.contiguous(), *kp, *vp, block_tables, seq_lens, part_o, part_ml, block_tables.shape[1], scale,
         HQ=hq, HKV=hkv, G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK_SIZE=block_size,
-        BLOCK_T=block_t, CHUNK=chunk, SPLITS=splits, IS_FP4=fp4, INTERPRET=_interpreting(), SMALL=d < 32,
-        num_warps=TILE["num_warps"],
+        BLOCK_T=block_t, MIN_CHUNK=min_chunk, DOUBLINGS=doublings, SPLITS=splits, IS_FP4=fp4,
+        INTERPRET=_interpreting(), SMALL=d < 32, num_warps=TILE["num_warps"],
     )
     out = torch.empty_like(q)
-    _combine_kernel[(b, hq)](part_o, part_ml, seq_lens, out, HQ=hq, D=d, CHUNK=chunk, SPLITS=splits,
-                             SPLITS_PAD=triton.next_power_of_2(splits), INTERPRET=_interpreting(), num_warps=4)
+    _combine_kernel[(b, hq)](part_o, part_ml, seq_lens, out, HQ=hq, D=d, MIN_CHUNK=min_chunk, DOUBLINGS=doublings,
+                             SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), INTERPRET=_interpreting(),
+                             num_warps=4)
     return out
 
 
@@ -160,6 +157,15 @@ if triton is not None:
             return tl.split(tl.reshape(rows, [T, D // 2, 2]))
 
     @triton.jit
+    def _seq_chunk(n, MIN_CHUNK: tl.constexpr, DOUBLINGS: tl.constexpr, SPLITS: tl.constexpr):
+        """A sequence of n tokens' chunk: the smallest MIN_CHUNK * 2**i (i <= DOUBLINGS) with
+        SPLITS chunks covering n."""
+        chunk = n * 0 + MIN_CHUNK
+        for _ in tl.static_range(DOUBLINGS):
+            chunk = tl.where(chunk * SPLITS < n, chunk * 2, chunk)
+        return chunk
+
+    @triton.jit
     def _mma(a, b, INTERPRET: tl.constexpr, SMALL: tl.constexpr):
         """a @ b with BF16 operands and an FP32 result (the interpreter's BF16 dot is unreliable:
         there the BF16 values are multiplied as FP32, which is exact). SMALL (inner dim < 16, too
@@ -175,16 +181,18 @@ if triton is not None:
     def _split_kernel(q_ptr, kc_ptr, ks_ptr, kg_ptr, vc_ptr, vs_ptr, vg_ptr, tables_ptr, lens_ptr, part_o_ptr,
                       part_ml_ptr, MAX_BLOCKS, scale, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
                       G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_T: tl.constexpr,
-                      CHUNK: tl.constexpr, SPLITS: tl.constexpr, IS_FP4: tl.constexpr, INTERPRET: tl.constexpr,
-                      SMALL: tl.constexpr):
+                      MIN_CHUNK: tl.constexpr, DOUBLINGS: tl.constexpr, SPLITS: tl.constexpr, IS_FP4: tl.constexpr,
+                      INTERPRET: tl.constexpr, SMALL: tl.constexpr):
         """The G query heads of KV head h of sequence b (padded to G_PAD rows for the MMA) over
-        the cached tokens [c * CHUNK, (c + 1) * CHUNK): unnormalised output, running max and sum
-        of the online softmax, in FP32. Chunks past the sequence's end write nothing.
+        the cached tokens [c * chunk, (c + 1) * chunk) (`_seq_chunk`): unnormalised output,
+        running max and sum of the online softmax, in FP32. Chunks past the sequence's end write
+        nothing.
 
         Loads run ahead of the arithmetic: block-table entries two tiles ahead, K/V one tile."""
         b, h, c = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
         n = tl.load(lens_ptr + b)
-        start = c * CHUNK
+        chunk = _seq_chunk(n, MIN_CHUNK, DOUBLINGS, SPLITS)
+        start = c * chunk
         if start >= n:
             return
         jh = tl.arange(0, D // 2)
@@ -197,7 +205,7 @@ if triton is not None:
         l_i = tl.zeros((G_PAD,), dtype=tl.float32)
         acc_even = tl.zeros((G_PAD, D // 2), dtype=tl.float32)
         acc_odd = tl.zeros((G_PAD, D // 2), dtype=tl.float32)
-        span = tl.minimum(n - start, CHUNK)  # tokens of this chunk
+        span = tl.minimum(n - start, chunk)  # tokens of this chunk
         i = tl.arange(0, BLOCK_T)
         ok = i < span
         slot = _slots(tables_ptr, b, MAX_BLOCKS, start + i, ok, BLOCK_SIZE)
@@ -206,7 +214,7 @@ if triton is not None:
         ok_next = i + BLOCK_T < span
         slot_next = _slots(tables_ptr, b, MAX_BLOCKS, start + BLOCK_T + i, ok_next, BLOCK_SIZE)
         # the interpreter (Triton 3.6) needs a Python loop bound; compiled kernels stop at the span
-        for t0 in range(0, CHUNK if INTERPRET else span, BLOCK_T):
+        for t0 in range(0, MIN_CHUNK * 2**DOUBLINGS if INTERPRET else span, BLOCK_T):
             ok_after = t0 + 2 * BLOCK_T + i < span
             slot_after = _slots(tables_ptr, b, MAX_BLOCKS, start + t0 + 2 * BLOCK_T + i, ok_after, BLOCK_SIZE)
             k_next = _load_rows(kc_ptr, ks_ptr, kg_ptr, slot_next, h, ok_next, HKV, D, IS_FP4)
@@ -233,13 +241,13 @@ if triton is not None:
 
     @triton.jit
     def _combine_kernel(part_o_ptr, part_ml_ptr, lens_ptr, out_ptr, HQ: tl.constexpr, D: tl.constexpr,
-                        CHUNK: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                        INTERPRET: tl.constexpr):
+                        MIN_CHUNK: tl.constexpr, DOUBLINGS: tl.constexpr, SPLITS: tl.constexpr,
+                        SPLITS_PAD: tl.constexpr, INTERPRET: tl.constexpr):
         """out[b, hq] = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c over the chunks that ran."""
         b, hq = tl.program_id(0).to(tl.int64), tl.program_id(1)
         n = tl.load(lens_ptr + b)
         c = tl.arange(0, SPLITS_PAD)
-        ran = c * CHUNK < n
+        ran = c * _seq_chunk(n, MIN_CHUNK, DOUBLINGS, SPLITS) < n
         rows = (b * HQ + hq) * SPLITS + c
         m = tl.load(part_ml_ptr + rows * 2, mask=ran, other=-float("inf"))
         l_c = tl.load(part_ml_ptr + rows * 2 + 1, mask=ran, other=0.0)

@@ -73,10 +73,13 @@ def _cache(lens, hkv, d, block_size, seed):
     return cache, torch.tensor(tables, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32), rows
 
 
-@pytest.mark.parametrize("hq, hkv, d, block_size, chunk", [(4, 2, 32, 4, None), (8, 8, 16, 16, 32), (4, 1, 64, 8, 32),
-                                                           (8, 1, 128, 16, None)])
-def test_paged_decode_attention_reads_the_fp4_cache(hq, hkv, d, block_size, chunk):
-    """chunk=32: the 40-token sequence is attended in two splits, then combined."""
+@pytest.mark.parametrize("hq, hkv, d, block_size, split", [(4, 2, 32, 4, {}), (8, 8, 16, 16, {"min_chunk": 32, "max_splits": 2}),
+                                                           (4, 1, 64, 8, {"min_chunk": 32, "max_splits": 2}),
+                                                           (4, 2, 32, 4, {"min_chunk": 32, "max_splits": 1}),
+                                                           (8, 1, 128, 16, {})])
+def test_paged_decode_attention_reads_the_fp4_cache(hq, hkv, d, block_size, split):
+    """Split: min_chunk 32 in at most 2 splits attends the 40-token sequence in two chunks of 32,
+    then combines them; in 1 split its chunk doubles to 64 on the device."""
     lens = [1, 5, 13, 40]
     cache, tables, seq_lens, rows = _cache(lens, hkv, d, block_size, seed=hq + d)
     q = torch.randn(len(lens), hq, d, generator=torch.Generator().manual_seed(7)).bfloat16()
@@ -91,7 +94,7 @@ def test_paged_decode_attention_reads_the_fp4_cache(hq, hkv, d, block_size, chun
     for backend in ("torch", "triton"):
         c = cache if backend == "torch" else moved
         out = paged_decode_attention(q.to(c[0]["codes"].device), c[0], c[1], tables.to(c[0]["codes"].device),
-                                     seq_lens.to(c[0]["codes"].device), block_size, chunk=chunk,
+                                     seq_lens.to(c[0]["codes"].device), block_size, **split,
                                      backend=backend).cpu()
         torch.testing.assert_close(out.double(), exact, atol=0.02, rtol=2 * BF16_ULP,
                                    msg=lambda m, backend=backend: f"{backend}: {m}")
@@ -104,7 +107,7 @@ def test_paged_decode_attention_reads_the_fp4_cache(hq, hkv, d, block_size, chun
             c["rows"][slot] = r.bfloat16()
     moved = [{k: t.to(dev) for k, t in c.items()} for c in bf16]
     out = paged_decode_attention(q.to(dev), moved[0], moved[1], tables.to(dev), seq_lens.to(dev), block_size,
-                                 chunk=chunk, backend="triton").cpu()
+                                 **split, backend="triton").cpu()
     torch.testing.assert_close(out.double(), exact, atol=0.02, rtol=2 * BF16_ULP)
 
 
