@@ -18,10 +18,12 @@ import argparse
 import datetime
 import itertools
 import json
+import statistics
 import sys
 from pathlib import Path
 
 import torch
+from rollout_throughput import replay_seconds  # bench/ is on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -44,15 +46,7 @@ def gpu_ms(fn, reps: int = 20, per_graph: int = 10) -> float:
         for _ in range(per_graph):
             fn()
     graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / per_graph)
-    return sorted(times)[len(times) // 2]
+    return statistics.median(replay_seconds(graph, reps)) * 1e3 / per_graph
 
 
 def gemm_cases(cfg, batch: int, gen):
