@@ -351,6 +351,27 @@ def _flat_grid(nb: int, bs: int) -> tuple[int, int]:
     return block_b, triton.cdiv(nb, block_b)
 
 
+def _row_scales(x_MK: torch.Tensor, row_amax: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """Per-row global scales of row-scaled NVFP4 and how the kernel finds them: from `row_amax`
+    (float32 [M]) when given; else computed in the kernel (G_ROW_AMAX, its output buffer) for
+    rows it holds whole; else, for long rows, from an exact torch amax first (G_ROW)."""
+    m, k = x_MK.shape
+    if row_amax is not None:
+        return nvfp4_global_scale(row_amax.to(x_MK.device, torch.float32)), G_ROW
+    if k <= MAX_ROW_ELEMENTS:
+        return torch.empty((m,), dtype=torch.float32, device=x_MK.device), G_ROW_AMAX
+    row_amax = torch.linalg.vector_norm(x_MK, float("inf"), dim=-1, dtype=torch.float32)
+    return nvfp4_global_scale(row_amax), G_ROW
+
+
+def _launch_grid(g_mode: int, m: int, nb: int, bs: int) -> tuple[int, int]:
+    """(BLOCK_B, programs) of the quantize kernel: one program per row in G_ROW_AMAX mode, else
+    flat tiles of blocks."""
+    if g_mode == G_ROW_AMAX:
+        return triton.next_power_of_2(nb // m), m
+    return _flat_grid(nb, bs)
+
+
 def quantize_rows_triton(
     x_MK: torch.Tensor,
     fmt: Format,
@@ -383,17 +404,9 @@ def quantize_rows_triton(
         g, g_mode = None, G_NONE
     elif not row_scale:
         g, g_mode = nvfp4_global_scale(global_amax.to(dev)), G_TENSOR
-    elif row_amax is not None:
-        g, g_mode = nvfp4_global_scale(row_amax.to(dev, torch.float32)), G_ROW
-    elif k <= MAX_ROW_ELEMENTS:
-        g, g_mode = torch.empty((m,), dtype=torch.float32, device=dev), G_ROW_AMAX
-    else:  # long rows: amax by a torch reduction (exact), then the per-row path
-        row_amax = torch.linalg.vector_norm(x_MK, float("inf"), dim=-1, dtype=torch.float32)
-        g, g_mode = nvfp4_global_scale(row_amax), G_ROW
-    if g_mode == G_ROW_AMAX:
-        block_b, grid = triton.next_power_of_2(bpr), m
     else:
-        block_b, grid = _flat_grid(nb, bs)
+        g, g_mode = _row_scales(x_MK, row_amax)
+    block_b, grid = _launch_grid(g_mode, m, nb, bs)
     num_warps = 8 if block_b * bs >= 4096 else 4
     bad = torch.empty((grid,), dtype=torch.uint8, device=dev)
     _quantize_kernel[(grid,)](
@@ -423,13 +436,8 @@ def fake_quantize_rows_triton(
     out = torch.empty_like(x_MK)
     scales = torch.empty((m, bpr), dtype=torch.uint8, device=dev)
     bits = torch.empty((m, k // 8), dtype=torch.uint8, device=dev) if capture else scales
-    if k <= MAX_ROW_ELEMENTS:
-        g, g_mode = torch.empty((m,), dtype=torch.float32, device=dev), G_ROW_AMAX
-        block_b, grid = triton.next_power_of_2(bpr), m
-    else:  # long rows: amax by a torch reduction (exact), then the per-row path
-        row_amax = torch.linalg.vector_norm(x_MK, float("inf"), dim=-1, dtype=torch.float32)
-        g, g_mode = nvfp4_global_scale(row_amax), G_ROW
-        block_b, grid = _flat_grid(nb, 16)
+    g, g_mode = _row_scales(x_MK, None)
+    block_b, grid = _launch_grid(g_mode, m, nb, 16)
     bad = torch.empty((grid,), dtype=torch.uint8, device=dev)
     _quantize_kernel[(grid,)](
         x_MK, out, scales, g, bad, bits, nb, bpr, 0,
