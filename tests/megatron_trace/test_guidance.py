@@ -317,3 +317,23 @@ def test_batch_travels_between_processes_over_gloo():
     g, s, bits = restored.guided_inputs("s2", 3, "fc1", rows["s2"])
     assert torch.equal(unpack_codes(quantize_guided(rows["s2"], g, s, bits).codes),
                        unpack_codes(quantize(rows["s2"], scale="row").codes))
+
+
+def test_dense_record_from_kept_codes_equals_the_record_from_rows():
+    """capture_dense (what the engine's fused quantize kernel keeps) builds the same record as
+    capture() from the rows themselves; payloads that do not fit the header are refused."""
+    from trace_kernels.fp4 import fake_quantize_rows
+
+    from megatron_trace.guidance import GuidanceFormatError, capture, capture_dense
+
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    header = dict(model_id="m", layer=1, site="qkv", sample_id="s", weight_version=3, policy="all")
+    want = capture(x, quantize(x, "nvfp4", scale="row"), **header)
+    _, (bits, scales, g) = fake_quantize_rows(x, capture=True, backend="torch")
+    got = capture_dense(bits, scales, g, **header)
+    assert got.header == want.header
+    assert all(torch.equal(got.payload[k], want.payload[k]) for k in want.payload)
+    with pytest.raises(GuidanceFormatError, match="scales"):
+        capture_dense(bits, scales[:, :2], g, **header)
+    with pytest.raises(GuidanceFormatError, match=r"\[R, K/8\]"):
+        capture_dense(bits.reshape(-1), scales, g, **header)
