@@ -21,7 +21,7 @@ try:
     import triton
     import triton.language as tl
 
-    from .triton_fp4 import _bf16_rne, _e2m1_halves_div64, _e4m3_value, _interpreting
+    from .triton_fp4 import _bf16_rne, _dequant_halves, _interpreting
 except ImportError:  # pragma: no cover - triton is optional on the CPU
     triton = None
 
@@ -92,7 +92,7 @@ def fp4_grouped_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tenso
 
 # Launch shape of the FP4 GEMMs for decode-sized M (bench/decode_kernels.py --sweep measures others).
 # "programs": split K across programs until a dense GEMM has about this many per multiprocessor.
-TILE = {"block_n": 64, "block_k": 128, "num_warps": 4, "programs": 8}
+TILE = {"block_n": 128, "block_k": 128, "num_warps": 4, "programs": 8}
 
 
 def _block_k(k: int) -> int:
@@ -138,10 +138,12 @@ if triton is not None:
                           INTERPRET: tl.constexpr):
         """acc[BLOCK_N, BLOCK_M] += dequantize(W[rn, k]) @ x[rm, k]^T over k in
         [k_begin, k_begin + K_LEN): the output transposed, so that the wide weight tile is the
-        MMA's left operand, kept in registers, and the few x rows its right one.
+        MMA's left operand and the few x rows its right one.
 
         The even and odd columns of K are two products (W_even x_even^T + W_odd x_odd^T), so a
-        packed byte's two codes never have to be interleaved in registers.
+        packed byte's two codes never have to be interleaved in registers. The loads are left to
+        Triton's software pipeline (cp.async through shared memory): a hand-written prefetch into
+        registers defeated it and unpacked every code byte into its own register.
         """
         for kk in range(0, K_LEN, BLOCK_K):
             jh = (k_begin + kk) // 2 + tl.arange(0, BLOCK_K // 2)  # packed byte columns: elements 2j, 2j + 1
@@ -150,21 +152,18 @@ if triton is not None:
                              mask=n_ok[:, None] & k_ok[None, :], other=0)
             rb = (k_begin + kk) // 16 + tl.arange(0, BLOCK_K // 16)
             sb = tl.load(scales_ptr + rn[:, None].to(tl.int64) * (K // 16) + rb[None, :],
-                         mask=n_ok[:, None] & (rb < K // 16)[None, :], other=0).to(tl.int32)
+                         mask=n_ok[:, None] & (rb < K // 16)[None, :], other=0)
             x_cols = x_ptr + rm[None, :].to(tl.int64) * K + 2 * jh[:, None]  # x^T halves [BLOCK_K/2, BLOCK_M]
             x_even = tl.load(x_cols, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
             x_odd = tl.load(x_cols + 1, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
-            even, odd = _e2m1_halves_div64(packed, INTERPRET)
-            # 64 * s is exact, and (e2m1 / 64) * (64 * s) = e2m1 * s exactly: `dequantize`'s first product
-            s = tl.reshape(tl.broadcast_to((_e4m3_value(sb) * 64.0)[:, :, None], [BLOCK_N, BLOCK_K // 16, 8]),
-                           [BLOCK_N, BLOCK_K // 2])
-            w_even, w_odd = (even * s) * g, (odd * s) * g
+            sb = tl.reshape(tl.broadcast_to(sb[:, :, None], [BLOCK_N, BLOCK_K // 16, 8]), [BLOCK_N, BLOCK_K // 2])
+            w_even, w_odd = _dequant_halves(packed, sb, g, INTERPRET)
             if INTERPRET:  # the interpreter's bf16 dot is unreliable; bf16 -> fp32 is exact
-                acc += tl.dot(_bf16_rne(w_even).to(tl.float32), x_even.to(tl.float32))
-                acc += tl.dot(_bf16_rne(w_odd).to(tl.float32), x_odd.to(tl.float32))
+                acc += tl.dot(w_even.to(tl.float32), x_even.to(tl.float32))
+                acc += tl.dot(w_odd.to(tl.float32), x_odd.to(tl.float32))
             else:
-                acc += tl.dot(w_even.to(tl.bfloat16), x_even)
-                acc += tl.dot(w_odd.to(tl.bfloat16), x_odd)
+                acc += tl.dot(w_even, x_even)
+                acc += tl.dot(w_odd, x_odd)
         return acc
 
     @triton.jit

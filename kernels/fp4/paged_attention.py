@@ -28,7 +28,7 @@ try:
     import triton
     import triton.language as tl
 
-    from .triton_fp4 import _bf16_rne, _e2m1_halves_div64, _e4m3_value, _interpreting
+    from .triton_fp4 import _bf16_rne, _dequant_halves, _interpreting
 except ImportError:  # pragma: no cover
     triton = None
 
@@ -141,17 +141,8 @@ if triton is not None:
         byte's two codes), FP4 dequantized as `dequantize`."""
         if IS_FP4:
             packed, sb, g = raw
-            even, odd = _e2m1_halves_div64(packed, INTERPRET)
-            s64 = _e4m3_value(sb.to(tl.int32)) * 64.0  # exact; (e2m1 / 64) * (64 * s) = e2m1 * s exactly
-            if D == 16:  # one scale per row
-                s = tl.broadcast_to(s64, [T, D // 2])
-            else:
-                s = tl.reshape(tl.broadcast_to(s64[:, :, None], [T, D // 16, 8]), [T, D // 2])
-            even, odd = (even * s) * g[:, None], (odd * s) * g[:, None]
-            if INTERPRET:
-                return _bf16_rne(even), _bf16_rne(odd)
-            else:
-                return even.to(tl.bfloat16), odd.to(tl.bfloat16)
+            sb = tl.reshape(tl.broadcast_to(sb[:, :, None], [T, D // 16, 8]), [T, D // 2])  # each byte's scale
+            return _dequant_halves(packed, sb, g[:, None], INTERPRET)
         else:
             rows, _, _ = raw
             return tl.split(tl.reshape(rows, [T, D // 2, 2]))
@@ -188,7 +179,9 @@ if triton is not None:
         running max and sum of the online softmax, in FP32. Chunks past the sequence's end write
         nothing.
 
-        Loads run ahead of the arithmetic: block-table entries two tiles ahead, K/V one tile."""
+        Loads run ahead of the arithmetic: block-table entries two tiles ahead, K/V one tile. (A
+        plain loop left to Triton's software pipeline ran 1.19x slower at batch 64 / 8k on the
+        H200, at its best num_stages.)"""
         b, h, c = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
         n = tl.load(lens_ptr + b)
         chunk = _seq_chunk(n, MIN_CHUNK, DOUBLINGS, SPLITS)

@@ -92,46 +92,81 @@ def _e2m1_value(mag):
     return bits.to(tl.float32, bitcast=True)
 
 
-# Packed E2M1 codes -> E4M3 bytes with the same value / 64, four bytes per register: a nibble's
-# magnitude bits (exponent e, mantissa m) land in the byte's low exponent and top mantissa bits,
-# which makes 2**(e-7) * (1 + m/2) for e >= 1 and the subnormal 2**-7 for code 1: each value
-# divided by 64 exactly. The sign moves to bit 7. Hopper then converts E4M3 pairs to f16x2 in
-# one instruction (cvt.rn.f16x2.e4m3x2): about 1.5 instructions per element instead of ~10.
+# Packed E2M1 codes and their E4M3 scale bytes -> e2m1 * s / 64 as float32, exactly, four bytes
+# (eight elements) per call:
+#   - A nibble's magnitude bits (exponent e, mantissa m) land in an E4M3 byte's low exponent and
+#     top mantissa bits: 2**(e-7) * (1 + m/2) for e >= 1, the subnormal 2**-7 for code 1, so each
+#     value / 64 exactly; the sign moves to bit 7. Four bytes per logic op.
+#   - Hopper converts E4M3 pairs to f16x2 in one instruction, for the codes and for the scale.
+#   - (e2m1 / 64) * s is exact in f16: at most 6 significant bits, a multiple of 2**-16 and at
+#     most 42, so one f16x2 multiply per two elements; then f16 -> f32, also exact.
+# $8: four packed bytes; $9: their scale byte (the same for all four: a 16-element block holds
+# eight bytes, and a group of four starts at a multiple of four).
 _E2M1_HALVES_ASM = tl.constexpr("""
 {
-.reg .b32 lo, hi, t;
-.reg .b16 l0, l1, h0, h1;
-and.b32 lo, $4, 0x07070707;
+.reg .b32 lo, hi, t, s2, f0, f1, f2, f3;
+.reg .b16 l0, l1, h0, h1, x0, x1;
+mov.b32 {x0, x1}, $9;
+cvt.rn.f16x2.e4m3x2 s2, x0;
+and.b32 lo, $8, 0x07070707;
 shl.b32 lo, lo, 2;
-and.b32 t, $4, 0x08080808;
+and.b32 t, $8, 0x08080808;
 shl.b32 t, t, 4;
 or.b32 lo, lo, t;
-shr.b32 hi, $4, 2;
+shr.b32 hi, $8, 2;
 and.b32 hi, hi, 0x1C1C1C1C;
-and.b32 t, $4, 0x80808080;
+and.b32 t, $8, 0x80808080;
 or.b32 hi, hi, t;
 mov.b32 {l0, l1}, lo;
 mov.b32 {h0, h1}, hi;
-cvt.rn.f16x2.e4m3x2 $0, l0;
-cvt.rn.f16x2.e4m3x2 $1, l1;
-cvt.rn.f16x2.e4m3x2 $2, h0;
-cvt.rn.f16x2.e4m3x2 $3, h1;
+cvt.rn.f16x2.e4m3x2 f0, l0;
+cvt.rn.f16x2.e4m3x2 f1, l1;
+cvt.rn.f16x2.e4m3x2 f2, h0;
+cvt.rn.f16x2.e4m3x2 f3, h1;
+mul.rn.f16x2 f0, f0, s2;
+mul.rn.f16x2 f1, f1, s2;
+mul.rn.f16x2 f2, f2, s2;
+mul.rn.f16x2 f3, f3, s2;
+mov.b32 {x0, x1}, f0;
+cvt.f32.f16 $0, x0;
+cvt.f32.f16 $1, x1;
+mov.b32 {x0, x1}, f1;
+cvt.f32.f16 $2, x0;
+cvt.f32.f16 $3, x1;
+mov.b32 {x0, x1}, f2;
+cvt.f32.f16 $4, x0;
+cvt.f32.f16 $5, x1;
+mov.b32 {x0, x1}, f3;
+cvt.f32.f16 $6, x0;
+cvt.f32.f16 $7, x1;
 }
 """)
 
 
 @triton.jit
-def _e2m1_halves_div64(packed, INTERPRET: tl.constexpr):
-    """float32 values / 64 (exact) of the low and high E2M1 codes of packed uint8 bytes: element
-    2j and 2j + 1 of a row. Code 8 gives -0.0, as `dequantize`."""
+def _dequant_halves(packed, sb, g, INTERPRET: tl.constexpr):
+    """`dequantize`'s BF16 values, (e2m1 * s) * g rounded once to FP32 then to BF16, of the even
+    and the odd elements of packed NVFP4 rows (element 2j in byte j's low nibble, 2j + 1 in its
+    high nibble): two tiles shaped like `packed`.
+
+    packed: uint8 [R, C]; sb: each byte's E4M3 scale byte, uint8 [R, C]; g: float32,
+    broadcastable to [R, C]. The product (e2m1 * s / 64) * (64 * g) is the same exact real
+    number as (e2m1 * s) * g, so it rounds to the same FP32 value (64 * g cannot overflow:
+    g = amax / 2688 <= 1.3e35).
+    """
     if INTERPRET:
-        lo = packed.to(tl.int32) & 0xF
-        hi = packed.to(tl.int32) >> 4
-        return _e2m1_signed(lo) * 0.015625, _e2m1_signed(hi) * 0.015625
+        s = _e4m3_value(sb.to(tl.int32)) * 0.015625
+        even = _e2m1_signed(packed.to(tl.int32) & 0xF) * s
+        odd = _e2m1_signed(packed.to(tl.int32) >> 4) * s
     else:
-        lo, hi = tl.inline_asm_elementwise(_E2M1_HALVES_ASM, "=r,=r,=r,=r,r", [packed],
-                                           dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
-        return lo.to(tl.float32), hi.to(tl.float32)
+        even, odd = tl.inline_asm_elementwise(_E2M1_HALVES_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [packed, sb],
+                                              dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+    g64 = g * 64.0
+    even, odd = even * g64, odd * g64
+    if INTERPRET:  # the interpreter's .to(bfloat16) truncates
+        return _bf16_rne(even), _bf16_rne(odd)
+    else:
+        return even.to(tl.bfloat16), odd.to(tl.bfloat16)
 
 
 @triton.jit
