@@ -112,10 +112,15 @@ class ModelRunner:
             return fp4_linear(x, self.w.tensors[name], backend=self.backend)
         return x @ self.w.dense(name).T
 
-    def _rope(self, x, pos):  # x [N, heads, d], in x's dtype like Megatron's bshd path
+    def _rope_tables(self, pos, dtype):
+        """cos, sin [N, 1, d] in the activations' dtype (like Megatron's bshd path), for `_rope`:
+        the same for q and k and every layer, so computed once per forward."""
         freqs = pos.float()[:, None] * self.inv_freq[None]
         emb = torch.cat([freqs, freqs], -1)[:, None]
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    @staticmethod
+    def _rope(x, cos, sin):  # x [N, heads, d]
         x1, x2 = x.chunk(2, -1)
         return x * cos + torch.cat([-x2, x1], -1) * sin
 
@@ -143,6 +148,7 @@ class ModelRunner:
         n = ids.numel()
         captured, routed = {}, {}
         x = w.dense("embedding.word_embeddings.weight")[ids]
+        cos, sin = self._rope_tables(pos, x.dtype)
         for L in range(cfg.num_layers):
             p = f"decoder.layers.{L}."
             rows = captured if L in capture_layers else None
@@ -152,7 +158,7 @@ class ModelRunner:
             q = qkv[:, :, : nq // ng].reshape(n, nq, d)
             q = F.rms_norm(q, (d,), w.dense(p + "self_attention.q_layernorm.weight"), cfg.rms_norm_eps)
             kk = F.rms_norm(qkv[:, :, -2], (d,), w.dense(p + "self_attention.k_layernorm.weight"), cfg.rms_norm_eps)
-            q, kk, v = self._rope(q, pos), self._rope(kk, pos), qkv[:, :, -1]
+            q, kk, v = self._rope(q, cos, sin), self._rope(kk, cos, sin), qkv[:, :, -1]
             if self.fp4:
                 kq, vq = PagedKVCache.quantize_rows(kk), PagedKVCache.quantize_rows(v)
             else:
@@ -212,7 +218,9 @@ class ModelRunner:
         top_logits, top = torch.topk(logits, k, dim=-1)
         gate = torch.softmax(top_logits, -1)
         routed[L] = top
-        order = torch.sort(top.reshape(-1), stable=True).indices
+        # stable sort by expert id; 16-bit keys take 2 radix passes where int64 ids took 8
+        order = torch.sort(top.reshape(-1).to(torch.int16 if cfg.num_experts <= 32767 else torch.int32),
+                           stable=True).indices
         tok, slot = order // k, order % k
         # per-expert row counts, on the device (bincount would synchronise to size its output)
         counts = torch.zeros(cfg.num_experts, dtype=torch.int64, device=h.device).scatter_add_(
