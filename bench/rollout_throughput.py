@@ -127,6 +127,30 @@ def kernel_table(segments, step_fn, title: str, top: int = 24) -> str:
     return "\n".join(lines) + "\n"
 
 
+def time_generate(engine, cfg, batch: int, prompt_len: int, new_tokens: int, samples: int = 8):
+    """(seconds, tokens generated) of one `engine.generate` call, what the RL loop runs: batch /
+    samples random prompts of prompt_len tokens, `samples` samples each (a GRPO group), drawn
+    at temperature 1 up to new_tokens (random weights emit no stop token). Prefill, scheduling,
+    sampling and the host's bookkeeping are all in the time. A short call first captures the
+    CUDA graphs it needs."""
+    from megatron_trace.rollout import GroupRequest, SamplingParams
+
+    g = torch.Generator().manual_seed(0)
+    requests = [GroupRequest(f"g{i}", tuple(torch.randint(0, cfg.vocab_size, (prompt_len,), generator=g).tolist()),
+                             n=samples) for i in range(max(1, batch // samples))]
+    engine.generate(requests, SamplingParams(max_new_tokens=4, seed=1))
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = engine.generate(requests, SamplingParams(max_new_tokens=new_tokens, seed=0))
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    errors = {s.error for s in out.samples if s.error}
+    if errors:
+        raise SystemExit(f"--generate {batch}:{prompt_len}:{new_tokens}: {sorted(errors)}")
+    return time.perf_counter() - t0, sum(len(s.tokens) for s in out.samples)
+
+
 def write_record(rows, profiles, args, cfg, gpu) -> None:
     """bench/results/rollout_throughput.{json,md} from the rows so far (rewritten after every
     case, so that a run cut short keeps what it measured)."""
@@ -138,7 +162,9 @@ def write_record(rows, profiles, args, cfg, gpu) -> None:
              "",
              "Decode `eager` runs the step's kernels from Python; `cuda_graph` replays the step as a CUDA "
              "graph (what the engine does), and tokens/s counts the host's preparation of the step too; "
-             "`replay alone` is the graph replay timed with CUDA events, the GPU's share.", "",
+             "`replay alone` is the graph replay timed with CUDA events, the GPU's share. `generate` is "
+             "a whole `engine.generate` call (`--generate batch:prompt:new`, GRPO groups of 8, temperature 1): "
+             "prefill, scheduling and sampling included; its context is the prompt plus half the new tokens.", "",
              "| precision | batch | context | decode | tokens/s | replay alone | floor tokens/s | floor / measured |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -163,6 +189,7 @@ def plot(rows, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [r for r in rows if r["mode"] != "generate"]
     contexts = sorted({r["context"] for r in rows})
     fig, axes = plt.subplots(1, len(contexts), figsize=(5.5 * len(contexts), 4.2), squeeze=False)
     for ax, context in zip(axes[0], contexts):
@@ -199,6 +226,8 @@ def main() -> None:
     ap.add_argument("--cuda-graphs", action="store_true", help="also time decode replayed as a CUDA graph")
     ap.add_argument("--profile", default="", help="batch sizes (e.g. 64) whose GPU time per kernel is printed "
                     "and recorded, for one eager step (torch.profiler)")
+    ap.add_argument("--generate", default="", metavar="BATCH:PROMPT:NEW",
+                    help="also time whole engine.generate calls (e.g. 64:128:256), sampling included")
     ap.add_argument("--record", action="store_true")
     ap.add_argument("--replot", action="store_true", help="only redraw the PNG from the recorded JSON")
     args = ap.parse_args()
@@ -222,6 +251,9 @@ def main() -> None:
     gpu = torch.cuda.get_device_name() if cuda else "cpu"
     batches = [int(v) for v in args.batches.split(",")]
     contexts = [int(v) for v in args.contexts.split(",")]
+    generate = [int(v) for v in args.generate.split(":")] if args.generate else []
+    if generate and len(generate) != 3:
+        raise SystemExit(f"--generate {args.generate!r}: expected BATCH:PROMPT:NEW")
     weights = random_weights(cfg, device)
     rows = []
     for precision in args.precisions.split(","):
@@ -233,7 +265,7 @@ def main() -> None:
         budget = (args.memory_gib * 2**30) if args.memory_gib else 0.6 * free
         num_blocks = int(budget // per_block)
         engine = TraceEngine(cfg, EngineConfig(precision=precision, block_size=block, num_blocks=num_blocks,
-                                               max_batch_tokens=max(batches), device=device))
+                                               max_batch_tokens=max(batches + generate[:2]), device=device))
         engine.update_weights(weights, 0)
         fill_cache(engine.cache)
         for context in contexts:
@@ -292,6 +324,19 @@ def main() -> None:
                     engine.cache.allocator.release(t)
                 if args.record:
                     write_record(rows, profiles, args, cfg, gpu)
+        if generate:
+            batch, prompt_len, new_tokens = generate
+            seconds, generated = time_generate(engine, cfg, batch, prompt_len, new_tokens)
+            context = prompt_len + new_tokens // 2
+            r = {"precision": precision, "batch": batch, "context": context, "gpu": gpu, "mode": "generate",
+                 "date": datetime.date.today().isoformat(), "model": args.model, "layers": cfg.num_layers,
+                 "tokens_per_s": generated / seconds, "step_s": seconds, "new_tokens": new_tokens,
+                 "floor_tokens_per_s": batch / floor_seconds(cfg, batch, context, precision == "fp4", args.bandwidth)}
+            rows.append(r)
+            print(f"{precision:5s} batch {batch:4d} context {context:5d} generate  : {r['tokens_per_s']:10.1f} "
+                  f"tokens/s ({generated} tokens in {seconds:.2f} s, prompts of {prompt_len})", flush=True)
+            if args.record:
+                write_record(rows, profiles, args, cfg, gpu)
         del engine
         if cuda:
             torch.cuda.empty_cache()

@@ -35,7 +35,7 @@ from megatron_trace.rollout import (
 from .config import EngineConfig
 from .kv_cache import PagedKVCache
 from .model import DecodeGraph, ModelRunner, Segment, cat_rows, map_rows, rows_per_token
-from .sampler import sample, sample_stream
+from .sampler import sample_key, sample_rows
 from .sequence import Sequence, Status
 from .weights import EngineWeights
 
@@ -143,7 +143,7 @@ class TraceEngine:
                                                 "error", self.weight_version, error)
                 continue
             children = [Sequence(sid, req.group_id, list(req.prompt_ids), len(req.prompt_ids),
-                                 generator=sample_stream(sampling.seed, sid)) for sid in ids]
+                                 key=sample_key(sampling.seed, sid)) for sid in ids]
             groups = [children] if self.share_prompts else [[c] for c in children]
             for i, kids in enumerate(groups):
                 prompt = Sequence(f"{req.group_id}/prompt{i}", req.group_id, list(req.prompt_ids), len(req.prompt_ids))
@@ -227,21 +227,26 @@ class TraceEngine:
                 logits, captured, routed = self.runner.forward(segments, self.guided_layers, codes=self._capture_codes)
             # one device-to-host copy per layer and site, not one per sequence
             captured = {key: map_rows(torch.Tensor.cpu, rows) for key, rows in captured.items()}
-            routed = {layer: t.cpu() for layer, t in routed.items()}
+            # routed experts of every layer as one [tokens, layers, top_k] host tensor: one copy
+            # a step, and one slice per sequence (per-layer slices cost 19 ms a step at 48 layers)
+            routed = torch.stack([routed[layer] for layer in range(self.cfg.num_layers)], 1).cpu()
             offset = 0
-            next_running = []
+            next_running, draws = [], []  # draws: (logits row, sequence that samples from it)
             for i, (seg, owner) in enumerate(zip(segments, owners)):
                 m = len(seg.token_ids)
                 seq = owner.prompt if isinstance(owner, _PromptJob) else owner
                 self._keep_rows(seq, captured, routed, offset, m)
                 offset += m
                 if isinstance(owner, _PromptJob):
-                    next_running += self._fork(owner, logits[i], sampling, guidance)
+                    children = self._fork(owner, guidance)
+                    next_running += children
+                    draws += [(i, child) for child in children]
                 elif seq.status is Status.FINISHED:  # its last token is now fed
                     self._finish(seq, results, guidance)
                 else:
-                    self._step(seq, logits[i], sampling)
                     next_running.append(seq)
+                    draws.append((i, seq))
+            self._sample(logits, draws, sampling)
             running = next_running
 
     def _decode_graph(self, batch: int) -> DecodeGraph | None:
@@ -259,15 +264,15 @@ class TraceEngine:
         return self._graphs[size]
 
     def _keep_rows(self, seq, captured, routed, offset, m) -> None:
-        for layer, ids in routed.items():
-            seq.experts.setdefault(layer, []).append(ids[offset:offset + m])
+        seq.experts.append(routed[offset:offset + m])
         for (layer, site), rows in captured.items():
             per = rows_per_token(self.cfg, site)
             seq.rows.setdefault((layer, site), []).append(
                 map_rows(lambda t, a=offset * per, b=(offset + m) * per: t[a:b], rows))
 
-    def _fork(self, job: _PromptJob, logits_V, sampling, guidance) -> list[Sequence]:
-        """Samples start from the prefilled prompt: full KV blocks shared, the partial one copied."""
+    def _fork(self, job: _PromptJob, guidance) -> list[Sequence]:
+        """Samples start from the prefilled prompt: full KV blocks shared, the partial one copied.
+        Each then draws its first token from the prompt's last logits."""
         prompt, bs = job.prompt, self.config.block_size
         full = prompt.num_tokens // bs
         partial = prompt.num_tokens % bs
@@ -283,18 +288,24 @@ class TraceEngine:
                 self.cache.copy_block(prompt.block_table[full], block, partial)
                 child.block_table.append(block)
             child.num_cached, child.status = prompt.num_tokens, Status.RUNNING
-            self._step(child, logits_V, sampling)
         self.cache.allocator.release(prompt.block_table)
         return job.children
 
-    def _step(self, seq: Sequence, logits_V, sampling: SamplingParams) -> None:
-        token, logp = sample(logits_V, sampling, seq.generator)
-        seq.tokens.append(token)
-        seq.logprobs.append(logp)
-        if token in sampling.stop_token_ids:
-            seq.status, seq.finish_reason = Status.FINISHED, "stop"
-        elif len(seq.response) >= sampling.max_new_tokens:
-            seq.status, seq.finish_reason = Status.FINISHED, "length"
+    def _sample(self, logits, draws, sampling: SamplingParams) -> None:
+        """Every (logits row, sequence) of the step sampled at once on the logits' device; each
+        sequence then takes its token, finishing on a stop token or at max_new_tokens."""
+        if not draws:
+            return
+        rows = torch.tensor([i for i, _ in draws], device=logits.device)
+        tokens, logps = sample_rows(logits[rows], sampling, [seq.key for _, seq in draws],
+                                    [len(seq.response) for _, seq in draws], backend=self.runner.backend)
+        for (_, seq), token, logp in zip(draws, tokens, logps):
+            seq.tokens.append(token)
+            seq.logprobs.append(logp)
+            if token in sampling.stop_token_ids:
+                seq.status, seq.finish_reason = Status.FINISHED, "stop"
+            elif len(seq.response) >= sampling.max_new_tokens:
+                seq.status, seq.finish_reason = Status.FINISHED, "length"
 
     def _finish(self, seq: Sequence, results, guidance) -> None:
         self.cache.allocator.release(seq.block_table)
@@ -310,7 +321,8 @@ class TraceEngine:
         self._stream(seq.group_id, results, guidance)
 
     def _experts(self, seq: Sequence) -> dict[int, torch.Tensor]:
-        return {layer: torch.cat(chunks) for layer, chunks in seq.experts.items()}
+        routed = torch.cat(seq.experts)  # [tokens, layers, top_k]
+        return {layer: routed[:, layer].contiguous() for layer in range(self.cfg.num_layers)}
 
     def _records(self, seq: Sequence, owner: str) -> dict:
         records = {}

@@ -1,7 +1,11 @@
-"""Temperature / top-k / top-p sampling with one random stream per sample.
+"""Temperature / top-k / top-p sampling of a whole step's rows at once, on the logits' device.
 
-Each sample owns a torch.Generator seeded from (seed, sample id), so its tokens do not depend
-on which other sequences share its batch or in which order requests came.
+Each sample owns a random stream keyed by (seed, sample id) and indexed by how many tokens it
+has drawn (trace_kernels.sampling), so its tokens do not depend on which other sequences share
+its batch, in which order requests came, or whether the engine runs on the CPU or a GPU.
+Before, every row went to the host and was sampled there with its own torch.Generator: at
+Qwen3's 152k vocabulary that cost about 5 ms per sequence (17 ms with top-p) on the host, 300 ms
+for a batch of 64 against a decode step of under 5 ms on an H200.
 """
 
 from __future__ import annotations
@@ -9,29 +13,46 @@ from __future__ import annotations
 import zlib
 
 import torch
+from trace_kernels.fp4.rng import seed_key
+from trace_kernels.sampling import gumbel_argmax
 
 from megatron_trace.rollout import SamplingParams
 
 
-def sample_stream(seed: int, sample_id: str) -> torch.Generator:
-    return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(sample_id.encode())) % 2**63)
+def sample_key(seed: int, sample_id: str) -> int:
+    """32-bit key of a sample's random stream."""
+    return seed_key(seed * 1_000_003 + zlib.crc32(sample_id.encode()))
 
 
-def sample(logits_V: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> tuple[int, float]:
-    """(token, log-probability of it under logits / temperature) from float32 logits [V]."""
-    logits_V = logits_V.float().cpu()
-    if params.temperature == 0:
-        token = int(logits_V.argmax())
-        return token, float(torch.log_softmax(logits_V, -1)[token])
-    scaled = logits_V / params.temperature
-    logp = torch.log_softmax(scaled, -1)
-    probs = logp.exp()
-    if params.top_k:
-        kth = torch.topk(probs, min(params.top_k, probs.numel())).values[-1]
-        probs = torch.where(probs >= kth, probs, 0.0)
+def allowed_logits(scaled: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """scaled [B, V] (logits / temperature) with every token outside top-k and outside the
+    smallest top-p set of the rest set to -inf. Top-p keeps a token when the probability of the
+    tokens ranked above it is below top_p (so at least the top token stays)."""
+    if params.top_k and params.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, params.top_k, dim=-1).values[:, -1:]
+        scaled = scaled.masked_fill(scaled < kth, -float("inf"))
     if params.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)
-        keep = sorted_p.cumsum(0) - sorted_p < params.top_p * sorted_p.sum()  # smallest set reaching top_p
-        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
-    token = int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
-    return token, float(logp[token])
+        probs = torch.softmax(scaled, -1)
+        sorted_p, order = torch.sort(probs, -1, descending=True)
+        drop_sorted = sorted_p.cumsum(-1) - sorted_p >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        scaled = scaled.masked_fill(drop, -float("inf"))
+    return scaled
+
+
+def sample_rows(logits: torch.Tensor, params: SamplingParams, keys: list[int], steps: list[int],
+                backend: str = "auto") -> tuple[list[int], list[float]]:
+    """A token for each row of logits (float [B, V]) and its log-probability under
+    softmax(logits / temperature) (the full distribution, before top-k / top-p): two host lists.
+    Row b draws from the stream of keys[b] at its steps[b]-th token; temperature 0 is greedy."""
+    logits = logits.float()
+    if params.temperature == 0:
+        scaled = logits
+        tokens = logits.argmax(-1)
+    else:
+        scaled = logits / params.temperature
+        keys_t = torch.tensor(keys, dtype=torch.int64, device=logits.device)
+        steps_t = torch.tensor(steps, dtype=torch.int64, device=logits.device)
+        tokens = gumbel_argmax(allowed_logits(scaled, params), keys_t, steps_t, backend=backend)
+    logp = torch.log_softmax(scaled, -1).gather(-1, tokens[:, None])[:, 0]
+    return tokens.tolist(), logp.tolist()

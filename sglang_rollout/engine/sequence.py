@@ -5,8 +5,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -27,11 +25,11 @@ class Sequence:
     num_cached: int = 0  # tokens whose K/V are in the cache
     status: Status = Status.WAITING
     logprobs: list[float] = field(default_factory=list)
-    generator: torch.Generator | None = None
+    key: int = 0  # its random stream (sampler.sample_key)
     finish_reason: str | None = None
     # per (layer, site): list of row chunks [r, K] of this sequence's tokens, in token order
     rows: dict = field(default_factory=dict)
-    experts: dict = field(default_factory=dict)  # layer -> list of [r, top_k]
+    experts: list = field(default_factory=list)  # routed expert chunks [r, layers, top_k], in token order
     job: object = None  # the prompt job a sample forked from
 
     @property
