@@ -131,14 +131,15 @@ def time_generate(engine, cfg, batch: int, prompt_len: int, new_tokens: int, sam
     """(seconds, tokens generated) of one `engine.generate` call, what the RL loop runs: batch /
     samples random prompts of prompt_len tokens, `samples` samples each (a GRPO group), drawn
     at temperature 1 up to new_tokens (random weights emit no stop token). Prefill, scheduling,
-    sampling and the host's bookkeeping are all in the time. A short call first captures the
-    CUDA graphs it needs."""
+    sampling and the host's bookkeeping are all in the time. An identical call first captures the
+    CUDA graphs of every batch size the ramp-up passes through (a shorter one would not reach
+    them all, and capturing inside the timed call cost seconds at 48 layers)."""
     from megatron_trace.rollout import GroupRequest, SamplingParams
 
     g = torch.Generator().manual_seed(0)
     requests = [GroupRequest(f"g{i}", tuple(torch.randint(0, cfg.vocab_size, (prompt_len,), generator=g).tolist()),
                              n=samples) for i in range(max(1, batch // samples))]
-    engine.generate(requests, SamplingParams(max_new_tokens=4, seed=1))
+    engine.generate(requests, SamplingParams(max_new_tokens=new_tokens, seed=1))
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -265,7 +266,7 @@ def main() -> None:
         budget = (args.memory_gib * 2**30) if args.memory_gib else 0.6 * free
         num_blocks = int(budget // per_block)
         engine = TraceEngine(cfg, EngineConfig(precision=precision, block_size=block, num_blocks=num_blocks,
-                                               max_batch_tokens=max(batches + generate[:2]), device=device))
+                                               max_batch_tokens=max([2048] + batches + generate[:2]), device=device))
         engine.update_weights(weights, 0)
         fill_cache(engine.cache)
         for context in contexts:

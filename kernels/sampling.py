@@ -39,9 +39,9 @@ def gumbel_argmax(x: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, *, b
     if x.dim() != 2 or keys.shape != (x.shape[0],) or steps.shape != (x.shape[0],):
         raise ValueError(f"gumbel_argmax: x [B, V] with keys and steps [B], got {tuple(x.shape)}, "
                          f"{tuple(keys.shape)}, {tuple(steps.shape)}")
-    keys, steps = keys.to(x.device, torch.int64), steps.to(x.device, torch.int64)
-    if bool(((keys < 0) | (keys > MASK32)).any()) or bool((steps < 0).any()):
+    if bool(((keys < 0) | (keys > MASK32)).any()) or bool((steps < 0).any()):  # where they are: pass host tensors
         raise ValueError("gumbel_argmax: keys must be 32-bit and steps >= 0")
+    keys, steps = keys.to(x.device, torch.int64), steps.to(x.device, torch.int64)
     x = x.float().contiguous()
     b, v = x.shape
     if not _use_triton(x, backend):

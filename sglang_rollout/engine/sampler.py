@@ -51,8 +51,9 @@ def sample_rows(logits: torch.Tensor, params: SamplingParams, keys: list[int], s
         tokens = logits.argmax(-1)
     else:
         scaled = logits / params.temperature
-        keys_t = torch.tensor(keys, dtype=torch.int64, device=logits.device)
-        steps_t = torch.tensor(steps, dtype=torch.int64, device=logits.device)
-        tokens = gumbel_argmax(allowed_logits(scaled, params), keys_t, steps_t, backend=backend)
+        # streams built on the host: gumbel_argmax checks them there, without a device sync
+        tokens = gumbel_argmax(allowed_logits(scaled, params), torch.tensor(keys, dtype=torch.int64),
+                               torch.tensor(steps, dtype=torch.int64), backend=backend)
     logp = torch.log_softmax(scaled, -1).gather(-1, tokens[:, None])[:, 0]
-    return tokens.tolist(), logp.tolist()
+    both = torch.stack([tokens.double(), logp.double()]).cpu()  # one copy to the host (ids < 2**53: exact)
+    return both[0].long().tolist(), both[1].float().tolist()

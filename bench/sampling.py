@@ -1,0 +1,90 @@
+"""Sampling a decode step's rows: `sample_rows` (the whole batch on the logits' device) against
+the engine's previous sampler (each row copied to the host and drawn there with its own
+torch.Generator), at a Qwen3 vocabulary.
+
+    python bench/sampling.py [--batch 64] [--vocab 151936] [--record]
+
+Times one step's sampling (median of --reps after a warm-up), for top-p 1 and 0.95.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
+
+
+def host_sample(logits_v: torch.Tensor, params, gen: torch.Generator) -> tuple[int, float]:
+    """The engine's sampler before `sample_rows` (temperature > 0, no top-k): one row on the host."""
+    logits_v = logits_v.float().cpu()
+    logp = torch.log_softmax(logits_v / params.temperature, -1)
+    probs = logp.exp()
+    if params.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        keep = sorted_p.cumsum(0) - sorted_p < params.top_p * sorted_p.sum()
+        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
+    token = int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
+    return token, float(logp[token])
+
+
+def timed(fn, reps: int) -> float:
+    """Median seconds of fn() over reps calls after one warm-up, the device synchronised around each."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    fn()
+    times = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    from megatron_trace.rollout import SamplingParams
+    from sglang_rollout.engine.sampler import sample_key, sample_rows
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--record", action="store_true")
+    args = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    logits = torch.randn(args.batch, args.vocab, device=device, generator=torch.Generator(device).manual_seed(0)) * 2
+    keys = [sample_key(0, f"s{i}") for i in range(args.batch)]
+    rows = []
+    for top_p in (1.0, 0.95):
+        params = SamplingParams(temperature=1.0, top_p=top_p)
+        gens = [torch.Generator().manual_seed(i) for i in range(args.batch)]
+        host = timed(lambda: [host_sample(logits[i], params, gens[i]) for i in range(args.batch)], args.reps)
+        batched = timed(lambda: sample_rows(logits, params, keys, [0] * args.batch), args.reps)
+        rows.append({"top_p": top_p, "batch": args.batch, "vocab": args.vocab, "host_rows_ms": host * 1e3,
+                     "sample_rows_ms": batched * 1e3, "speedup": host / batched, "device": gpu})
+        print(f"top_p {top_p}: per-row host sampling {host * 1e3:.2f} ms, sample_rows {batched * 1e3:.3f} ms "
+              f"({host / batched:.0f}x)", flush=True)
+    if args.record:
+        date = datetime.date.today().isoformat()
+        stem = RESULTS / f"sampling_{date}_{gpu.split()[-1].lower()}"
+        cmd = "python bench/sampling.py " + " ".join(sys.argv[1:])
+        stem.with_suffix(".json").write_text(json.dumps({"date": date, "command": cmd, "rows": rows}, indent=1) + "\n")
+        lines = [f"# Sampling one decode step, {date}, {gpu}", "", f"`{cmd}`", "",
+                 f"Batch {args.batch}, vocabulary {args.vocab}, temperature 1; median of {args.reps} steps.", "",
+                 "| top-p | per-row host sampling ms | sample_rows ms | speedup |", "|---|---|---|---|"]
+        lines += [f"| {r['top_p']} | {r['host_rows_ms']:.2f} | {r['sample_rows_ms']:.3f} | {r['speedup']:.0f}x |"
+                  for r in rows]
+        stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
