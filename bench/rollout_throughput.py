@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import math
 import statistics
@@ -242,6 +243,7 @@ def main() -> None:
 
     from megatron_trace.model_config import PRESETS
     from sglang_rollout.engine import EngineConfig, TraceEngine
+    from sglang_rollout.engine.kv_cache import PagedKVCache
     from sglang_rollout.engine.model import DecodeGraph, Segment
 
     cfg = PRESETS[args.model]
@@ -259,9 +261,9 @@ def main() -> None:
     rows = []
     for precision in args.precisions.split(","):
         block = 16
-        probe = TraceEngine(cfg, EngineConfig(precision=precision, block_size=block, num_blocks=1, device=device))
-        per_block = probe.cache.nbytes_per_token() * block
-        del probe
+        # a one-block cache gives the bytes per token (an engine would also allocate the weights)
+        per_block = PagedKVCache(cfg.num_layers, 1, block, cfg.num_key_value_heads, cfg.head_dim,
+                                 precision == "fp4", device).nbytes_per_token() * block
         free = torch.cuda.mem_get_info()[0] if cuda else 8 * 2**30
         budget = (args.memory_gib * 2**30) if args.memory_gib else 0.6 * free
         num_blocks = int(budget // per_block)
@@ -339,6 +341,7 @@ def main() -> None:
             if args.record:
                 write_record(rows, profiles, args, cfg, gpu)
         del engine
+        gc.collect()  # the engine's graphs and sequences hold cycles: free its memory before the next one
         if cuda:
             torch.cuda.empty_cache()
     if args.record:
