@@ -53,6 +53,16 @@ def floor_seconds(cfg, batch, context, fp4, bandwidth):
     return total / bandwidth
 
 
+def engine_weight_bytes(cfg, fp4: bool) -> float:
+    """Bytes the engine's weights take: FP4 sites at 4.5 bits (codes + E4M3 scales), other
+    matrices BF16, vectors FP32. The KV-cache budget leaves room for them."""
+    from megatron_trace.model_config import full_weight_shapes
+    from sglang_rollout.engine.weights import FP4_SUFFIXES
+
+    return sum(math.prod(shape) * (0.5625 if fp4 and name.endswith(FP4_SUFFIXES) else 2 if len(shape) >= 2 else 4)
+               for name, shape in full_weight_shapes(cfg).items())
+
+
 def fill_cache(cache, seed: int = 0) -> None:
     """Random K/V in every slot (decode speed does not depend on the values, but never time on
     zeros: the MMAs run faster on them): codes any byte, block scales E4M3 bytes 0x20..0x47
@@ -224,7 +234,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--bandwidth", type=float, default=COPY_BANDWIDTH)
-    ap.add_argument("--memory-gib", type=float, default=None, help="KV-cache budget (default: 60%% of free memory)")
+    ap.add_argument("--memory-gib", type=float, default=None,
+                    help="KV-cache budget (default: 60%% of the memory left free by the engine's weights)")
     ap.add_argument("--cuda-graphs", action="store_true", help="also time decode replayed as a CUDA graph")
     ap.add_argument("--profile", default="", help="batch sizes (e.g. 64) whose GPU time per kernel is printed "
                     "and recorded, for one eager step (torch.profiler)")
@@ -265,12 +276,13 @@ def main() -> None:
         per_block = PagedKVCache(cfg.num_layers, 1, block, cfg.num_key_value_heads, cfg.head_dim,
                                  precision == "fp4", device).nbytes_per_token() * block
         free = torch.cuda.mem_get_info()[0] if cuda else 8 * 2**30
-        budget = (args.memory_gib * 2**30) if args.memory_gib else 0.6 * free
+        budget = (args.memory_gib * 2**30) if args.memory_gib else 0.6 * (free - engine_weight_bytes(cfg, precision == "fp4"))
         num_blocks = int(budget // per_block)
         engine = TraceEngine(cfg, EngineConfig(precision=precision, block_size=block, num_blocks=num_blocks,
                                                max_batch_tokens=max([2048] + batches + generate[:2]), device=device))
         engine.update_weights(weights, 0)
         fill_cache(engine.cache)
+        step_fn = None
         for context in contexts:
             for batch in batches:
                 need = batch * math.ceil((context + args.warmup + args.steps + 1) / block)
@@ -340,8 +352,8 @@ def main() -> None:
                   f"tokens/s ({generated} tokens in {seconds:.2f} s, prompts of {prompt_len})", flush=True)
             if args.record:
                 write_record(rows, profiles, args, cfg, gpu)
-        del engine
-        gc.collect()  # the engine's graphs and sequences hold cycles: free its memory before the next one
+        del engine, step_fn  # step_fn may be engine.runner.forward, which keeps the weights and cache alive
+        gc.collect()
         if cuda:
             torch.cuda.empty_cache()
     if args.record:
