@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
+import numpy as np
 import torch
 from trace_kernels.fp4 import quantize
 
@@ -34,13 +35,23 @@ from megatron_trace.rollout import (
 
 from .config import EngineConfig
 from .kv_cache import PagedKVCache
-from .model import DecodeGraph, ModelRunner, Segment, cat_rows, map_rows, rows_per_token
+from .model import DecodeGraph, ModelRunner, Segment, map_rows, rows_per_token
 from .sampler import sample_key, sample_rows
 from .sequence import Sequence, Status
 from .weights import EngineWeights
 
 # Batch sizes that get their own decode CUDA graph (a batch runs in the smallest that holds it).
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512)
+
+
+def _host_array(t: torch.Tensor) -> np.ndarray:
+    """numpy view of a host tensor (BF16 through its int16 bits: numpy has no bfloat16)."""
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+
+
+def _host_tensor(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    t = torch.from_numpy(a)
+    return t.view(dtype) if dtype == torch.bfloat16 else t
 
 
 class _PromptJob:
@@ -78,6 +89,7 @@ class TraceEngine:
             self._graph_pool = torch.cuda.graph_pool_handle()
         self._capacity = config.num_blocks - (self._scratch is not None)  # KV blocks sequences can use
         self._committed = 0  # worst-case KV blocks of the admitted jobs
+        self._row_dtypes: dict = {}  # (layer, site) -> torch dtypes of its captured parts
         self._streaming = None  # during generate(on_group=...): (callback, samples per group, groups sent)
 
     # -- weights ------------------------------------------------------------------------------
@@ -230,12 +242,15 @@ class TraceEngine:
             # routed experts of every layer as one [tokens, layers, top_k] host tensor: one copy
             # a step, and one slice per sequence (per-layer slices cost 19 ms a step at 48 layers)
             routed = torch.stack([routed[layer] for layer in range(self.cfg.num_layers)], 1).cpu()
+            sizes = [len(seg.token_ids) for seg in segments]
+            pieces = self._split_rows(captured, sizes)
             offset = 0
             next_running, draws = [], []  # draws: (logits row, sequence that samples from it)
-            for i, (seg, owner) in enumerate(zip(segments, owners)):
-                m = len(seg.token_ids)
+            for i, (m, owner) in enumerate(zip(sizes, owners)):
                 seq = owner.prompt if isinstance(owner, _PromptJob) else owner
-                self._keep_rows(seq, captured, routed, offset, m)
+                seq.experts.append(routed[offset:offset + m])
+                if pieces:
+                    seq.rows.append({key: parts[i] for key, parts in pieces.items()})
                 offset += m
                 if isinstance(owner, _PromptJob):
                     children = self._fork(owner, guidance)
@@ -263,12 +278,33 @@ class TraceEngine:
                                              self._graph_pool, codes=self._capture_codes)
         return self._graphs[size]
 
-    def _keep_rows(self, seq, captured, routed, offset, m) -> None:
-        seq.experts.append(routed[offset:offset + m])
+    def _split_rows(self, captured, sizes: list[int]) -> dict:
+        """{(layer, site): one piece per segment} of a step's captured host rows (segments of
+        `sizes` tokens, in order), as numpy views: a numpy slice costs a tenth of a torch view,
+        and slicing every sequence, layer and site as torch views cost 50 ms a step at 8 guided
+        layers and batch 64 (host time). A piece is an array, or (bits, scales, g) arrays."""
+        pieces = {}
+        bounds = [0]
+        for m in sizes:
+            bounds.append(bounds[-1] + m)
         for (layer, site), rows in captured.items():
             per = rows_per_token(self.cfg, site)
-            seq.rows.setdefault((layer, site), []).append(
-                map_rows(lambda t, a=offset * per, b=(offset + m) * per: t[a:b], rows))
+            parts = rows if isinstance(rows, tuple) else (rows,)
+            self._row_dtypes[(layer, site)] = tuple(t.dtype for t in parts)
+            arrays = [_host_array(t) for t in parts]
+            cut = [(a * per, b * per) for a, b in zip(bounds, bounds[1:])]
+            if isinstance(rows, tuple):
+                pieces[(layer, site)] = [tuple(x[a:b] for x in arrays) for a, b in cut]
+            else:
+                pieces[(layer, site)] = [arrays[0][a:b] for a, b in cut]
+        return pieces
+
+    def _join_rows(self, key, pieces: list):
+        """A sequence's pieces of one (layer, site), concatenated in token order as torch tensors."""
+        dtypes = self._row_dtypes[key]
+        if isinstance(pieces[0], tuple):
+            return tuple(_host_tensor(np.concatenate(parts), d) for parts, d in zip(zip(*pieces), dtypes, strict=True))
+        return _host_tensor(np.concatenate(pieces), dtypes[0])
 
     def _fork(self, job: _PromptJob, guidance) -> list[Sequence]:
         """Samples start from the prefilled prompt: full KV blocks shared, the partial one copied.
@@ -326,8 +362,8 @@ class TraceEngine:
 
     def _records(self, seq: Sequence, owner: str) -> dict:
         records = {}
-        for (layer, site), chunks in seq.rows.items():
-            kept = cat_rows(chunks)
+        for layer, site in seq.rows[0] if seq.rows else ():
+            kept = self._join_rows((layer, site), [step[(layer, site)] for step in seq.rows])
             header = dict(model_id=self.config.model_id, layer=layer, site=site, sample_id=owner,
                           weight_version=self.weight_version, policy=self.config.guide)
             if isinstance(kept, tuple):  # (bits, scales, g) from the fused quantize kernel

@@ -43,13 +43,6 @@ def map_rows(fn, captured):
     return tuple(fn(t) for t in captured) if isinstance(captured, tuple) else fn(captured)
 
 
-def cat_rows(chunks: list):
-    """Concatenate captured chunks along rows (tensors, or (bits, scales, g) part by part)."""
-    if isinstance(chunks[0], tuple):
-        return tuple(torch.cat(parts) for parts in zip(*chunks, strict=True))
-    return torch.cat(chunks)
-
-
 def _dense_capture(q: QTensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(mantissa bits [R, k/8], scale bytes [R, k/16], g [R]) of row-scaled FP4 rows of length k."""
     return (mantissa_bits(q.codes.reshape(-1, k // 2)), q.block_scales.view(torch.uint8).reshape(-1, k // 16),

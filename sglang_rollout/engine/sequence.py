@@ -27,8 +27,9 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     key: int = 0  # its random stream (sampler.sample_key)
     finish_reason: str | None = None
-    # per (layer, site): list of row chunks [r, K] of this sequence's tokens, in token order
-    rows: dict = field(default_factory=dict)
+    # per forward, in token order: {(layer, site): this sequence's captured rows [r, K] (or their
+    # (bits, scales, g))}
+    rows: list = field(default_factory=list)
     experts: list = field(default_factory=list)  # routed expert chunks [r, layers, top_k], in token order
     job: object = None  # the prompt job a sample forked from
 
