@@ -50,8 +50,10 @@ def hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def uniform_from_counter(index: torch.Tensor, key: int) -> torch.Tensor:
-    """Uniform float32 in [0, 1) for each flat element index (int64 tensor, any shape).
+def uniform_from_counter(index: torch.Tensor, key: int | torch.Tensor) -> torch.Tensor:
+    """Uniform float32 in [0, 1) for each flat element index (int64 tensor, any shape), under a
+    32-bit key: an int, or an int64 tensor broadcastable to index (one key per row, as sampling
+    uses).
 
     r = hash32(lo32(index) ^ hash32(hi32(index) ^ key)); u = (r >> 8) * 2**-24.
     """
