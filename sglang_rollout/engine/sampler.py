@@ -44,7 +44,8 @@ def sample_rows(logits: torch.Tensor, params: SamplingParams, keys: list[int], s
                 backend: str = "auto") -> tuple[list[int], list[float]]:
     """A token for each row of logits (float [B, V]) and its log-probability under
     softmax(logits / temperature) (the full distribution, before top-k / top-p): two host lists.
-    Row b draws from the stream of keys[b] at its steps[b]-th token; temperature 0 is greedy."""
+    Row b draws from the stream of keys[b] at its steps[b]-th token; temperature 0 is greedy.
+    Raises ValueError naming the rows whose logits hold NaN."""
     logits = logits.float()
     if params.temperature == 0:
         scaled = logits
@@ -56,4 +57,7 @@ def sample_rows(logits: torch.Tensor, params: SamplingParams, keys: list[int], s
                                torch.tensor(steps, dtype=torch.int64), backend=backend)
     logp = torch.log_softmax(scaled, -1).gather(-1, tokens[:, None])[:, 0]
     both = torch.stack([tokens.double(), logp.double()]).cpu()  # one copy to the host (ids < 2**53: exact)
+    bad = torch.isnan(both[1]).nonzero()[:, 0].tolist()
+    if bad:  # NaN logits: the model's output is broken, a token drawn from it would mean nothing
+        raise ValueError(f"sample_rows: rows {bad[:8]} of the logits hold NaN (of {logits.shape[0]} rows)")
     return both[0].long().tolist(), both[1].float().tolist()

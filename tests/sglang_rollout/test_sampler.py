@@ -77,6 +77,14 @@ def test_logprob_is_the_full_tempered_distributions_and_greedy_takes_the_max():
     assert tokens == [0] and math.isclose(logps[0], float(torch.log_softmax(LOGITS.double(), -1)[0]), rel_tol=1e-6)
 
 
+def test_nan_logits_are_refused_by_row():
+    logits = torch.zeros(3, 10)
+    logits[1, 4] = float("nan")
+    for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=0)):
+        with pytest.raises(ValueError, match=r"rows \[1\] of the logits hold NaN"):
+            sample_rows(logits, params, [1, 2, 3], [0, 0, 0])
+
+
 def test_bad_streams_are_refused():
     x = torch.zeros(2, 4)
     with pytest.raises(ValueError, match="32-bit"):
