@@ -69,7 +69,8 @@ def gemm_cases(cfg, batch: int, gen):
         offs = counts.cumsum(0).to(torch.int32)
         wt = w.transpose(1, 2)
         act = 2 * x.numel() + 2 * x.shape[0] * n
-        cases.append((name, lambda x=x, c=codes, s=scales, g=g: fp4_grouped_linear(x, c, s, g, counts),
+        cases.append((name, lambda backend="auto", x=x, c=codes, s=scales, g=g: fp4_grouped_linear(x, c, s, g, counts,
+                                                                                                  backend=backend),
                       lambda x=x, wt=wt, o=offs: torch._grouped_mm(x, wt, offs=o),
                       touched * n * k * 0.5625 + act, touched * n * k * 2 + act))
     return cases
@@ -88,13 +89,13 @@ def dense_cases(cfg, batch: int, gen):
         q = quantize(w)
         x = torch.randn(batch, k, generator=gen, device="cuda", dtype=torch.bfloat16)
         act = 2 * batch * (k + n)
-        cases.append((name, lambda x=x, q=q: fp4_linear(x, q), lambda x=x, w=w: x @ w.T,
+        cases.append((name, lambda backend="auto", x=x, q=q: fp4_linear(x, q, backend=backend), lambda x=x, w=w: x @ w.T,
                       n * k * 0.5625 + act, n * k * 2 + act))
     return cases
 
 
 def attention_case(cfg, batch: int, context: int, gen):
-    """(fp4 fn, bf16 fn, fp4 bytes, bf16 bytes) of one layer's decode attention."""
+    """(fp4 fn(backend), bf16 fn, fp4 bytes, bf16 bytes) of one layer's decode attention."""
     from trace_kernels.fp4 import quantize
     from trace_kernels.fp4.paged_attention import paged_decode_attention
 
@@ -111,7 +112,8 @@ def attention_case(cfg, batch: int, context: int, gen):
         fp4.append({"codes": t.codes, "scales": t.block_scales.view(torch.uint8), "g": t.global_scale})
         bf16.append({"rows": rows})
     kv = 2 * batch * context * hkv
-    return (lambda: paged_decode_attention(q, fp4[0], fp4[1], tables, lens, bs),
+    return (lambda backend="auto", **split: paged_decode_attention(q, fp4[0], fp4[1], tables, lens, bs,
+                                                                   backend=backend, **split),
             lambda: paged_decode_attention(q, bf16[0], bf16[1], tables, lens, bs),
             kv * (d * 0.5625 + 4), kv * d * 2)
 
@@ -123,11 +125,12 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--bandwidth", type=float, default=COPY_BANDWIDTH)
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--only", default="", help="comma-separated kernels to time (fc1,fc2,qkv,proj,attention); all by default")
     ap.add_argument("--record", action="store_true")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("decode_kernels.py needs a CUDA GPU")
-    from trace_kernels.fp4 import linear, paged_attention
+    from trace_kernels.fp4 import cuda_decode, linear, paged_attention
 
     from megatron_trace.model_config import PRESETS
 
@@ -136,6 +139,8 @@ def main() -> None:
     rows = []
 
     def measure(kernel, fp4_fn, bf16_fn, fp4_bytes, bf16_bytes, tile):
+        if args.only and kernel not in args.only.split(","):
+            return
         fp4_ms, bf16_ms = gpu_ms(fp4_fn), gpu_ms(bf16_fn)
         floor_fp4, floor_bf16 = fp4_bytes / args.bandwidth * 1e3, bf16_bytes / args.bandwidth * 1e3
         row = {"kernel": kernel, "tile": dict(tile), "fp4_ms": fp4_ms, "bf16_ms": bf16_ms,
@@ -152,14 +157,31 @@ def main() -> None:
         if args.sweep else [dict(paged_attention.TILE)]
     default_gemm, default_attn = dict(linear.TILE), dict(paged_attention.TILE)
     for name, fp4_fn, bf16_fn, fp4_bytes, bf16_bytes in gemm_cases(cfg, args.batch, gen) + dense_cases(cfg, args.batch, gen):
-        for tile in gemm_tiles:
+        if cuda_decode.supports_gemm(torch.empty(1, device="cuda"), 128, 128):
+            for mb in (1, 2, 4, 8) if args.sweep else [cuda_decode.LAUNCH["gemm_min_blocks"]]:
+                default_gemm_launch = dict(cuda_decode.LAUNCH)
+                cuda_decode.LAUNCH["gemm_min_blocks"] = mb
+                measure(name, lambda f=fp4_fn: f("cuda"), bf16_fn, fp4_bytes, bf16_bytes,
+                        {"kernel": "cuda_decode", "min_blocks": mb})
+                cuda_decode.LAUNCH.update(default_gemm_launch)
+        for tile in gemm_tiles:  # the Triton kernels: the FP4 path where the CUDA kernel does not apply
             linear.TILE.update(tile)
-            measure(name, fp4_fn, bf16_fn, fp4_bytes, bf16_bytes, tile)
+            measure(name, lambda f=fp4_fn: f("triton"), bf16_fn, fp4_bytes, bf16_bytes, tile)
     linear.TILE.update(default_gemm)
-    attn = attention_case(cfg, args.batch, args.context, gen)
-    for tile in attn_tiles:
+    fp4_attn, *attn = attention_case(cfg, args.batch, args.context, gen)
+    if cuda_decode.supports_attention(torch.empty(1, cfg.num_attention_heads, cfg.head_dim, device="cuda"),
+                            {"codes": torch.empty(1, cfg.num_key_value_heads, 1)}, 16):
+        default_launch = dict(cuda_decode.LAUNCH)
+        split = {"min_chunk": paged_attention.MIN_CHUNK, "max_splits": paged_attention.MAX_SPLITS}
+        for mb, mc, ms in itertools.product((8, 12, 16), (256, 512), (16, 32)) if args.sweep else [
+                (default_launch["attention_min_blocks"], split["min_chunk"], split["max_splits"])]:
+            cuda_decode.LAUNCH["attention_min_blocks"] = mb
+            measure("attention", lambda mc=mc, ms=ms: fp4_attn("cuda", min_chunk=mc, max_splits=ms), *attn,
+                    {"kernel": "cuda_decode", "min_blocks": mb, "min_chunk": mc, "max_splits": ms})
+        cuda_decode.LAUNCH.update(default_launch)
+    for tile in attn_tiles:  # the Triton split kernel: the FP4 path where the CUDA kernel does not apply
         paged_attention.TILE.update(tile)
-        measure("attention", *attn, tile)
+        measure("attention", lambda: fp4_attn("triton"), *attn, tile)
     paged_attention.TILE.update(default_attn)
 
     if args.record:

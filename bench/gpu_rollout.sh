@@ -5,7 +5,7 @@
 #   bash bench/gpu_rollout.sh       # wheels (torchao, ...) in .whl/
 #   ROLLOUT_ARGS="..." picks the throughput cases; ROLLOUT_TIMEOUT (s) stops the bench in time to copy its results
 source bench/gpu_setup.sh
-python3 -m pytest -q -p no:cacheprovider -rfEs tests/kernels/test_fp4_linear_attention.py tests/kernels/test_fp4_gpu.py \
+python3 -m pytest -q -p no:cacheprovider -rfEs tests/kernels/test_fp4_linear_attention.py tests/kernels/test_fp4_gpu.py tests/kernels/test_cuda_decode.py \
   tests/sglang_rollout/test_engine_gpu.py tests/sglang_rollout/test_sampler.py > "$OUT/pytest_rollout_gpu.log" 2>&1; tail -n 3 "$OUT/pytest_rollout_gpu.log"
 python3 - <<'PY' 2>&1 | tee "$OUT/engine_cuda.log"
 import sys, torch
@@ -27,6 +27,6 @@ for a, b in zip(outs["cpu"].samples, outs["cuda"].samples):
 print("guidance bytes cpu/cuda:", outs["cpu"].guidance.nbytes, outs["cuda"].guidance.nbytes)
 PY
 python3 bench/decode_kernels.py --record 2>&1 | tee "$OUT/decode_kernels.log"
-timeout "${ROLLOUT_TIMEOUT:-3000}" python3 bench/rollout_throughput.py ${ROLLOUT_ARGS:---model qwen3-30b-a3b --layers 4 --steps 5 --warmup 2 --cuda-graphs --profile 64 --record} \
-  2>&1 | tr '\r' '\n' | grep -v -e '%|' > "$OUT/rollout_throughput.log"; grep "tokens/s (" "$OUT/rollout_throughput.log"
+timeout "${ROLLOUT_TIMEOUT:-3000}" python3 bench/rollout_throughput.py ${ROLLOUT_ARGS:---model qwen3-30b-a3b --layers 4 --steps 3 --warmup 1 --cuda-graphs --profile 64 --generate 64:128:256 --record} \
+  2>&1 | tr '\r' '\n' | grep -v -e '%|' > "$OUT/rollout_throughput_$(date +%F)_h200.log"; grep "tokens/s" "$OUT/rollout_throughput_$(date +%F)_h200.log"
 cp bench/results/rollout_throughput.* bench/results/decode_kernels_* "$OUT/" 2>/dev/null || true

@@ -11,8 +11,11 @@ Shapes: x [M, K] bf16, W [N, K] (codes uint8 [N, K/2], scales e4m3 [N, K/16], g 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from . import cuda_decode
 from .api import _use_triton, dequantize
 from .formats import Format
 from .qtensor import QTensor
@@ -35,9 +38,39 @@ def fp4_linear(x: torch.Tensor, w: QTensor, *, backend: str = "auto") -> torch.T
         raise ValueError("fp4_linear needs a 2-D tensor-scaled NVFP4 weight")
     if x.dim() != 2 or x.shape[1] != w.shape[1] or x.dtype != torch.bfloat16:
         raise ValueError(f"fp4_linear: x must be bfloat16 [M, {w.shape[1]}], got {x.dtype} {tuple(x.shape)}")
-    if not _use_triton(x, backend):
+    # "auto" keeps dense layers on Triton, which splits K (the CUDA kernel walks all of K per tile:
+    # slower for the attention projections, bench/results/decode_kernels_*); "cuda" asks for it
+    use_cuda = backend == "cuda" and _use_cuda(x, w.shape[0], w.shape[1], x.shape[0] <= DENSE_CUDA_ROWS, backend)
+    if not use_cuda and not _use_triton(x, backend):
         return x @ dequantize(w, torch.bfloat16, backend="torch").T
+    if use_cuda:  # one "expert" whose tiles are the rows' blocks of 16
+        return cuda_decode.grouped_linear(x.contiguous(), w.codes[None], w.block_scales.view(torch.uint8)[None],
+                                          w.global_scale.reshape(1).float(), _dense_tiles(x.shape[0], x.device),
+                                          triton.cdiv(x.shape[0], cuda_decode.GEMM_ROWS))
     return _fp4_linear_triton(x.contiguous(), w)
+
+
+# The most rows a dense FP4 GEMM may have on the CUDA kernel (backend="cuda"): decode batches.
+DENSE_CUDA_ROWS = 256
+
+
+def _use_cuda(x: torch.Tensor, n: int, k: int, small: bool, backend: str) -> bool:
+    """backend "auto": the CUDA C++ kernel (cuda_decode) when it applies to x [M, k] @ W^T [k, n]
+    and M is decode-sized (`small`), else Triton; "cuda": it, or a ValueError saying why not."""
+    ok = backend in ("auto", "cuda") and small and cuda_decode.supports_gemm(x, n, k)
+    if backend == "cuda" and not ok:
+        raise ValueError(f"backend='cuda' needs x on a GPU of compute capability >= 9.0, K a multiple of 128, N of "
+                         f"32 and decode-sized M (got x {tuple(x.shape)} on {x.device}, N={n}, K={k})")
+    return ok
+
+
+@functools.cache  # at most DENSE_CUDA_ROWS entries a device; never evicted under a graph
+def _dense_tiles(m: int, device: torch.device) -> torch.Tensor:
+    """(expert 0, first row, end row) int32 of the row blocks of an [m, K] x: built once per m and
+    device, then reused (also by CUDA graphs, which hold its address)."""
+    r0 = torch.arange(0, m, cuda_decode.GEMM_ROWS, dtype=torch.int32)
+    tiles = torch.stack([torch.zeros_like(r0), r0, (r0 + cuda_decode.GEMM_ROWS).clamp(max=m)], 1)
+    return tiles.to(device)
 
 
 def fp4_grouped_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, g: torch.Tensor,
@@ -57,7 +90,8 @@ def fp4_grouped_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tenso
     if x.dim() != 2 or x.shape[1] != 2 * half_k or x.dtype != torch.bfloat16 or tuple(counts.shape) != (e,):
         raise ValueError(f"fp4_grouped_linear: x {x.dtype} {tuple(x.shape)} and counts {tuple(counts.shape)} "
                          f"do not fit weights {tuple(codes.shape)}")
-    if not _use_triton(x, backend):
+    use_cuda = _use_cuda(x, n, 2 * half_k, m <= cuda_decode.GEMM_ROWS * e, backend)
+    if not use_cuda and not _use_triton(x, backend):
         sizes = counts.tolist()
         if sum(sizes) != m:
             raise ValueError(f"fp4_grouped_linear: counts sum to {sum(sizes)}, x has {m} rows")
@@ -70,7 +104,7 @@ def fp4_grouped_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tenso
             start += c
         return y
     k = x.shape[1]
-    block_m = 16 if m <= 16 * e else 64
+    block_m = cuda_decode.GEMM_ROWS if m <= cuda_decode.GEMM_ROWS * e else 64
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
     if m == 0:
         return y
@@ -81,6 +115,9 @@ def fp4_grouped_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tenso
     _tile_list_kernel[(triton.cdiv(max_tiles, 32),)](
         counts.to(x.device), tile_info, e, max_tiles, BLOCK_M=block_m, E_PAD=triton.next_power_of_2(e), T_BLOCK=32,
     )
+    if use_cuda:
+        return cuda_decode.grouped_linear(x.contiguous(), codes, scales.view(torch.uint8), g.float().contiguous(),
+                                          tile_info, max_tiles, out=y)
     block_n, block_k = TILE["block_n"], _block_k(k)
     _fp4_grouped_kernel[(max_tiles, triton.cdiv(n, block_n))](
         x.contiguous(), codes, scales.view(torch.uint8), g.float().contiguous(), tile_info, y, n, k,

@@ -20,6 +20,7 @@ import math
 
 import torch
 
+from . import cuda_decode
 from .api import _use_triton, dequantize
 from .formats import Format
 from .qtensor import QTensor
@@ -57,7 +58,13 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, block_si
     if hq % hkv or d % 16:
         raise ValueError(f"paged_decode_attention: {hq} query heads over {hkv} KV heads of dim {d}")
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    if not _use_triton(q, backend):
+    use_cuda = backend in ("auto", "cuda") and cuda_decode.supports_attention(q, k_cache, block_size)
+    if backend == "cuda" and not use_cuda:
+        raise ValueError("paged_decode_attention: backend='cuda' needs an FP4 cache on a GPU of compute capability "
+                         f">= 9.0, head dim {cuda_decode.HEAD_DIM}, <= {cuda_decode.MAX_GROUP} query heads per KV "
+                         f"head and blocks of a multiple of 16 tokens (got d={d}, {hq}/{hkv} heads, "
+                         f"block_size={block_size}, device {q.device})")
+    if not use_cuda and not _use_triton(q, backend):
         return _reference(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale)
     block_t = TILE["block_t"]
     if min_chunk < block_t or min_chunk & (min_chunk - 1) or max_splits < 1:
@@ -72,12 +79,17 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, block_si
     doublings = (max_chunk // min_chunk).bit_length() - 1  # min_chunk * 2**doublings == max_chunk
     part_o = torch.empty((b, hq, splits, d), dtype=torch.float32, device=q.device)
     part_ml = torch.empty((b, hq, splits, 2), dtype=torch.float32, device=q.device)
-    _split_kernel[(b, hkv, splits)](  # one program per (sequence, KV head, chunk): K/V read once for the group
-        q.contiguous(), *kp, *vp, block_tables, seq_lens, part_o, part_ml, block_tables.shape[1], scale,
-        HQ=hq, HKV=hkv, G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK_SIZE=block_size,
-        BLOCK_T=block_t, MIN_CHUNK=min_chunk, DOUBLINGS=doublings, SPLITS=splits, IS_FP4=fp4,
-        INTERPRET=_interpreting(), SMALL=d < 32, num_warps=TILE["num_warps"],
-    )
+    if use_cuda:  # registers-only MMA fragments: bench/results/NOTES-decode.md
+        cuda_decode.split_attention(q.contiguous(), k_cache, v_cache, block_tables, seq_lens, part_o, part_ml,
+                                    block_size=block_size, scale=scale, min_chunk=min_chunk, doublings=doublings,
+                                    splits=splits)
+    else:
+        _split_kernel[(b, hkv, splits)](  # one program per (sequence, KV head, chunk): K/V read once for the group
+            q.contiguous(), *kp, *vp, block_tables, seq_lens, part_o, part_ml, block_tables.shape[1], scale,
+            HQ=hq, HKV=hkv, G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK_SIZE=block_size,
+            BLOCK_T=block_t, MIN_CHUNK=min_chunk, DOUBLINGS=doublings, SPLITS=splits, IS_FP4=fp4,
+            INTERPRET=_interpreting(), SMALL=d < 32, num_warps=TILE["num_warps"],
+        )
     out = torch.empty_like(q)
     _combine_kernel[(b, hq)](part_o, part_ml, seq_lens, out, HQ=hq, D=d, MIN_CHUNK=min_chunk, DOUBLINGS=doublings,
                              SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), INTERPRET=_interpreting(),

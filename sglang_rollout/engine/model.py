@@ -174,8 +174,9 @@ class ModelRunner:
         n, nq, d = q.shape
         self.cache.write(L, batch.slots, kq, vq)
         if batch.decode_only and self.backend != "torch" and (self.backend == "triton" or q.is_cuda):
+            # "auto" on a GPU: the CUDA C++ kernel where it applies (FP4 cache, Hopper, head dim 128), else Triton
             return paged_decode_attention(q, self.cache.k[L], self.cache.v[L], batch.tables, batch.lens,
-                                          self.cache.block_size, backend="triton")
+                                          self.cache.block_size, backend="auto" if self.backend == "auto" else "triton")
         ctx = torch.empty(n, nq, d, dtype=q.dtype, device=q.device)
         offset = 0
         for seg in batch.segments:

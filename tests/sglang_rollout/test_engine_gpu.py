@@ -3,6 +3,8 @@
 Needs CUDA (bench/gpu_rollout.sh runs it); CI has no GPU.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -15,9 +17,22 @@ from ..megatron_trace import scenarios as sc
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp4"])
-def test_cuda_graph_decode_equals_eager_decode(precision):
-    cfg = PRESETS["tiny"]
+# head dim 128 with 8 query heads per KV head (Qwen3's attention shape) and 128-wide expert inputs:
+# FP4 decode runs the CUDA C++ kernels (trace_kernels.fp4.cuda_decode) on Hopper; "tiny" (head dim
+# 16, width 64) runs the Triton ones
+QWEN3_HEADS = dataclasses.replace(PRESETS["tiny"], hidden_size=128, moe_intermediate_size=128, num_attention_heads=8,
+                                  num_key_value_heads=1, head_dim=128)
+
+
+@pytest.mark.parametrize("precision, cfg", [("bf16", PRESETS["tiny"]), ("fp4", PRESETS["tiny"]), ("fp4", QWEN3_HEADS)])
+def test_cuda_graph_decode_equals_eager_decode(precision, cfg, monkeypatch):
+    from trace_kernels.fp4 import cuda_decode
+
+    calls = {"split_attention": 0, "grouped_linear": 0}
+    for name in calls:
+        launch = getattr(cuda_decode, name)
+        monkeypatch.setattr(cuda_decode, name, lambda *a, name=name, launch=launch, **k: calls.update(
+            {name: calls[name] + 1}) or launch(*a, **k))
     engine = TraceEngine(cfg, EngineConfig(precision=precision, block_size=16, num_blocks=64, device="cuda"))
     engine.update_weights(sc.random_full_state_dict(cfg), 0)
     tables = [engine.cache.allocator.allocate(2) for _ in range(3)]
@@ -34,6 +49,9 @@ def test_cuda_graph_decode_equals_eager_decode(precision):
         logits, _, routed = engine.runner.forward(segs)  # rewrites the same K/V slots
         assert torch.equal(logits_graph, logits)
         assert all(torch.equal(routed_graph[k], routed[k]) for k in routed)
+    # the eager steps (and the graph's capture) ran the CUDA kernels exactly where they apply
+    cuda = precision == "fp4" and cfg is QWEN3_HEADS and torch.cuda.get_device_capability() >= (9, 0)
+    assert all(bool(n) == cuda for n in calls.values()), calls
 
 
 @pytest.mark.parametrize("precision, guide", [("bf16", "none"), ("fp4", "all")])
@@ -63,3 +81,4 @@ def test_engine_generates_the_same_with_cuda_graphs(precision, guide):
         for key, rec in a.records.items():  # cuBLAS may pick another kernel for a padded batch: nearly all bits
             for name, t in rec.payload.items():
                 assert (t == b.records[key].payload[name]).float().mean() > 0.99, (sid, key, name)
+

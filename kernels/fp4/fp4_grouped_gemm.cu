@@ -1,0 +1,117 @@
+// Grouped FP4 GEMM for decode-sized batches: y[rows of e] = x[rows of e] @ dequantize(W_e)^T, for
+// the MoE experts (rows sorted by expert) and, with one "expert", for dense layers.
+//
+// The same values as linear.py's Triton kernel: every weight element becomes
+// bf16(fl32(e2m1 * s * g)) (`dequant_word`, fp4_mma.cuh) before a BF16 MMA with FP32
+// accumulation, and y is rounded to BF16 once. A decode step gives an expert a few rows, so the
+// output is computed transposed, y^T = W x^T: mma.m16n8k16 with A = 16 weight rows (output
+// features) and B = x^T (8 rows of x). Lane (g, t) (g = lane / 4, t = lane % 4) feeds the MMA
+// the 32 contiguous K elements [32t, 32t + 32) of each 128-wide K chunk (a dot product does not
+// care about the order it visits K; x is read in the same order): one 16-byte load per weight
+// row and chunk, dequantized straight into MMA fragments, with no shared memory.
+//
+// Grid (tiles, cdiv(N, 128)), 4 warps of 32 output features each (two m16 tiles); a tile is up
+// to 16 rows of one expert (two n8 tiles), listed by linear.py's `_tile_list_kernel` as (expert,
+// first row, end row); tiles with no rows exit. K is a multiple of 128, N of 32.
+
+#include "fp4_mma.cuh"
+
+#ifndef MIN_BLOCKS
+#define MIN_BLOCKS 1
+#endif
+
+// What one lane reads of one 128-wide K chunk: weight rows 16m + g + 8h of m-tile m (i = 2m + h).
+struct Chunk {
+  uint4 w[4];
+  u32 s[4];  // the rows' two scale bytes (blocks 2t, 2t + 1 of the chunk)
+};
+
+__device__ __forceinline__ void load_chunk(Chunk &c, const u8 *__restrict__ wc, const u8 *__restrict__ ws, int K,
+                                           int chunk, int g, int t) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const u64 row = 16 * (i >> 1) + g + 8 * (i & 1);
+    c.w[i] = *reinterpret_cast<const uint4 *>(wc + row * (K / 2) + 64 * chunk + 16 * t);
+    c.s[i] = *reinterpret_cast<const u16 *>(ws + row * (K / 16) + 8 * chunk + 2 * t);
+  }
+}
+
+__device__ __forceinline__ u16 to_bf16(float v) {
+  u16 r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
+  return r;
+}
+
+extern "C" __global__ void __launch_bounds__(128, MIN_BLOCKS)
+fp4_grouped_gemm(const u16 *__restrict__ x, const u8 *__restrict__ codes, const u8 *__restrict__ scales,
+                 const float *__restrict__ gs, const int *__restrict__ tiles, u16 *__restrict__ y, int N, int K) {
+  const int expert = tiles[3 * blockIdx.x], r0 = tiles[3 * blockIdx.x + 1], r1 = tiles[3 * blockIdx.x + 2];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int n0 = blockIdx.y * 128 + 32 * warp;  // this warp's first output feature
+  if (r1 <= r0 || n0 >= N) return;
+  const bool second = r1 - r0 > 8;  // rows 8..15 of the tile: a second n8 tile
+  const float g64 = gs[expert] * 64.f;
+  const u8 *wc = codes + ((u64)expert * N + n0) * (K / 2);
+  const u8 *ws = scales + ((u64)expert * N + n0) * (K / 16);
+  const int xrow[2] = {r0 + g, r0 + 8 + g};  // the x row lane group g brings to n-tile j
+
+  float acc[2][2][4];  // [m-tile][n-tile]: features n0 + 16m + g (+8) x rows 8j + 2t (+1)
+#pragma unroll
+  for (int m = 0; m < 2; ++m)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) acc[m][j][0] = acc[m][j][1] = acc[m][j][2] = acc[m][j][3] = 0.f;
+
+  Chunk cur, nxt;
+  load_chunk(cur, wc, ws, K, 0, g, t);
+  const int chunks = K / 128;
+  for (int c = 0; c < chunks; ++c) {
+    if (c + 1 < chunks) load_chunk(nxt, wc, ws, K, c + 1, g, t);
+    // x^T fragments: row xrow[j], K elements [128c + 32t, + 32) as 16 bf16 pairs (zero past the tile)
+    u32 xb[2][16];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const bool ok = xrow[j] < r1 && (j == 0 || second);
+      const uint4 *src = reinterpret_cast<const uint4 *>(x + (u64)xrow[j] * K + 128 * c + 32 * t);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint4 v = ok ? src[i] : make_uint4(0u, 0u, 0u, 0u);
+        xb[j][4 * i] = v.x; xb[j][4 * i + 1] = v.y; xb[j][4 * i + 2] = v.z; xb[j][4 * i + 3] = v.w;
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      u32 wb[2][16];  // rows g, g + 8 of m-tile m: K elements [32t, 32t + 32) of the chunk as bf16 pairs
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint4 q = cur.w[2 * m + h];
+        const u32 words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          float v[8];
+          dequant_word(words[w], scale_f16x2((cur.s[2 * m + h] >> (8 * (w >> 1))) & 0xFFu), g64, v);
+#pragma unroll
+          for (int p = 0; p < 4; ++p) wb[h][4 * w + p] = pack_bf16(v[2 * p], v[2 * p + 1]);
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        mma_bf16(acc[m][0], wb[0][2 * k], wb[1][2 * k], wb[0][2 * k + 1], wb[1][2 * k + 1], xb[0][2 * k], xb[0][2 * k + 1]);
+        if (second)
+          mma_bf16(acc[m][1], wb[0][2 * k], wb[1][2 * k], wb[0][2 * k + 1], wb[1][2 * k + 1], xb[1][2 * k],
+                   xb[1][2 * k + 1]);
+      }
+    }
+    cur = nxt;
+  }
+
+  // y[row, feature] in BF16: C fragment (feature g (+8), rows 2t, 2t + 1 of n-tile j)
+#pragma unroll
+  for (int m = 0; m < 2; ++m)
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = r0 + 8 * j + 2 * t + (e & 1), feature = n0 + 16 * m + g + 8 * (e >> 1);
+        if (row < r1) y[(u64)row * N + feature] = to_bf16(acc[m][j][e]);
+      }
+}
