@@ -1,7 +1,9 @@
 """The FP4 numerics shared bit for bit by trainer and engine (DESIGN.md section 2).
 
 Layers, bottom up: `formats` (element and scale codecs), `packing`, `reference` (torch
-specification), `triton_fp4` (GPU kernels equal to the reference), `qtensor`, `api`.
+specification), `triton_fp4` (GPU kernels equal to the reference), `qtensor`, `api`. The decode
+kernels sit on top: `linear` (FP4-weight GEMMs), `paged_attention` (FP4 KV cache), and
+`cuda_decode` (CUDA C++ versions of both for Hopper, compiled by NVRTC at first use).
 """
 
 from .api import (

@@ -10,12 +10,14 @@ Both dequantize to the same BF16 values as `dequantize`, bit for bit (`dequant_w
 fp4_mma.cuh), and build the MMA fragments in registers straight from the loaded words: Triton
 stages dequantized tiles through shared memory and repacks the code bytes one register each,
 which made its FP4 kernels bound by instructions (bench/results/NOTES-decode.md). The `supports_*`
-functions say whether a call qualifies; the callers fall back to Triton otherwise.
+functions say whether a call qualifies; the callers fall back to Triton otherwise, and always
+when TRACE_CUDA_KERNELS=0 is set in the environment.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import torch
@@ -29,8 +31,22 @@ GEMM_ROWS = 16  # rows of x per GEMM tile (two n8 MMA tiles)
 LAUNCH = {"attention_min_blocks": 12, "gemm_min_blocks": 4}
 
 
+@functools.cache
+def _nvrtc_loads() -> bool:
+    """Whether torch can load NVRTC (it ships with torch's CUDA wheels). Where torch names its
+    loader differently, say yes and let the compilation report what is missing."""
+    utils = torch.cuda._utils
+    load = getattr(utils, "_get_gpu_rtc_library", None) or getattr(utils, "_get_nvrtc_library", None)
+    try:
+        load and load()
+    except (OSError, RuntimeError):
+        return False
+    return True
+
+
 def _runtime_ok(t: torch.Tensor) -> bool:
-    return t.is_cuda and hasattr(torch.cuda, "_compile_kernel") and torch.cuda.get_device_capability(t.device) >= (9, 0)
+    return (t.is_cuda and os.environ.get("TRACE_CUDA_KERNELS", "1") != "0" and hasattr(torch.cuda, "_compile_kernel")
+            and torch.cuda.get_device_capability(t.device) >= (9, 0) and _nvrtc_loads())
 
 
 def supports_attention(q: torch.Tensor, k_cache: dict, block_size: int) -> bool:
@@ -50,16 +66,22 @@ def supports_gemm(x: torch.Tensor, n: int, k: int) -> bool:
     return _runtime_ok(x) and k % 128 == 0 and n % 32 == 0
 
 
-@functools.lru_cache(maxsize=None)
-def _kernel(source: str, name: str, capability: str, **defines):
-    return torch.cuda._compile_kernel((KERNEL_DIR / source).read_text(), name, compute_capability=capability,
-                                      cuda_include_dirs=[str(KERNEL_DIR)],
-                                      nvcc_options=[f"-D{k}={v}" for k, v in defines.items()] + ["-std=c++17"])
+@functools.cache
+def _compiled(source: str, name: str, device: int, **defines):
+    """The kernel compiled for, and loaded on, one device (a module belongs to its device's context)."""
+    major, minor = torch.cuda.get_device_capability(device)
+    with torch.cuda.device(device):
+        return torch.cuda._compile_kernel((KERNEL_DIR / source).read_text(), name, compute_capability=f"{major}{minor}",
+                                          cuda_include_dirs=[str(KERNEL_DIR)],
+                                          nvcc_options=[f"-D{k}={v}" for k, v in defines.items()] + ["-std=c++17"])
 
 
-def _capability(t: torch.Tensor) -> str:
-    major, minor = torch.cuda.get_device_capability(t.device)
-    return f"{major}{minor}"
+def _launch(source: str, name: str, like: torch.Tensor, grid, block, args, **defines) -> None:
+    """Launch on like's device and its current stream (captured by a CUDA graph being recorded)."""
+    device = like.device.index if like.device.index is not None else torch.cuda.current_device()
+    kernel = _compiled(source, name, device, **defines)
+    with torch.cuda.device(device):
+        kernel(grid=grid, block=block, args=args)
 
 
 def _check_contiguous(name: str, tensors) -> None:
@@ -77,13 +99,12 @@ def split_attention(q, k_cache: dict, v_cache: dict, block_tables, seq_lens, par
     past a sequence's end write nothing."""
     b, hq, _ = q.shape
     hkv = k_cache["codes"].shape[1]
-    kernel = _kernel("fp4_decode_attention.cu", "fp4_decode_split", _capability(q), HQ=hq, HKV=hkv, G=hq // hkv,
-                     BS=block_size, MIN_CHUNK=min_chunk, DOUBLINGS=doublings, SPLITS=splits,
-                     MIN_BLOCKS=LAUNCH["attention_min_blocks"])
     args = [q, k_cache["codes"], k_cache["scales"], k_cache["g"], v_cache["codes"], v_cache["scales"], v_cache["g"],
             block_tables, seq_lens, part_o, part_ml]
     _check_contiguous("split_attention", args)
-    kernel(grid=(b, hkv, splits), block=(32, 1, 1), args=args + [block_tables.shape[1], float(scale)])
+    _launch("fp4_decode_attention.cu", "fp4_decode_split", q, (b, hkv, splits), (32, 1, 1),
+            args + [block_tables.shape[1], float(scale)], HQ=hq, HKV=hkv, G=hq // hkv, BS=block_size,
+            MIN_CHUNK=min_chunk, DOUBLINGS=doublings, SPLITS=splits, MIN_BLOCKS=LAUNCH["attention_min_blocks"])
 
 
 def grouped_linear(x, codes, scales, g, tiles, num_tiles: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -93,10 +114,10 @@ def grouped_linear(x, codes, scales, g, tiles, num_tiles: int, out: torch.Tensor
     rows) allowed, as `linear._tile_list_kernel` lists them. out: where to write y (else new)."""
     m, k = x.shape
     n = codes.shape[1]
-    kernel = _kernel("fp4_grouped_gemm.cu", "fp4_grouped_gemm", _capability(x), MIN_BLOCKS=LAUNCH["gemm_min_blocks"])
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device) if out is None else out
     args = [x, codes, scales, g, tiles, y]
     _check_contiguous("grouped_linear", args)
     if m and num_tiles:
-        kernel(grid=(num_tiles, (n + 127) // 128, 1), block=(128, 1, 1), args=args + [n, k])
+        _launch("fp4_grouped_gemm.cu", "fp4_grouped_gemm", x, (num_tiles, (n + 127) // 128, 1), (128, 1, 1),
+                args + [n, k], MIN_BLOCKS=LAUNCH["gemm_min_blocks"])
     return y

@@ -7,7 +7,8 @@ torch reference gathers and dequantizes the rows (to BF16), then runs softmax at
 Triton kernel (flash-decoding: chunks of the context in parallel, then a combine) dequantizes K
 and V tiles in registers exactly as `dequantize` does, to the same BF16 values the trainer's
 fake-quantized attention uses, and runs an online softmax in FP32. Hopper has no FP4 MMA, so
-this per-element work, not bytes, bounds the FP4 kernel (bench/decode_kernels.py).
+this per-element work, not bytes, bounds the FP4 kernel (bench/decode_kernels.py); on Hopper the
+FP4 chunks run `cuda_decode.split_attention` instead, the same values with half the instructions.
 
 Shapes: q [B, Hq, d] bf16, codes uint8 [S, Hkv, d/2], scales uint8 [S, Hkv, d/16] (E4M3 bits),
 g float32 [S, Hkv, 1] (or a BF16 cache: rows [S, Hkv, d]), block_tables int32 [B, max_blocks],
@@ -50,8 +51,10 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, block_si
                            backend: str = "auto") -> torch.Tensor:
     """Softmax attention of one query per sequence over its cached keys (GQA: query head h reads
     KV head h // (Hq / Hkv)). k_cache / v_cache: dicts with "codes", "scales", "g" (FP4) or
-    "rows" (BF16). min_chunk / max_splits: the Triton kernel's split of each sequence (see
-    MAX_SPLITS); min_chunk a power of two, at least TILE["block_t"]."""
+    "rows" (BF16). min_chunk / max_splits: the split of each sequence (see MAX_SPLITS); min_chunk
+    a power of two, at least TILE["block_t"]. backend: "torch" (gather, dequantize, softmax),
+    "triton", "cuda" (the CUDA C++ split kernel of `cuda_decode`: FP4 cache, Hopper, head dim
+    128; else a ValueError) or "auto" (on a GPU: "cuda" where it applies, else "triton")."""
     b, hq, d = q.shape
     fp4 = "codes" in k_cache
     hkv = (k_cache["codes"] if fp4 else k_cache["rows"]).shape[1]

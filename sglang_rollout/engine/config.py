@@ -17,8 +17,9 @@ class EngineConfig:
     guide: layer policy of the guidance records ("none", "all", "deep:K", "layers:..."; routed
     experts are returned for every layer regardless). coding / tau / scale_coding: as
     `megatron_trace.guidance.capture`. model_id: written into every record's header.
-    device: "cpu" or "cuda". kernels: "auto" (Triton on CUDA), "torch" or "triton" (the Triton
-    kernels also run on the CPU under TRITON_INTERPRET=1, slowly: for tests).
+    device: "cpu" or "cuda". kernels: "auto" (on CUDA: Triton, and the CUDA C++ decode kernels of
+    trace_kernels.fp4.cuda_decode where they apply), "torch" or "triton" (Triton only; its kernels
+    also run on the CPU under TRITON_INTERPRET=1, slowly: for tests).
     cuda_graph_max_batch: decode steps of up to this many sequences replay CUDA graphs (CUDA
     only; one graph per batch-size bucket, captured on first use); 0 runs every step eagerly."""
 

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from trace_kernels.fp4 import QTensor, fake_quantize_rows, mantissa_bits
 from trace_kernels.fp4.linear import fp4_grouped_linear, fp4_linear
 from trace_kernels.fp4.paged_attention import paged_decode_attention
+from trace_kernels.norm_rope import qk_norm_rope, rms_norm
 
 from megatron_trace.model_config import ModelConfig
 
@@ -75,7 +76,9 @@ class _Batch:
 class ModelRunner:
     """kernels: "torch" (dequantize whole weights, gather and dequantize KV rows, SDPA) or
     "triton" (FP4 GEMMs that dequantize in registers; decode-only batches read the FP4 KV cache
-    in the paged attention kernel). "auto": Triton on CUDA."""
+    in the paged attention kernel). "auto" on CUDA: Triton, except the FP4 decode attention and
+    the experts' grouped GEMMs, which run trace_kernels.fp4.cuda_decode's CUDA C++ kernels where
+    they apply (Hopper; head dim 128; K a multiple of 128)."""
 
     def __init__(self, cfg: ModelConfig, weights: EngineWeights, cache: PagedKVCache, fp4: bool,
                  kernels: str = "auto"):
@@ -106,16 +109,11 @@ class ModelRunner:
         return x @ self.w.dense(name).T
 
     def _rope_tables(self, pos, dtype):
-        """cos, sin [N, 1, d] in the activations' dtype (like Megatron's bshd path), for `_rope`:
+        """cos, sin [N, 1, d] in the activations' dtype (like Megatron's bshd path), for the rotary:
         the same for q and k and every layer, so computed once per forward."""
         freqs = pos.float()[:, None] * self.inv_freq[None]
         emb = torch.cat([freqs, freqs], -1)[:, None]
         return emb.cos().to(dtype), emb.sin().to(dtype)
-
-    @staticmethod
-    def _rope(x, cos, sin):  # x [N, heads, d]
-        x1, x2 = x.chunk(2, -1)
-        return x * cos + torch.cat([-x2, x1], -1) * sin
 
     @torch.no_grad()
     def forward(self, segments: list[Segment], capture_layers=frozenset(), all_logits: bool = False,
@@ -145,13 +143,13 @@ class ModelRunner:
         for L in range(cfg.num_layers):
             p = f"decoder.layers.{L}."
             rows = captured if L in capture_layers else None
-            h = F.rms_norm(x, (cfg.hidden_size,), w.dense(p + "input_layernorm.weight"), cfg.rms_norm_eps)
+            h = rms_norm(x, w.dense(p + "input_layernorm.weight"), cfg.rms_norm_eps, backend=self.backend)
             qkv = self._linear(self._site(rows, L, "qkv", h, codes), p + "self_attention.linear_qkv.weight")
             qkv = qkv.view(n, ng, nq // ng + 2, d)
-            q = qkv[:, :, : nq // ng].reshape(n, nq, d)
-            q = F.rms_norm(q, (d,), w.dense(p + "self_attention.q_layernorm.weight"), cfg.rms_norm_eps)
-            kk = F.rms_norm(qkv[:, :, -2], (d,), w.dense(p + "self_attention.k_layernorm.weight"), cfg.rms_norm_eps)
-            q, kk, v = self._rope(q, cos, sin), self._rope(kk, cos, sin), qkv[:, :, -1]
+            q, kk = qk_norm_rope(qkv, w.dense(p + "self_attention.q_layernorm.weight"),
+                                 w.dense(p + "self_attention.k_layernorm.weight"), cfg.rms_norm_eps, cos, sin,
+                                 backend=self.backend)
+            v = qkv[:, :, -1]
             if self.fp4:
                 kq, vq = PagedKVCache.quantize_rows(kk), PagedKVCache.quantize_rows(v)
             else:
@@ -162,9 +160,9 @@ class ModelRunner:
             ctx = self._attention(L, batch, q, kq, vq)
             ctx = ctx.reshape(n, nq * d)
             x = x + self._linear(self._site(rows, L, "proj", ctx, codes), p + "self_attention.linear_proj.weight")
-            x = x + self._moe(L, p, F.rms_norm(x, (cfg.hidden_size,), w.dense(p + "pre_mlp_layernorm.weight"),
-                                               cfg.rms_norm_eps), rows, routed, codes)
-        x = F.rms_norm(x, (cfg.hidden_size,), w.dense("decoder.final_layernorm.weight"), cfg.rms_norm_eps)
+            x = x + self._moe(L, p, rms_norm(x, w.dense(p + "pre_mlp_layernorm.weight"), cfg.rms_norm_eps,
+                                             backend=self.backend), rows, routed, codes)
+        x = rms_norm(x, w.dense("decoder.final_layernorm.weight"), cfg.rms_norm_eps, backend=self.backend)
         if not all_logits and batch.last is not None:
             x = x[batch.last]
         return (x @ w.dense("output_layer.weight").T).float(), captured, routed
