@@ -107,17 +107,25 @@ def split_attention(q, k_cache: dict, v_cache: dict, block_tables, seq_lens, par
             MIN_CHUNK=min_chunk, DOUBLINGS=doublings, SPLITS=splits, MIN_BLOCKS=LAUNCH["attention_min_blocks"])
 
 
-def grouped_linear(x, codes, scales, g, tiles, num_tiles: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def grouped_linear(x, codes, scales, g, tiles, num_tiles: int, out: torch.Tensor | None = None,
+                   splits: int = 1) -> torch.Tensor:
     """y [M, N] bf16 with y[rows of e] = x[rows of e] @ dequantize(W_e)^T. x: bf16 [M, K];
     codes uint8 [E, N, K/2]; scales uint8 (E4M3 bits) [E, N, K/16]; g float32 [E]; tiles int32
     [num_tiles, 3]: (expert, first row, end row) of up to GEMM_ROWS rows each, empty ones (no
-    rows) allowed, as `linear._tile_list_kernel` lists them. out: where to write y (else new)."""
+    rows) allowed, as `linear._tile_list_kernel` lists them. out: where to write y (else new).
+    splits: K split across programs (a power of two dividing K / 128); the FP32 partial products
+    are summed in split order, then rounded to BF16 once."""
     m, k = x.shape
     n = codes.shape[1]
+    if splits < 1 or (k // 128) % splits:
+        raise ValueError(f"grouped_linear: {splits} splits do not divide K={k} into 128-wide chunks")
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device) if out is None else out
-    args = [x, codes, scales, g, tiles, y]
+    part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else y
+    args = [x, codes, scales, g, tiles, y, part]
     _check_contiguous("grouped_linear", args)
     if m and num_tiles:
-        _launch("fp4_grouped_gemm.cu", "fp4_grouped_gemm", x, (num_tiles, (n + 127) // 128, 1), (128, 1, 1),
-                args + [n, k], MIN_BLOCKS=LAUNCH["gemm_min_blocks"])
+        _launch("fp4_grouped_gemm.cu", "fp4_grouped_gemm", x, (num_tiles, (n + 127) // 128, splits), (128, 1, 1),
+                args + [m, n, k, splits], MIN_BLOCKS=LAUNCH["gemm_min_blocks"])
+        if splits > 1:
+            y.copy_(part.sum(0))  # a fixed order (no atomics): deterministic
     return y

@@ -10,9 +10,11 @@
 // care about the order it visits K; x is read in the same order): one 16-byte load per weight
 // row and chunk, dequantized straight into MMA fragments, with no shared memory.
 //
-// Grid (tiles, cdiv(N, 128)), 4 warps of 32 output features each (two m16 tiles); a tile is up
-// to 16 rows of one expert (two n8 tiles), listed by linear.py's `_tile_list_kernel` as (expert,
-// first row, end row); tiles with no rows exit. K is a multiple of 128, N of 32.
+// Grid (tiles, cdiv(N, 128), splits), 4 warps of 32 output features each (two m16 tiles); a tile
+// is up to 16 rows of one expert (two n8 tiles), listed by linear.py's `_tile_list_kernel` as
+// (expert, first row, end row); tiles with no rows exit. K is a multiple of 128, N of 32. With
+// splits > 1 (dense layers: few tiles, long K), program z covers K chunks [z * K / splits, ...)
+// and writes FP32 partial products to y32 [splits, M, N], which the caller sums in a fixed order.
 
 #include "fp4_mma.cuh"
 
@@ -44,7 +46,8 @@ __device__ __forceinline__ u16 to_bf16(float v) {
 
 extern "C" __global__ void __launch_bounds__(128, MIN_BLOCKS)
 fp4_grouped_gemm(const u16 *__restrict__ x, const u8 *__restrict__ codes, const u8 *__restrict__ scales,
-                 const float *__restrict__ gs, const int *__restrict__ tiles, u16 *__restrict__ y, int N, int K) {
+                 const float *__restrict__ gs, const int *__restrict__ tiles, u16 *__restrict__ y,
+                 float *__restrict__ y32, int M, int N, int K, int splits) {
   const int expert = tiles[3 * blockIdx.x], r0 = tiles[3 * blockIdx.x + 1], r1 = tiles[3 * blockIdx.x + 2];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int n0 = blockIdx.y * 128 + 32 * warp;  // this warp's first output feature
@@ -61,10 +64,10 @@ fp4_grouped_gemm(const u16 *__restrict__ x, const u8 *__restrict__ codes, const 
 #pragma unroll
     for (int j = 0; j < 2; ++j) acc[m][j][0] = acc[m][j][1] = acc[m][j][2] = acc[m][j][3] = 0.f;
 
+  const int per_split = K / 128 / splits, first = blockIdx.z * per_split, chunks = first + per_split;
   Chunk cur, nxt;
-  load_chunk(cur, wc, ws, K, 0, g, t);
-  const int chunks = K / 128;
-  for (int c = 0; c < chunks; ++c) {
+  load_chunk(cur, wc, ws, K, first, g, t);
+  for (int c = first; c < chunks; ++c) {
     if (c + 1 < chunks) load_chunk(nxt, wc, ws, K, c + 1, g, t);
     // x^T fragments: row xrow[j], K elements [128c + 32t, + 32) as 16 bf16 pairs (zero past the tile)
     u32 xb[2][16];
@@ -104,7 +107,8 @@ fp4_grouped_gemm(const u16 *__restrict__ x, const u8 *__restrict__ codes, const 
     cur = nxt;
   }
 
-  // y[row, feature] in BF16: C fragment (feature g (+8), rows 2t, 2t + 1 of n-tile j)
+  // y[row, feature] in BF16 (or FP32 partials): C fragment (feature g (+8), rows 2t, 2t + 1 of n-tile j)
+  float *part = y32 + (u64)blockIdx.z * M * N;
 #pragma unroll
   for (int m = 0; m < 2; ++m)
 #pragma unroll
@@ -112,6 +116,10 @@ fp4_grouped_gemm(const u16 *__restrict__ x, const u8 *__restrict__ codes, const 
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int row = r0 + 8 * j + 2 * t + (e & 1), feature = n0 + 16 * m + g + 8 * (e >> 1);
-        if (row < r1) y[(u64)row * N + feature] = to_bf16(acc[m][j][e]);
+        if (row >= r1) continue;
+        if (splits == 1)
+          y[(u64)row * N + feature] = to_bf16(acc[m][j][e]);
+        else
+          part[(u64)row * N + feature] = acc[m][j][e];
       }
 }

@@ -38,20 +38,23 @@ def fp4_linear(x: torch.Tensor, w: QTensor, *, backend: str = "auto") -> torch.T
         raise ValueError("fp4_linear needs a 2-D tensor-scaled NVFP4 weight")
     if x.dim() != 2 or x.shape[1] != w.shape[1] or x.dtype != torch.bfloat16:
         raise ValueError(f"fp4_linear: x must be bfloat16 [M, {w.shape[1]}], got {x.dtype} {tuple(x.shape)}")
-    # "auto" keeps dense layers on Triton, which splits K (the CUDA kernel walks all of K per tile:
-    # slower for the attention projections, bench/results/decode_kernels_*); "cuda" asks for it
-    use_cuda = backend == "cuda" and _use_cuda(x, w.shape[0], w.shape[1], x.shape[0] <= DENSE_CUDA_ROWS, backend)
+    m, n, k = x.shape[0], w.shape[0], w.shape[1]
+    use_cuda = _use_cuda(x, n, k, m <= DENSE_CUDA_ROWS, backend)
     if not use_cuda and not _use_triton(x, backend):
         return x @ dequantize(w, torch.bfloat16, backend="torch").T
-    if use_cuda:  # one "expert" whose tiles are the rows' blocks of 16
+    if use_cuda:  # one "expert" whose tiles are the rows' blocks of 16, K split for enough programs
+        tiles = triton.cdiv(m, cuda_decode.GEMM_ROWS)
         return cuda_decode.grouped_linear(x.contiguous(), w.codes[None], w.block_scales.view(torch.uint8)[None],
-                                          w.global_scale.reshape(1).float(), _dense_tiles(x.shape[0], x.device),
-                                          triton.cdiv(x.shape[0], cuda_decode.GEMM_ROWS))
+                                          w.global_scale.reshape(1).float(), _dense_tiles(m, x.device), tiles,
+                                          splits=_k_splits(tiles * triton.cdiv(n, 128), k // 128, x.device,
+                                                           per_sm=CUDA_PROGRAMS_PER_SM))
     return _fp4_linear_triton(x.contiguous(), w)
 
 
-# The most rows a dense FP4 GEMM may have on the CUDA kernel (backend="cuda"): decode batches.
+# Dense FP4 GEMMs of up to this many rows (decode batches) run the CUDA kernel where it applies,
+# K split until there are about CUDA_PROGRAMS_PER_SM programs (4 warps each) per multiprocessor.
 DENSE_CUDA_ROWS = 256
+CUDA_PROGRAMS_PER_SM = 4
 
 
 def _use_cuda(x: torch.Tensor, n: int, k: int, small: bool, backend: str) -> bool:
@@ -139,13 +142,15 @@ def _block_k(k: int) -> int:
     return next((b for b in sizes if k % b == 0), 32)
 
 
-def _k_splits(programs: int, k_steps: int, device: torch.device) -> int:
-    """K splits (a power of two dividing k_steps) that bring `programs` up to TILE["programs"] per
-    multiprocessor (the interpreter counts one multiprocessor, so CPU tests split too). A decode
-    GEMM has few output tiles; unsplit, each program walks all of K one latency at a time."""
+def _k_splits(programs: int, k_steps: int, device: torch.device, per_sm: int | None = None) -> int:
+    """K splits (a power of two dividing k_steps) that bring `programs` up to per_sm (default
+    TILE["programs"]) per multiprocessor (the interpreter counts one multiprocessor, so CPU tests
+    split too). A decode GEMM has few output tiles; unsplit, each program walks all of K one
+    latency at a time."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    per_sm = TILE["programs"] if per_sm is None else per_sm
     splits = 1
-    while programs * splits < TILE["programs"] * sms and k_steps % (2 * splits) == 0:
+    while programs * splits < per_sm * sms and k_steps % (2 * splits) == 0:
         splits *= 2
     return splits
 

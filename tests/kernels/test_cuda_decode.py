@@ -204,18 +204,23 @@ def test_cuda_grouped_gemm_dequantizes_weights_bit_for_bit():
 
 
 @gpu
-@pytest.mark.parametrize("m, n, k", [(1, 128, 128), (5, 160, 2048), (17, 96, 768), (64, 2048, 256)])
+@pytest.mark.parametrize("m, n, k", [(1, 128, 128), (5, 160, 2048), (17, 96, 768), (64, 2048, 256), (64, 5120, 2048)])
 def test_cuda_dense_gemm_is_the_dequantized_matmul(m, n, k):
     w = quantize(heavy_tailed(n, k, seed=m))
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).bfloat16()
     wd = dequantize(w, torch.bfloat16).double()
     exact, size = x.double() @ wd.T, x.double().abs() @ wd.abs().T
-    y = fp4_linear(x.cuda(), w.to("cuda"), backend="cuda").cpu()
+    y = fp4_linear(x.cuda(), w.to("cuda"), backend="cuda").cpu()  # K split across programs where K allows
     assert y.shape == (m, n) and y.dtype == torch.bfloat16
     assert ((y.double() - exact).abs() <= 2.0**-8 * exact.abs() + 2.0**-20 * size).all()
+    assert torch.equal(fp4_linear(x.cuda(), w.to("cuda")).cpu(), y)  # "auto" takes the CUDA kernel for decode M
 
 
 def test_cuda_gemm_backend_refuses_what_it_cannot_run():
     w = quantize(torch.randn(64, 128))
     with pytest.raises(ValueError, match="backend='cuda' needs x on a GPU"):
         fp4_linear(torch.randn(2, 128).bfloat16(), w, backend="cuda")
+    with pytest.raises(ValueError, match="3 splits do not divide K=256"):
+        cuda_decode.grouped_linear(torch.zeros(1, 256).bfloat16(), torch.zeros(1, 32, 128, dtype=torch.uint8),
+                                   torch.zeros(1, 32, 16, dtype=torch.uint8), torch.ones(1),
+                                   torch.zeros(1, 3, dtype=torch.int32), 1, splits=3)
