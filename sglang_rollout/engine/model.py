@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from trace_kernels.fp4 import QTensor, fake_quantize_rows, mantissa_bits
 from trace_kernels.fp4.linear import fp4_grouped_linear, fp4_linear
 from trace_kernels.fp4.paged_attention import paged_decode_attention
+from trace_kernels.moe_routing import combine_experts, expert_order
 from trace_kernels.norm_rope import qk_norm_rope, rms_norm
 
 from megatron_trace.model_config import ModelConfig
@@ -210,13 +211,7 @@ class ModelRunner:
         top_logits, top = torch.topk(logits, k, dim=-1)
         gate = torch.softmax(top_logits, -1)
         routed[L] = top
-        # stable sort by expert id; 16-bit keys take 2 radix passes where int64 ids took 8
-        order = torch.sort(top.reshape(-1).to(torch.int16 if cfg.num_experts <= 32767 else torch.int32),
-                           stable=True).indices
-        tok, slot = order // k, order % k
-        # per-expert row counts, on the device (bincount would synchronise to size its output)
-        counts = torch.zeros(cfg.num_experts, dtype=torch.int64, device=h.device).scatter_add_(
-            0, top.reshape(-1), torch.ones(n * k, dtype=torch.int64, device=h.device))
+        tok, slot, pos, counts = expert_order(top, cfg.num_experts, backend=self.backend)
         gate_up = self._experts(self._site(rows, L, "fc1", h, codes)[tok], L, "fc1", counts)
         g_, u_ = gate_up.chunk(2, -1)
         act = F.silu(g_) * u_  # rows in expert order
@@ -229,9 +224,7 @@ class ModelRunner:
                 return out.reshape((n * k,) + t.shape[1:])
             rows[(L, "fc2")] = map_rows(token_order, fc2[(L, "fc2")])
         y = self._experts(act_in, L, "fc2", counts)
-        out = torch.zeros_like(h)
-        out.index_add_(0, tok, (y * gate[tok, slot, None]).to(h.dtype))
-        return out
+        return combine_experts(y.to(h.dtype), gate, tok, slot, pos, backend=self.backend)
 
 
 def rows_per_token(cfg: ModelConfig, site: str) -> int:

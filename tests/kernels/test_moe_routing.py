@@ -1,0 +1,51 @@
+"""MoE routing bookkeeping kernels (trace_kernels.moe_routing) against torch's sort, scatter and
+index_add_: bit for bit, under TRITON_INTERPRET=1 on the CPU (CI) and on a GPU."""
+
+import pytest
+import torch
+from trace_kernels.moe_routing import combine_experts, expert_order
+
+from .helpers import triton_device
+
+
+def _routing(n, k, e, seed):
+    """Top-k expert ids [n, k], skewed so that some experts get many rows and some none."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, e, generator=g) + torch.linspace(0, 3, e)[None]
+    return logits.topk(k, -1).indices
+
+
+@pytest.mark.parametrize("n, k, e", [(64, 8, 128), (375, 8, 16), (5, 2, 4), (0, 2, 4), (1, 1, 3)])
+def test_expert_order_is_torchs_stable_sort(n, k, e):
+    """375 x 8 = 3000 rows: three loop steps of the kernel."""
+    top = _routing(n, k, e, seed=n + e)
+    want = expert_order(top, e, backend="torch")
+    got = expert_order(top.to(triton_device()), e, backend="triton")
+    for name, a, b in zip(("tok", "slot", "pos", "counts"), got, want, strict=True):
+        assert a.dtype == torch.int64 and torch.equal(a.cpu(), b), name
+    tok, slot, pos, counts = want  # and the torch path is what it says
+    flat = top.reshape(-1)
+    assert torch.equal(counts, torch.bincount(flat, minlength=e))
+    assert torch.equal(flat[tok * k + slot], flat.sort(stable=True).values)
+    assert torch.equal(pos[tok * k + slot], torch.arange(n * k))
+
+
+@pytest.mark.parametrize("n, k, h", [(64, 8, 2048), (7, 2, 96), (1, 1, 16), (0, 4, 32)])
+def test_combine_experts_is_cpu_index_add(n, k, h):
+    """index_add_ on the CPU adds each token's BF16 rows in order in FP32 and rounds once: the
+    kernel's result must be those bits (its -0.0 included)."""
+    g = torch.Generator().manual_seed(n + h)
+    top = _routing(n, k, max(2 * k, 4), seed=h)
+    tok, slot, pos, _ = expert_order(top, max(2 * k, 4), backend="torch")
+    y = (torch.randn(n * k, h, generator=g) * torch.exp(2 * torch.randn(n * k, 1, generator=g))).bfloat16()
+    gate = torch.softmax(torch.randn(n, k, generator=g), -1)
+    want = torch.zeros(n, h, dtype=torch.bfloat16).index_add_(0, tok, (y * gate[tok, slot, None]).to(torch.bfloat16))
+    dev = triton_device()
+    got = combine_experts(y.to(dev), gate.to(dev), tok.to(dev), slot.to(dev), pos.to(dev), backend="triton").cpu()
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert torch.equal(combine_experts(y, gate, tok, slot, pos, backend="torch"), want)
+
+
+def test_combine_experts_refuses_rows_that_do_not_fit():
+    with pytest.raises(ValueError, match=r"bfloat16 \[6, H\]"):
+        combine_experts(torch.zeros(5, 8).bfloat16(), torch.ones(3, 2), *(torch.zeros(6, dtype=torch.long),) * 3)
