@@ -16,7 +16,7 @@ from trace_kernels.fp4 import Format, QTensor, cuda_decode, dequantize, quantize
 from trace_kernels.fp4.linear import fp4_grouped_linear, fp4_linear
 from trace_kernels.fp4.paged_attention import paged_decode_attention
 
-from .helpers import heavy_tailed
+from .helpers import heavy_tailed, paged_fp4_cache
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 gpu = pytest.mark.skipif(not HOPPER, reason="needs a CUDA GPU of compute capability >= 9.0")
@@ -55,35 +55,6 @@ def test_register_dequantization_is_dequantize_bit_for_bit():
             assert np.array_equal(got[1].view(np.int16), want[:, 1]), (g, sb)
 
 
-def _cache(lens, hkv, block_size, seed, garbage=True):
-    """A paged FP4 cache [slots, hkv, 128] with scattered blocks; unused slots hold NaN-valued
-    scale bytes and g (as a reused block might), which a kernel must not let into its output."""
-    d = cuda_decode.HEAD_DIM
-    g = torch.Generator().manual_seed(seed)
-    nblocks = sum(math.ceil(n / block_size) for n in lens) + 3
-    slots = nblocks * block_size
-    fill = (0x7F, float("nan")) if garbage else (0, 1.0)
-    cache = [{"codes": torch.randint(0, 256, (slots, hkv, d // 2), dtype=torch.uint8, generator=g),
-              "scales": torch.full((slots, hkv, d // 16), fill[0], dtype=torch.uint8),
-              "g": torch.full((slots, hkv, 1), fill[1])} for _ in range(2)]
-    perm = torch.randperm(nblocks, generator=g).tolist()
-    width = max(math.ceil(n / block_size) for n in lens)
-    tables, rows = [], []
-    for n in lens:
-        blocks = [perm.pop() for _ in range(math.ceil(n / block_size))]
-        pos = torch.arange(n)
-        slot = torch.tensor(blocks)[pos // block_size] * block_size + pos % block_size
-        kv = []
-        for c in cache:
-            x = torch.randn(n, hkv, d, generator=g) * torch.exp(torch.randn(n, hkv, 1, generator=g))
-            t = quantize(x, scale="row")
-            c["codes"][slot], c["scales"][slot], c["g"][slot] = t.codes, t.block_scales.view(torch.uint8), t.global_scale
-            kv.append(dequantize(t, torch.bfloat16).double())
-        rows.append(kv)
-        tables.append(blocks + [0] * (width - len(blocks)))
-    return cache, torch.tensor(tables, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32), rows
-
-
 def _exact(q, rows, scale):
     out = torch.empty(q.shape, dtype=torch.float64)
     group = q.shape[1] // rows[0][0].shape[1]
@@ -102,7 +73,7 @@ def test_cuda_kernel_is_float64_attention(hq, hkv, block_size, split):
     """Groups of 8, 16, 2 and 12 query heads; sequences of 1 token up to several chunks, none a
     multiple of 16 but one; garbage in the unused slots."""
     lens = [1, 7, 16, 45, 300, 1029]
-    cache, tables, seq_lens, rows = _cache(lens, hkv, block_size, seed=hq + block_size)
+    cache, tables, seq_lens, rows = paged_fp4_cache(lens, hkv, 128, block_size, seed=hq + block_size, garbage=True)
     q = torch.randn(len(lens), hq, 128, generator=torch.Generator().manual_seed(3)).bfloat16()
     scale = 1 / math.sqrt(128)
     exact = _exact(q, rows, scale)

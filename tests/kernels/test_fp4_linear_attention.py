@@ -9,7 +9,7 @@ from trace_kernels.fp4 import dequantize, quantize
 from trace_kernels.fp4.linear import fp4_linear
 from trace_kernels.fp4.paged_attention import paged_decode_attention
 
-from .helpers import heavy_tailed, triton_device
+from .helpers import heavy_tailed, paged_fp4_cache, triton_device
 
 BF16_ULP = 2.0**-8
 
@@ -51,28 +51,6 @@ def test_fp4_linear_refuses_what_it_cannot_compute():
         fp4_linear(torch.randn(2, 16).bfloat16(), w)
 
 
-def _cache(lens, hkv, d, block_size, seed):
-    g = torch.Generator().manual_seed(seed)
-    slots = 64 * block_size
-    cache = [{"codes": torch.zeros(slots, hkv, d // 2, dtype=torch.uint8),
-              "scales": torch.zeros(slots, hkv, d // 16, dtype=torch.uint8),
-              "g": torch.ones(slots, hkv, 1)} for _ in range(2)]
-    perm = torch.randperm(64, generator=g).tolist()  # blocks scattered over the pool
-    tables, rows = [], []
-    for n in lens:
-        blocks = [perm.pop() for _ in range(math.ceil(n / block_size))]
-        pos = torch.arange(n)
-        slot = torch.tensor(blocks)[pos // block_size] * block_size + pos % block_size
-        kv = []
-        for c in cache:
-            q = quantize(torch.randn(n, hkv, d, generator=g) * 3, scale="row")
-            c["codes"][slot], c["scales"][slot], c["g"][slot] = q.codes, q.block_scales.view(torch.uint8), q.global_scale
-            kv.append(dequantize(q, torch.bfloat16).double())
-        rows.append(kv)
-        tables.append(blocks + [0] * (12 - len(blocks)))
-    return cache, torch.tensor(tables, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32), rows
-
-
 @pytest.mark.parametrize("hq, hkv, d, block_size, split", [(4, 2, 32, 4, {}), (8, 8, 16, 16, {"min_chunk": 32, "max_splits": 2}),
                                                            (4, 1, 64, 8, {"min_chunk": 32, "max_splits": 2}),
                                                            (4, 2, 32, 4, {"min_chunk": 32, "max_splits": 1}),
@@ -81,7 +59,7 @@ def test_paged_decode_attention_reads_the_fp4_cache(hq, hkv, d, block_size, spli
     """Split: min_chunk 32 in at most 2 splits attends the 40-token sequence in two chunks of 32,
     then combines them; in 1 split its chunk doubles to 64 on the device."""
     lens = [1, 5, 13, 40]
-    cache, tables, seq_lens, rows = _cache(lens, hkv, d, block_size, seed=hq + d)
+    cache, tables, seq_lens, rows = paged_fp4_cache(lens, hkv, d, block_size, seed=hq + d)
     q = torch.randn(len(lens), hq, d, generator=torch.Generator().manual_seed(7)).bfloat16()
     scale = 1 / math.sqrt(d)
     exact = torch.empty(len(lens), hq, d, dtype=torch.float64)
