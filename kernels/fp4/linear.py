@@ -3,8 +3,10 @@
 Hopper has no FP4 tensor cores, so the speed of FP4 weights comes from bytes: a decode step
 reads 4.5 bits per weight instead of 16. The Triton kernel loads packed codes and E4M3 block
 scales, dequantizes each [BLOCK_N, BLOCK_K] tile exactly as `dequantize` does ((e2m1 * s) * g,
-rounded to BF16), and multiplies on the tensor cores with FP32 accumulation. The torch path
-(CPU, or backend="torch") dequantizes the whole weight, then matmuls.
+rounded to BF16), and multiplies on the tensor cores with FP32 accumulation. On Hopper,
+decode-sized GEMMs run `cuda_decode.grouped_linear` instead: the same values, the MMA fragments
+built in registers. The torch path (CPU, or backend="torch") dequantizes the whole weight, then
+matmuls. backend: "auto", "torch", "triton" or "cuda" (which raises where it does not apply).
 
 Shapes: x [M, K] bf16, W [N, K] (codes uint8 [N, K/2], scales e4m3 [N, K/16], g 0-d), y [M, N].
 """
