@@ -75,10 +75,11 @@ class _Batch:
 
 
 class ModelRunner:
-    """kernels: "torch" (dequantize whole weights, gather and dequantize KV rows, SDPA) or
-    "triton" (FP4 GEMMs that dequantize in registers; decode-only batches read the FP4 KV cache
-    in the paged attention kernel). "auto" on CUDA: Triton, except the FP4 decode attention and
-    the experts' grouped GEMMs, which run trace_kernels.fp4.cuda_decode's CUDA C++ kernels where
+    """kernels: "torch" (dequantize whole weights, gather and dequantize KV rows, SDPA, torch's
+    norms and routing) or "triton" (FP4 GEMMs that dequantize in registers; decode-only batches
+    read the FP4 KV cache in the paged attention kernel; trace_kernels' norm, RoPE and MoE
+    routing kernels). "auto" on CUDA: "triton", except the FP4 decode attention and the
+    decode-sized FP4 GEMMs, which run trace_kernels.fp4.cuda_decode's CUDA C++ kernels where
     they apply (Hopper; head dim 128; K a multiple of 128)."""
 
     def __init__(self, cfg: ModelConfig, weights: EngineWeights, cache: PagedKVCache, fp4: bool,
