@@ -54,22 +54,29 @@ def expert_order(top: torch.Tensor, num_experts: int, *, backend: str = "auto"):
 
 
 def combine_experts(y: torch.Tensor, gate: torch.Tensor, tok: torch.Tensor, slot: torch.Tensor, pos: torch.Tensor,
-                    *, backend: str = "auto") -> torch.Tensor:
+                    *, residual: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
     """out [n, H] bf16: each token's expert outputs y (bf16, sorted rows) weighted by its gates
-    (float32 [n, k]), summed as index_add_ sums them on the CPU (see the module docstring)."""
+    (float32 [n, k]), summed as index_add_ sums them on the CPU (see the module docstring); with
+    `residual` (bf16 [n, H]), residual + out as torch adds two BF16 tensors (in the same kernel)."""
     n, k = gate.shape
     if y.shape[0] != n * k or y.dtype != torch.bfloat16:
         raise ValueError(f"combine_experts: y must be bfloat16 [{n * k}, H], got {y.dtype} {tuple(y.shape)}")
     h = y.shape[1]
+    if residual is not None and (residual.shape != (n, h) or residual.dtype != torch.bfloat16):
+        raise ValueError(f"combine_experts: residual must be bfloat16 [{n}, {h}], got {residual.dtype} "
+                         f"{tuple(residual.shape)}")
     if not _use_triton(y, backend):
         out = torch.zeros((n, h), dtype=y.dtype, device=y.device)
-        return out.index_add_(0, tok, (y * gate[tok, slot, None]).to(y.dtype))
+        out = out.index_add_(0, tok, (y * gate[tok, slot, None]).to(y.dtype))
+        return out if residual is None else residual + out
     out = torch.empty((n, h), dtype=y.dtype, device=y.device)
     block_h = min(1024, triton.next_power_of_2(h))
     if n:
-        _combine_kernel[(n, triton.cdiv(h, block_h))](y.contiguous(), gate.float().contiguous(), pos, out, h, K=k,
+        res = out if residual is None else residual.contiguous()
+        _combine_kernel[(n, triton.cdiv(h, block_h))](y.contiguous(), gate.float().contiguous(), pos, res, out, h, K=k,
                                                       K_PAD=triton.next_power_of_2(k), BLOCK_H=block_h,
-                                                      INTERPRET=_interpreting(), enable_fp_fusion=False)
+                                                      RESIDUAL=residual is not None, INTERPRET=_interpreting(),
+                                                      enable_fp_fusion=False)
     return out
 
 
@@ -99,9 +106,10 @@ if triton is not None:
         tl.store(counts_ptr + e, (at - before).to(tl.int64))
 
     @triton.jit
-    def _combine_kernel(y_ptr, gate_ptr, pos_ptr, out_ptr, H, K: tl.constexpr, K_PAD: tl.constexpr,
-                        BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr):
-        """Token t, columns [BLOCK_H * c, ...): its k rows added in position order."""
+    def _combine_kernel(y_ptr, gate_ptr, pos_ptr, res_ptr, out_ptr, H, K: tl.constexpr, K_PAD: tl.constexpr,
+                        BLOCK_H: tl.constexpr, RESIDUAL: tl.constexpr, INTERPRET: tl.constexpr):
+        """Token t, columns [BLOCK_H * c, ...): its k rows added in position order (then, with
+        RESIDUAL, the BF16 sum added to the residual row in FP32 and rounded again)."""
         t, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
         j = tl.arange(0, K_PAD)
         ok_j = j < K
@@ -119,4 +127,8 @@ if triton is not None:
                 acc += _bf16_rne(v).to(tl.float32)
             else:
                 acc += v.to(tl.bfloat16).to(tl.float32)
-        tl.store(out_ptr + t * H + cols, _bf16_rne(acc) if INTERPRET else acc.to(tl.bfloat16), mask=ok)
+        out = _bf16_rne(acc) if INTERPRET else acc.to(tl.bfloat16)
+        if RESIDUAL:
+            out = out.to(tl.float32) + tl.load(res_ptr + t * H + cols, mask=ok, other=0.0).to(tl.float32)
+            out = _bf16_rne(out) if INTERPRET else out.to(tl.bfloat16)
+        tl.store(out_ptr + t * H + cols, out, mask=ok)

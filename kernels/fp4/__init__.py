@@ -14,6 +14,7 @@ from .api import (
     fake_quantize_rows,
     quantize,
     quantize_guided,
+    quantize_rows_into,
 )
 from .formats import (
     E2M1_MAGNITUDES,
@@ -50,6 +51,7 @@ __all__ = [
     "pack_codes",
     "quantize",
     "quantize_guided",
+    "quantize_rows_into",
     "unpack_bits",
     "unpack_codes",
 ]

@@ -175,6 +175,30 @@ def quantize(
     )
 
 
+def quantize_rows_into(x: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                       g: torch.Tensor, *, backend: str = "auto") -> None:
+    """Row-scaled NVFP4 of the rows (token t, head h) of x, written into preallocated storage at
+    row slots[t]: what a paged KV cache stores for new tokens. On the GPU one kernel does the
+    quantization and the scatter; the values are `quantize(x, "nvfp4", scale="row")`'s.
+
+    Args:
+        x: bfloat16/float32 [n, H, K] (any strides, the last 1), K a multiple of 16, finite.
+        slots: int64 [n], distinct. codes: uint8 [S, H, K/2]; scales: uint8 (E4M3 bits) [S, H,
+            K/16]; g: float32 [S, H, 1]; all contiguous.
+    """
+    if x.dim() != 3 or slots.shape != (x.shape[0],):
+        raise ValueError(f"quantize_rows_into: x must be [n, H, K] with slots [n], got {tuple(x.shape)} and "
+                         f"{tuple(slots.shape)}")
+    if _use_triton(x, backend):
+        triton_fp4.quantize_rows_into_triton(x, slots.to(x.device), codes, scales, g)
+        return
+    q = quantize(x, "nvfp4", scale="row", backend="torch", check_finite=False)
+    slots = slots.to(codes.device)
+    codes[slots] = q.codes
+    scales[slots] = q.block_scales.view(torch.uint8)
+    g[slots] = q.global_scale
+
+
 def fake_quantize_rows(
     x: torch.Tensor, *, capture: bool = False, backend: str = "auto", check_finite: bool = False
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:

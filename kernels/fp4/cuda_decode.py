@@ -6,10 +6,12 @@
 - `grouped_linear` (fp4_grouped_gemm.cu): what `linear._fp4_grouped_kernel` computes for tiles of
   up to 16 rows, for the MoE experts and (one expert) dense layers.
 
-Both dequantize to the same BF16 values as `dequantize`, bit for bit (`dequant_word` in
-fp4_mma.cuh), and build the MMA fragments in registers straight from the loaded words: Triton
-stages dequantized tiles through shared memory and repacks the code bytes one register each,
-which made its FP4 kernels bound by instructions (bench/results/NOTES-decode.md). The `supports_*`
+Both dequantize to the same BF16 values as `dequantize`, bit for bit (a per-block table looked
+up with byte permutes, fp4_mma.cuh), and build the MMA fragments in registers straight from the
+loaded words: Triton stages dequantized tiles through shared memory and repacks the code bytes
+one register each, which made its FP4 kernels bound by instructions
+(bench/results/NOTES-decode.md). `sum_splits` adds a split-K GEMM's FP32 partial products in a
+fixed order, rounds them to BF16 and adds a residual, in one kernel. The `supports_*`
 functions say whether a call qualifies; the callers fall back to Triton otherwise, and always
 when TRACE_CUDA_KERNELS=0 is set in the environment.
 """
@@ -108,17 +110,21 @@ def split_attention(q, k_cache: dict, v_cache: dict, block_tables, seq_lens, par
 
 
 def grouped_linear(x, codes, scales, g, tiles, num_tiles: int, out: torch.Tensor | None = None,
-                   splits: int = 1) -> torch.Tensor:
+                   splits: int = 1, residual: torch.Tensor | None = None) -> torch.Tensor:
     """y [M, N] bf16 with y[rows of e] = x[rows of e] @ dequantize(W_e)^T. x: bf16 [M, K];
     codes uint8 [E, N, K/2]; scales uint8 (E4M3 bits) [E, N, K/16]; g float32 [E]; tiles int32
     [num_tiles, 3]: (expert, first row, end row) of up to GEMM_ROWS rows each, empty ones (no
     rows) allowed, as `linear._tile_list_kernel` lists them. out: where to write y (else new).
     splits: K split across programs (a power of two dividing K / 128); the FP32 partial products
-    are summed in split order, then rounded to BF16 once."""
+    are summed in split order, then rounded to BF16 once. residual: bf16 [M, N] added to y (in
+    FP32, rounded again: torch's BF16 add), in the split-sum kernel when splits > 1."""
     m, k = x.shape
     n = codes.shape[1]
     if splits < 1 or (k // 128) % splits:
         raise ValueError(f"grouped_linear: {splits} splits do not divide K={k} into 128-wide chunks")
+    if residual is not None and (residual.shape != (m, n) or residual.dtype != torch.bfloat16):
+        raise ValueError(f"grouped_linear: residual must be bfloat16 [{m}, {n}], got {residual.dtype} "
+                         f"{tuple(residual.shape)}")
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device) if out is None else out
     part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else y
     args = [x, codes, scales, g, tiles, y, part]
@@ -126,6 +132,9 @@ def grouped_linear(x, codes, scales, g, tiles, num_tiles: int, out: torch.Tensor
     if m and num_tiles:
         _launch("fp4_grouped_gemm.cu", "fp4_grouped_gemm", x, (num_tiles, (n + 127) // 128, splits), (128, 1, 1),
                 args + [m, n, k, splits], MIN_BLOCKS=LAUNCH["gemm_min_blocks"])
-        if splits > 1:
-            y.copy_(part.sum(0))  # a fixed order (no atomics): deterministic
-    return y
+        if splits > 1:  # one kernel: the partial sums in a fixed order (no atomics), the cast, the residual
+            res = residual.contiguous() if residual is not None else y
+            _launch("fp4_grouped_gemm.cu", "sum_splits", x, ((m * n + 255) // 256, 1, 1), (256, 1, 1),
+                    [part, res, y, m * n, splits, int(residual is not None)], MIN_BLOCKS=LAUNCH["gemm_min_blocks"])
+            return y
+    return y if residual is None else residual + y

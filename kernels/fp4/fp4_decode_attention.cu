@@ -14,7 +14,8 @@
 //    (one scale block) of tokens 2t, 2t+1, 2t+8, 2t+9; row g of m-tile i is dim 16g + 2i, row
 //    g + 8 dim 16g + 2i + 1, so its C fragments hold dims [16g, 16g + 16) of heads 2t, 2t + 1.
 //
-// Dequantization of 8 codes (one 32-bit word, one scale block): `dequant_word` in fp4_mma.cuh.
+// Dequantization: a per-block table of the 8 magnitudes' BF16 values, looked up with byte
+// permutes (`fp4_tables`, `dequant_word`, `dequant_word_pairs` in fp4_mma.cuh).
 //
 // Compile-time constants (-D): HQ, HKV, G (query heads per KV head, <= 16), BS (cache block
 // size, a multiple of 16), MIN_CHUNK, DOUBLINGS, SPLITS (as the Triton kernel). D is 128.
@@ -124,16 +125,14 @@ fp4_decode_split(const u16 *__restrict__ q, const u8 *__restrict__ kc, const u8 
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const u32 words[4] = {cur.k[j].x, cur.k[j].y, cur.k[j].z, cur.k[j].w};
-      const float g64 = cur.kg[j] * 64.f;
+      float ksc[2];  // blocks 2t (words 0, 1) and 2t + 1 (words 2, 3)
+      e4m3x2_to_f32(cur.ks[j], ksc[0], ksc[1]);
+      const float kg2[2] = {cur.kg[j], cur.kg[j]};
+      Fp4Table kt[2];
+      fp4_tables(ksc, kg2, kt);
       u32 kb[16];
 #pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        const u32 s2 = scale_f16x2((cur.ks[j] >> (8 * (w >> 1))) & 0xFFu);
-        float v[8];
-        dequant_word(words[w], s2, g64, v);
-#pragma unroll
-        for (int p = 0; p < 4; ++p) kb[4 * w + p] = pack_bf16(v[2 * p], v[2 * p + 1]);
-      }
+      for (int w = 0; w < 4; ++w) dequant_word(words[w], kt[w >> 1], kb + 4 * w);
       s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
 #pragma unroll
       for (int k = 0; k < 8; ++k) mma_bf16(s[j], qa[2 * k], qb[2 * k], qa[2 * k + 1], qb[2 * k + 1], kb[2 * k], kb[2 * k + 1]);
@@ -191,30 +190,28 @@ fp4_decode_split(const u16 *__restrict__ q, const u8 *__restrict__ kc, const u8 
     }
 
     // ---- O^T += V^T P^T, one scale block (16 dims) per lane, one 8-dim word at a time ----
-    u32 vwords[4][2];
-    float vg64[4];
-    u32 vs2[4];
+    const u32 vwords[4][2] = {{cur.v[0].x, cur.v[0].y}, {cur.v[1].x, cur.v[1].y}, {cur.v[2].x, cur.v[2].y},
+                              {cur.v[3].x, cur.v[3].y}};
+    float vsc[4], vgs[4];
+    e4m3x2_to_f32(cur.vs[0] | (cur.vs[1] << 8), vsc[0], vsc[1]);
+    e4m3x2_to_f32(cur.vs[2] | (cur.vs[3] << 8), vsc[2], vsc[3]);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int tok = 2 * t + (j & 1) + 8 * (j >> 1);
-      const bool ok = tok < valid;  // past the end: zero codes, unit scale, g = 0 (the cache holds garbage there)
-      vwords[j][0] = ok ? cur.v[j].x : 0u;
-      vwords[j][1] = ok ? cur.v[j].y : 0u;
-      vs2[j] = scale_f16x2(ok ? cur.vs[j] : 0x38u);
-      vg64[j] = ok ? cur.vg[j] * 64.f : 0.f;
+    for (int j = 0; j < 4; ++j) {  // past the end: scale 0, so zeros whatever the cache holds there
+      const bool ok = 2 * t + (j & 1) + 8 * (j >> 1) < valid;
+      vsc[j] = ok ? vsc[j] : 0.f;
+      vgs[j] = ok ? cur.vg[j] : 0.f;
     }
+    Fp4Table vt[4];
+    fp4_tables(vsc, vgs, vt);
 #pragma unroll
     for (int w = 0; w < 2; ++w) {
-      float vv[4][8];
+      u32 v01[8], v23[8];  // dim e of the word: (token 2t, 2t + 1), (token 2t + 8, 2t + 9)
+      dequant_word_pairs(vwords[0][w], vt[0], vwords[1][w], vt[1], v01);
+      dequant_word_pairs(vwords[2][w], vt[2], vwords[3][w], vt[3], v23);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) dequant_word(vwords[j][w], vs2[j], vg64[j], vv[j]);
+      for (int i = 0; i < 4; ++i)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const u32 a0 = pack_bf16(vv[0][2 * i], vv[1][2 * i]), a1 = pack_bf16(vv[0][2 * i + 1], vv[1][2 * i + 1]);
-        const u32 a2 = pack_bf16(vv[2][2 * i], vv[3][2 * i]), a3 = pack_bf16(vv[2][2 * i + 1], vv[3][2 * i + 1]);
-#pragma unroll
-        for (int n = 0; n < NT; ++n) mma_bf16(acc[n][4 * w + i], a0, a1, a2, a3, pb[n][0], pb[n][1]);
-      }
+        for (int n = 0; n < NT; ++n) mma_bf16(acc[n][4 * w + i], v01[2 * i], v01[2 * i + 1], v23[2 * i], v23[2 * i + 1], pb[n][0], pb[n][1]);
     }
     cur = nxt;
   }

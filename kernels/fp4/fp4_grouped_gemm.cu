@@ -2,7 +2,7 @@
 // the MoE experts (rows sorted by expert) and, with one "expert", for dense layers.
 //
 // The same values as linear.py's Triton kernel: every weight element becomes
-// bf16(fl32(e2m1 * s * g)) (`dequant_word`, fp4_mma.cuh) before a BF16 MMA with FP32
+// bf16(fl32(e2m1 * s * g)) (`fp4_tables` and `dequant_word`, fp4_mma.cuh) before a BF16 MMA with FP32
 // accumulation, and y is rounded to BF16 once. A decode step gives an expert a few rows, so the
 // output is computed transposed, y^T = W x^T: mma.m16n8k16 with A = 16 weight rows (output
 // features) and B = x^T (8 rows of x). Lane (g, t) (g = lane / 4, t = lane % 4) feeds the MMA
@@ -14,7 +14,8 @@
 // is up to 16 rows of one expert (two n8 tiles), listed by linear.py's `_tile_list_kernel` as
 // (expert, first row, end row); tiles with no rows exit. K is a multiple of 128, N of 32. With
 // splits > 1 (dense layers: few tiles, long K), program z covers K chunks [z * K / splits, ...)
-// and writes FP32 partial products to y32 [splits, M, N], which the caller sums in a fixed order.
+// and writes FP32 partial products to y32 [splits, M, N]; `sum_splits` (below) adds them in a
+// fixed order.
 
 #include "fp4_mma.cuh"
 
@@ -44,6 +45,8 @@ __device__ __forceinline__ u16 to_bf16(float v) {
   return r;
 }
 
+__device__ __forceinline__ float bf16_to_f32(u16 v) { return __uint_as_float((u32)v << 16); }
+
 extern "C" __global__ void __launch_bounds__(128, MIN_BLOCKS)
 fp4_grouped_gemm(const u16 *__restrict__ x, const u8 *__restrict__ codes, const u8 *__restrict__ scales,
                  const float *__restrict__ gs, const int *__restrict__ tiles, u16 *__restrict__ y,
@@ -53,7 +56,7 @@ fp4_grouped_gemm(const u16 *__restrict__ x, const u8 *__restrict__ codes, const 
   const int n0 = blockIdx.y * 128 + 32 * warp;  // this warp's first output feature
   if (r1 <= r0 || n0 >= N) return;
   const bool second = r1 - r0 > 8;  // rows 8..15 of the tile: a second n8 tile
-  const float g64 = gs[expert] * 64.f;
+  const float gscale = gs[expert];
   const u8 *wc = codes + ((u64)expert * N + n0) * (K / 2);
   const u8 *ws = scales + ((u64)expert * N + n0) * (K / 16);
   const int xrow[2] = {r0 + g, r0 + 8 + g};  // the x row lane group g brings to n-tile j
@@ -84,17 +87,18 @@ fp4_grouped_gemm(const u16 *__restrict__ x, const u8 *__restrict__ codes, const 
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
       u32 wb[2][16];  // rows g, g + 8 of m-tile m: K elements [32t, 32t + 32) of the chunk as bf16 pairs
+      float sc[4];  // rows g, g + 8: blocks 2t (words 0, 1) and 2t + 1 (words 2, 3)
+      e4m3x2_to_f32(cur.s[2 * m], sc[0], sc[1]);
+      e4m3x2_to_f32(cur.s[2 * m + 1], sc[2], sc[3]);
+      const float gs4[4] = {gscale, gscale, gscale, gscale};
+      Fp4Table tb[4];
+      fp4_tables(sc, gs4, tb);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const uint4 q = cur.w[2 * m + h];
         const u32 words[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
-        for (int w = 0; w < 4; ++w) {
-          float v[8];
-          dequant_word(words[w], scale_f16x2((cur.s[2 * m + h] >> (8 * (w >> 1))) & 0xFFu), g64, v);
-#pragma unroll
-          for (int p = 0; p < 4; ++p) wb[h][4 * w + p] = pack_bf16(v[2 * p], v[2 * p + 1]);
-        }
+        for (int w = 0; w < 4; ++w) dequant_word(words[w], tb[2 * h + (w >> 1)], wb[h] + 4 * w);
       }
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
@@ -122,4 +126,18 @@ fp4_grouped_gemm(const u16 *__restrict__ x, const u8 *__restrict__ codes, const 
         else
           part[(u64)row * N + feature] = acc[m][j][e];
       }
+}
+
+// y = bf16(sum of the `splits` FP32 partial products [splits, mn], in split order), with
+// `residual` (bf16 [mn]) then added when has_residual, as torch adds two BF16 tensors: in FP32, rounded.
+extern "C" __global__ void __launch_bounds__(256)
+sum_splits(const float *__restrict__ part, const u16 *__restrict__ residual, u16 *__restrict__ y, int mn, int splits,
+           int has_residual) {
+  const int i = blockIdx.x * 256 + threadIdx.x;
+  if (i >= mn) return;
+  float acc = part[i];
+  for (int z = 1; z < splits; ++z) acc += part[(u64)z * mn + i];
+  u16 r = to_bf16(acc);
+  if (has_residual) r = to_bf16(bf16_to_f32(r) + bf16_to_f32(residual[i]));
+  y[i] = r;
 }

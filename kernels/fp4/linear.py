@@ -14,6 +14,7 @@ Shapes: x [M, K] bf16, W [N, K] (codes uint8 [N, K/2], scales e4m3 [N, K/16], g 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -31,8 +32,11 @@ except ImportError:  # pragma: no cover - triton is optional on the CPU
     triton = None
 
 
-def fp4_linear(x: torch.Tensor, w: QTensor, *, backend: str = "auto") -> torch.Tensor:
-    """x [M, K] bfloat16 @ dequantize(w)^T -> [M, N] bfloat16 (w: NVFP4 [N, K], one global scale).
+def fp4_linear(x: torch.Tensor, w: QTensor, *, residual: torch.Tensor | None = None,
+               backend: str = "auto") -> torch.Tensor:
+    """x [M, K] bfloat16 @ dequantize(w)^T -> [M, N] bfloat16 (w: NVFP4 [N, K], one global scale);
+    with `residual` (bfloat16 [M, N]), residual + that product as torch adds two BF16 tensors (on
+    the CUDA path within the kernel that sums the K splits).
 
     Raises ValueError for another format, a row-scaled weight, or shapes that do not fit.
     """
@@ -41,16 +45,21 @@ def fp4_linear(x: torch.Tensor, w: QTensor, *, backend: str = "auto") -> torch.T
     if x.dim() != 2 or x.shape[1] != w.shape[1] or x.dtype != torch.bfloat16:
         raise ValueError(f"fp4_linear: x must be bfloat16 [M, {w.shape[1]}], got {x.dtype} {tuple(x.shape)}")
     m, n, k = x.shape[0], w.shape[0], w.shape[1]
+    if residual is not None and (residual.shape != (m, n) or residual.dtype != torch.bfloat16):
+        raise ValueError(f"fp4_linear: residual must be bfloat16 [{m}, {n}], got {residual.dtype} "
+                         f"{tuple(residual.shape)}")
     use_cuda = _use_cuda(x, n, k, m <= DENSE_CUDA_ROWS, backend)
-    if not use_cuda and not _use_triton(x, backend):
-        return x @ dequantize(w, torch.bfloat16, backend="torch").T
     if use_cuda:  # one "expert" whose tiles are the rows' blocks of 16, K split for enough programs
         tiles = triton.cdiv(m, cuda_decode.GEMM_ROWS)
         return cuda_decode.grouped_linear(x.contiguous(), w.codes[None], w.block_scales.view(torch.uint8)[None],
                                           w.global_scale.reshape(1).float(), _dense_tiles(m, x.device), tiles,
                                           splits=_k_splits(tiles * triton.cdiv(n, 128), k // 128, x.device,
-                                                           per_sm=CUDA_PROGRAMS_PER_SM))
-    return _fp4_linear_triton(x.contiguous(), w)
+                                                           per_sm=CUDA_PROGRAMS_PER_SM), residual=residual)
+    if _use_triton(x, backend):
+        y = _fp4_linear_triton(x.contiguous(), w)
+    else:
+        y = x @ dequantize(w, torch.bfloat16, backend="torch").T
+    return y if residual is None else residual + y
 
 
 # Dense FP4 GEMMs of up to this many rows (decode batches) run the CUDA kernel where it applies,
@@ -78,15 +87,40 @@ def _dense_tiles(m: int, device: torch.device) -> torch.Tensor:
     return tiles.to(device)
 
 
+class ExpertTiles(NamedTuple):
+    """Row tiles of the GPU grouped GEMM: info int32 [count, 3] of (expert, first row, end row),
+    empty past the last, for `rows` rows grouped by one counts tensor."""
+
+    info: torch.Tensor
+    count: int
+    rows: int
+
+
+def expert_tiles(counts: torch.Tensor, m: int) -> ExpertTiles:
+    """The row tiles the GPU grouped GEMM runs for m rows grouped by expert (counts int64 [E] on
+    the GPU), listed by one small kernel without a host synchronisation. Layers whose two grouped
+    GEMMs share the rows and counts (fc1, fc2) build them once and pass them to both."""
+    e = counts.numel()
+    block_m = cuda_decode.GEMM_ROWS if m <= cuda_decode.GEMM_ROWS * e else 64
+    max_tiles = triton.cdiv(m, block_m) + e
+    tile_info = torch.empty((max_tiles, 3), dtype=torch.int32, device=counts.device)
+    _tile_list_kernel[(triton.cdiv(max_tiles, 32),)](
+        counts, tile_info, e, max_tiles, BLOCK_M=block_m, E_PAD=triton.next_power_of_2(e), T_BLOCK=32,
+    )
+    return ExpertTiles(tile_info, max_tiles, m)
+
+
 def fp4_grouped_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, g: torch.Tensor,
-                       counts: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+                       counts: torch.Tensor, *, tiles: ExpertTiles | None = None,
+                       backend: str = "auto") -> torch.Tensor:
     """Rows of x grouped by expert (counts[e] consecutive rows for expert e) times each expert's
     FP4 weight: y[rows of e] = x[rows of e] @ dequantize(W_e)^T.
 
     Args:
         x: bfloat16 [M, K]. codes: uint8 [E, N, K/2]; scales: float8_e4m3fn [E, N, K/16];
             g: float32 [E], one global scale per expert. counts: int64 [E] summing to M, on x's
-            device (the Triton path builds its tile list there, without a host synchronisation).
+            device (the GPU paths build their tile list there, without a host synchronisation).
+        tiles: `expert_tiles(counts, M)` of these counts when the caller has it already (GPU paths).
     Returns:
         bfloat16 [M, N].
     """
@@ -113,13 +147,10 @@ def fp4_grouped_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tenso
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
     if m == 0:
         return y
-    # Tiles of at most block_m rows of one expert, listed on the device by one small kernel (no
-    # host synchronisation, so the step stays graph-capturable); tiles past the last are empty.
-    max_tiles = triton.cdiv(m, block_m) + e
-    tile_info = torch.empty((max_tiles, 3), dtype=torch.int32, device=x.device)
-    _tile_list_kernel[(triton.cdiv(max_tiles, 32),)](
-        counts.to(x.device), tile_info, e, max_tiles, BLOCK_M=block_m, E_PAD=triton.next_power_of_2(e), T_BLOCK=32,
-    )
+    if tiles is not None and (tiles.rows != m or tiles.count != triton.cdiv(m, block_m) + e):
+        raise ValueError(f"fp4_grouped_linear: tiles of {tiles.rows} rows were not listed for {m} rows of {e} experts "
+                         "(expert_tiles(counts, M))")
+    tile_info, max_tiles, _ = expert_tiles(counts.to(x.device), m) if tiles is None else tiles
     if use_cuda:
         return cuda_decode.grouped_linear(x.contiguous(), codes, scales.view(torch.uint8), g.float().contiguous(),
                                           tile_info, max_tiles, out=y)

@@ -247,12 +247,13 @@ def _max_propagate_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
-@triton.jit(do_not_specialize=["NB", "BPR", "key"])
+@triton.jit(do_not_specialize=["NB", "BPR", "key", "XS0", "XS1"])
 def _quantize_kernel(
-    x_ptr, codes_ptr, scales_ptr, g_ptr, bad_ptr, bits_ptr, NB, BPR, key,
+    x_ptr, codes_ptr, scales_ptr, g_ptr, bad_ptr, bits_ptr, NB, BPR, key, slots_ptr, XS0, XS1,
     IS_MX: tl.constexpr, G_MODE: tl.constexpr, STOCHASTIC: tl.constexpr, CEIL_RULE: tl.constexpr,
     GUIDED: tl.constexpr, BS: tl.constexpr, BLOCK_B: tl.constexpr,
     FAKE: tl.constexpr = False, BITS_OUT: tl.constexpr = False, INTERPRET: tl.constexpr = False,
+    HEADS: tl.constexpr = 0,
 ):
     """Quantize NB blocks of BS elements; BPR blocks per row. One [BLOCK_B, BS] tile per program.
 
@@ -261,6 +262,9 @@ def _quantize_kernel(
     FAKE (NVFP4, per-row g): codes_ptr receives the dequantized values, (e2m1 * s) * g in its
     dtype, instead of packed codes: fake quantization in one pass. BITS_OUT: bits_ptr receives
     each element's mantissa bit (code & 1), eight per byte, what guidance records keep.
+    HEADS > 0 (G_ROW_AMAX, packed codes): rows are (token, head) of an [n, HEADS, K] view with
+    strides (XS0, XS1, 1), and row (t, h) is written to output row slots_ptr[t] * HEADS + h (a
+    paged KV cache's slot), its g to g_ptr at that row.
     """
     pid = tl.program_id(0).to(tl.int64)
     key = key.to(tl.uint32)
@@ -273,6 +277,12 @@ def _quantize_kernel(
     j = tl.arange(0, BS)
     offs = b_idx[:, None] * BS + j[None, :]
     mask = b_mask[:, None]
+    out_row = pid
+    if HEADS > 0:
+        token, head = pid // HEADS, pid % HEADS
+        offs = token * XS0 + head * XS1 + tl.arange(0, BLOCK_B)[:, None] * BS + j[None, :]
+        out_row = tl.load(slots_ptr + token).to(tl.int64) * HEADS + head
+        b_idx = out_row * BPR + tl.arange(0, BLOCK_B)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     # NaN-propagating block max: one finiteness test per block, not per element.
     block_amax = tl.reduce(tl.abs(x), 1, _max_propagate_nan)
@@ -292,7 +302,7 @@ def _quantize_kernel(
             row_amax = tl.reduce(block_amax, 0, _max_propagate_nan)
             g = tl.div_rn(row_amax, 2688.0)
             g = tl.where(g == 0, 1.0, g)
-            tl.store(g_ptr + pid, g)
+            tl.store(g_ptr + out_row, g)
         if GUIDED:
             s = _e4m3_value(tl.load(scales_ptr + b_idx, mask=b_mask, other=0x38).to(tl.int32))
         else:
@@ -445,12 +455,37 @@ def quantize_rows_triton(
     num_warps = 8 if block_b * bs >= 4096 else 4
     bad = torch.empty((grid,), dtype=torch.uint8, device=dev)
     _quantize_kernel[(grid,)](
-        x_MK, codes, scales, codes if g is None else g, bad, codes, nb, bpr, key,
+        x_MK, codes, scales, codes if g is None else g, bad, codes, nb, bpr, key, codes, 0, 0,
         IS_MX=g_mode == G_NONE, G_MODE=g_mode, STOCHASTIC=stochastic,
         CEIL_RULE=mx_rule is MXScaleRule.CEIL, GUIDED=False, BS=bs, BLOCK_B=block_b,
         num_warps=num_warps, enable_fp_fusion=False,
     )
     return codes, scales, g, bad
+
+
+def quantize_rows_into_triton(x: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                              g: torch.Tensor) -> None:
+    """Row-scaled NVFP4 of rows (token, head) of x [n, H, K] (any strides with the last 1),
+    written at slots: codes[slots[t], h] (uint8 [S, H, K/2]), scales[slots[t], h] (uint8 [S, H,
+    K/16]), g[slots[t], h] (float32 [S, H, 1]). One kernel, the same values as
+    `quantize_rows_triton` on the rows (what a paged KV cache stores for new tokens)."""
+    n, heads, k = x.shape
+    if x.stride(2) != 1 or k % 16 or k > MAX_ROW_ELEMENTS:
+        raise ValueError(f"quantize_rows_into: rows must be contiguous, of at most {MAX_ROW_ELEMENTS} elements and a "
+                         f"multiple of 16, got shape {tuple(x.shape)} strides {x.stride()}")
+    for name, t, last in (("codes", codes, k // 2), ("scales", scales, k // 16), ("g", g, 1)):
+        if t.dim() != 3 or t.shape[1:] != (heads, last) or not t.is_contiguous():
+            raise ValueError(f"quantize_rows_into: {name} must be contiguous [S, {heads}, {last}], got {tuple(t.shape)}")
+    if n == 0:
+        return
+    bpr = k // 16
+    block_b = triton.next_power_of_2(bpr)
+    bad = torch.empty((n * heads,), dtype=torch.uint8, device=x.device)
+    _quantize_kernel[(n * heads,)](
+        x, codes, scales, g, bad, codes, n * heads * bpr, bpr, 0, slots, x.stride(0), x.stride(1),
+        IS_MX=False, G_MODE=G_ROW_AMAX, STOCHASTIC=False, CEIL_RULE=False, GUIDED=False, BS=16, BLOCK_B=block_b,
+        HEADS=heads, num_warps=4, enable_fp_fusion=False,
+    )
 
 
 def fake_quantize_rows_triton(
@@ -475,7 +510,7 @@ def fake_quantize_rows_triton(
     block_b, grid = _launch_grid(g_mode, m, nb, 16)
     bad = torch.empty((grid,), dtype=torch.uint8, device=dev)
     _quantize_kernel[(grid,)](
-        x_MK, out, scales, g, bad, bits, nb, bpr, 0,
+        x_MK, out, scales, g, bad, bits, nb, bpr, 0, out, 0, 0,
         IS_MX=False, G_MODE=g_mode, STOCHASTIC=False, CEIL_RULE=False, GUIDED=False, BS=16, BLOCK_B=block_b,
         FAKE=True, BITS_OUT=capture, INTERPRET=_interpreting(),
         num_warps=8 if block_b * 16 >= 4096 else 4, enable_fp_fusion=False,
@@ -500,7 +535,7 @@ def quantize_guided_rows_triton(
     block_b, grid = _flat_grid(nb, 16)
     bad = torch.empty((grid,), dtype=torch.uint8, device=x_MK.device)
     _quantize_kernel[(grid,)](
-        x_MK, codes, scale_bytes_MB, g_M, bad, bits_packed, nb, k // 16, 0,
+        x_MK, codes, scale_bytes_MB, g_M, bad, bits_packed, nb, k // 16, 0, codes, 0, 0,
         IS_MX=False, G_MODE=G_ROW, STOCHASTIC=False, CEIL_RULE=False, GUIDED=True,
         BS=16, BLOCK_B=block_b, num_warps=8 if block_b * 16 >= 4096 else 4, enable_fp_fusion=False,
     )

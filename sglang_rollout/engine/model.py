@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from trace_kernels.fp4 import QTensor, fake_quantize_rows, mantissa_bits
-from trace_kernels.fp4.linear import fp4_grouped_linear, fp4_linear
+from trace_kernels.fp4.linear import expert_tiles, fp4_grouped_linear, fp4_linear
 from trace_kernels.fp4.paged_attention import paged_decode_attention
 from trace_kernels.moe_routing import combine_experts, expert_order
 from trace_kernels.norm_rope import qk_norm_rope, rms_norm
@@ -104,11 +104,12 @@ class ModelRunner:
             rows[(layer, name)] = x2 if kept is None else kept
         return xq.view_as(x)
 
-    def _linear(self, x, name):
-        """x [n, K] @ W^T for an FP4-site weight (packed in fp4 precision)."""
+    def _linear(self, x, name, residual=None):
+        """x [n, K] @ W^T for an FP4-site weight (packed in fp4 precision), plus residual if given."""
         if self.fp4:
-            return fp4_linear(x, self.w.tensors[name], backend=self.backend)
-        return x @ self.w.dense(name).T
+            return fp4_linear(x, self.w.tensors[name], residual=residual, backend=self.backend)
+        y = x @ self.w.dense(name).T
+        return y if residual is None else residual + y
 
     def _rope_tables(self, pos, dtype):
         """cos, sin [N, 1, d] in the activations' dtype (like Megatron's bshd path), for the rotary:
@@ -152,27 +153,26 @@ class ModelRunner:
                                  w.dense(p + "self_attention.k_layernorm.weight"), cfg.rms_norm_eps, cos, sin,
                                  backend=self.backend)
             v = qkv[:, :, -1]
-            if self.fp4:
-                kq, vq = PagedKVCache.quantize_rows(kk), PagedKVCache.quantize_rows(v)
-            else:
-                kq, vq = kk, v
-            if rows is not None:  # with codes: the rounding the cache itself holds
+            if rows is not None:  # captured: with codes, the rounding the cache itself holds
+                kq, vq = (PagedKVCache.quantize_rows(kk), PagedKVCache.quantize_rows(v)) if self.fp4 else (kk, v)
                 rows[(L, "k")], rows[(L, "v")] = ((_dense_capture(kq, d), _dense_capture(vq, d)) if codes and self.fp4
                                                   else (kk.reshape(-1, d), v.reshape(-1, d)))
-            ctx = self._attention(L, batch, q, kq, vq)
+                self.cache.write(L, batch.slots, kq, vq)
+            else:
+                self.cache.store(L, batch.slots, kk, v, backend=self.backend)
+            ctx = self._attention(L, batch, q)
             ctx = ctx.reshape(n, nq * d)
-            x = x + self._linear(self._site(rows, L, "proj", ctx, codes), p + "self_attention.linear_proj.weight")
-            x = x + self._moe(L, p, rms_norm(x, w.dense(p + "pre_mlp_layernorm.weight"), cfg.rms_norm_eps,
-                                             backend=self.backend), rows, routed, codes)
+            x = self._linear(self._site(rows, L, "proj", ctx, codes), p + "self_attention.linear_proj.weight", residual=x)
+            x = self._moe(L, p, rms_norm(x, w.dense(p + "pre_mlp_layernorm.weight"), cfg.rms_norm_eps,
+                                         backend=self.backend), rows, routed, codes, residual=x)
         x = rms_norm(x, w.dense("decoder.final_layernorm.weight"), cfg.rms_norm_eps, backend=self.backend)
         if not all_logits and batch.last is not None:
             x = x[batch.last]
         return (x @ w.dense("output_layer.weight").T).float(), captured, routed
 
-    def _attention(self, L, batch, q, kq, vq):
-        """Write the segments' K/V into the cache, then attend over each sequence's cache."""
+    def _attention(self, L, batch, q):
+        """Attend over each sequence's cache (the segments' own K/V already written)."""
         n, nq, d = q.shape
-        self.cache.write(L, batch.slots, kq, vq)
         if batch.decode_only and self.backend != "torch" and (self.backend == "triton" or q.is_cuda):
             # "auto" on a GPU: the CUDA C++ kernel where it applies (FP4 cache, Hopper, head dim 128), else Triton
             return paged_decode_attention(q, self.cache.k[L], self.cache.v[L], batch.tables, batch.lens,
@@ -194,26 +194,28 @@ class ModelRunner:
                                              attn_mask=allowed, enable_gqa=keys.shape[1] != nq)
         return out.transpose(0, 1)
 
-    def _experts(self, x, L, site, counts):
-        """Rows of x grouped by expert (counts per expert) through the layer's fc1 or fc2."""
+    def _experts(self, x, L, site, counts, tiles=None):
+        """Rows of x grouped by expert (counts per expert) through the layer's fc1 or fc2; tiles:
+        the GPU kernels' row tiles of these counts (`expert_tiles`), shared by fc1 and fc2."""
         w = self.w.stacked[(L, site)]
         if self.fp4:
-            return fp4_grouped_linear(x, w.codes, w.scales, w.g, counts, backend=self.backend)
+            return fp4_grouped_linear(x, w.codes, w.scales, w.g, counts, tiles=tiles, backend=self.backend)
         if x.is_cuda and self.backend != "torch":
             return torch._grouped_mm(x, w.transpose(1, 2), offs=counts.cumsum(0).to(torch.int32))
         return torch.cat([chunk @ w[e].T for e, chunk in enumerate(x.split(counts.tolist()))])
 
-    def _moe(self, L, p, h, rows, routed, codes=False):
-        """Top-k routing, then every (token, slot) row through its expert as two grouped GEMMs
-        (rows sorted by expert, tokens ascending within an expert)."""
+    def _moe(self, L, p, h, rows, routed, codes=False, residual=None):
+        """residual + the MoE block of h: top-k routing, then every (token, slot) row through its
+        expert as two grouped GEMMs (rows sorted by expert, tokens ascending within an expert)."""
         cfg, w = self.cfg, self.w
         n, k = h.shape[0], cfg.top_k
-        logits = h.float() @ w.dense(p + "mlp.router.weight").float().T
+        logits = h.float() @ w.dense(p + "mlp.router.weight").T  # held in FP32
         top_logits, top = torch.topk(logits, k, dim=-1)
         gate = torch.softmax(top_logits, -1)
         routed[L] = top
         tok, slot, pos, counts = expert_order(top, cfg.num_experts, backend=self.backend)
-        gate_up = self._experts(self._site(rows, L, "fc1", h, codes)[tok], L, "fc1", counts)
+        tiles = expert_tiles(counts, n * k) if self.fp4 and h.is_cuda and self.backend != "torch" and n else None
+        gate_up = self._experts(self._site(rows, L, "fc1", h, codes)[tok], L, "fc1", counts, tiles)
         g_, u_ = gate_up.chunk(2, -1)
         act = F.silu(g_) * u_  # rows in expert order
         fc2 = {}
@@ -224,8 +226,8 @@ class ModelRunner:
                 out[tok, slot] = t
                 return out.reshape((n * k,) + t.shape[1:])
             rows[(L, "fc2")] = map_rows(token_order, fc2[(L, "fc2")])
-        y = self._experts(act_in, L, "fc2", counts)
-        return combine_experts(y.to(h.dtype), gate, tok, slot, pos, backend=self.backend)
+        y = self._experts(act_in, L, "fc2", counts, tiles)
+        return combine_experts(y.to(h.dtype), gate, tok, slot, pos, residual=residual, backend=self.backend)
 
 
 def rows_per_token(cfg: ModelConfig, site: str) -> int:

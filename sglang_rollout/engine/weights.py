@@ -22,6 +22,7 @@ from megatron_trace.model_config import (
 )
 
 FP4_SUFFIXES = FP4_WEIGHT_SUFFIXES
+ROUTER_SUFFIX = "mlp.router.weight"
 
 
 class EngineWeights:
@@ -42,6 +43,8 @@ class EngineWeights:
         for name, shape in self.shapes.items():
             if name not in self.tensors:
                 self.tensors[name] = self._empty(shape, self.is_fp4(name))
+            if name.endswith(ROUTER_SUFFIX):  # used in FP32: held so, not cast every step
+                self.tensors[name] = self.tensors[name].float()
 
     def _empty(self, shape: tuple[int, ...], fp4: bool) -> torch.Tensor | QTensor | StackedFP4:
         dev = self.device
@@ -81,8 +84,8 @@ class EngineWeights:
         for name, t in state_dict.items():
             if self.is_fp4(name):
                 new = t.to(self.device) if isinstance(t, QTensor) else quantize(t.to(self.device), "nvfp4")
-            else:
-                new = t.to(self.device, torch.bfloat16 if t.dim() == 2 else torch.float32)
+            else:  # 2-D weights take BF16 values (the router's held in FP32, exactly those values)
+                new = t.to(self.device, torch.bfloat16 if t.dim() == 2 else torch.float32).to(self.tensors[name].dtype)
             old = self.tensors[name]
             if isinstance(old, QTensor):
                 old.codes.copy_(new.codes)
@@ -92,7 +95,8 @@ class EngineWeights:
                 old.copy_(new)
 
     def dense(self, name: str) -> torch.Tensor:
-        """BF16 values of a weight (FP4 weights dequantized for the matmul)."""
+        """BF16 values of a weight (FP4 weights dequantized for the matmul; the router's BF16
+        values in FP32)."""
         t = self.tensors[name]
         return dequantize(t, torch.bfloat16) if isinstance(t, QTensor) else t
 

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 from trace_kernels.fp4 import dequantize, quantize
-from trace_kernels.fp4.linear import fp4_linear
+from trace_kernels.fp4.linear import expert_tiles, fp4_linear
 from trace_kernels.fp4.paged_attention import paged_decode_attention
 
 from .helpers import heavy_tailed, paged_fp4_cache, triton_device
@@ -166,3 +166,45 @@ def test_fp4_grouped_linear_many_experts():
     dev = triton_device()
     y = fp4_grouped_linear(x.to(dev), codes.to(dev), scales.to(dev), gs.to(dev), counts.to(dev), backend="triton")
     torch.testing.assert_close(y.cpu().float(), want.float(), atol=1e-2, rtol=2 * BF16_ULP)
+    # the tile list built once (as a layer does for fc1 and fc2) gives the same product
+    tiles = expert_tiles(counts.to(dev), x.shape[0])
+    shared = fp4_grouped_linear(x.to(dev), codes.to(dev), scales.to(dev), gs.to(dev), counts.to(dev), tiles=tiles,
+                                backend="triton")
+    assert torch.equal(shared, y)
+    with pytest.raises(ValueError, match=f"tiles of {x.shape[0]} rows were not listed for {x.shape[0] - 1} rows"):
+        fp4_grouped_linear(x[:-1].to(dev), codes.to(dev), scales.to(dev), gs.to(dev), counts.to(dev), tiles=tiles,
+                           backend="triton")
+
+
+def test_quantize_rows_into_a_paged_cache():
+    """K / V rows (token, head) of a strided view (V is a slice of the fused qkv output) quantized
+    and scattered into cache slots by one kernel: the float64 spec's codes, scales and g at those
+    slots, every other slot untouched."""
+    from trace_kernels.fp4 import pack_codes, quantize_rows_into
+
+    from .spec64 import nvfp4
+
+    n, heads, d, slots_total = 6, 3, 128, 20
+    qkv = heavy_tailed(n * heads * 4, d, seed=9).reshape(n, heads, 4, d) * torch.logspace(-20, 8, n)[:, None, None, None]
+    qkv[2, 1] = 0.0  # a row of zeros
+    x = qkv.bfloat16()[:, :, -1]  # strides (heads * 4 * d, 4 * d, 1)
+    slots = torch.tensor([7, 0, 19, 3, 12, 8])
+    codes, s, g = (torch.from_numpy(a) for a in nvfp4(x.double().reshape(n * heads, d).numpy(), row_scale=True))
+    want = {"codes": pack_codes(codes).reshape(n, heads, d // 2),
+            "scales": s.to(torch.float8_e4m3fn).view(torch.uint8).reshape(n, heads, d // 16),
+            "g": g.float().reshape(n, heads, 1)}
+    dev = triton_device()
+    for backend in ("torch", "triton"):
+        on = "cpu" if backend == "torch" else dev
+        cache = {"codes": torch.full((slots_total, heads, d // 2), 0xAB, dtype=torch.uint8, device=on),
+                 "scales": torch.full((slots_total, heads, d // 16), 0xCD, dtype=torch.uint8, device=on),
+                 "g": torch.full((slots_total, heads, 1), -1.0, device=on)}
+        quantize_rows_into(x.to(on), slots.to(on), cache["codes"], cache["scales"], cache["g"], backend=backend)
+        others = torch.ones(slots_total, dtype=torch.bool)
+        others[slots] = False
+        for name, t in cache.items():
+            t = t.cpu()
+            assert torch.equal(t[slots], want[name]), (backend, name)
+            assert (t[others] == {"codes": 0xAB, "scales": 0xCD, "g": -1.0}[name]).all(), (backend, name)
+    with pytest.raises(ValueError, match="slots"):
+        quantize_rows_into(x, slots[:-1], *cache.values())

@@ -44,6 +44,18 @@ def test_combine_experts_is_cpu_index_add(n, k, h):
     got = combine_experts(y.to(dev), gate.to(dev), tok.to(dev), slot.to(dev), pos.to(dev), backend="triton").cpu()
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     assert torch.equal(combine_experts(y, gate, tok, slot, pos, backend="torch"), want)
+    # with the residual stream added in the same kernel: as torch adds two BF16 tensors
+    x = (torch.randn(n, h, generator=g) * 4).bfloat16()
+    got = combine_experts(y.to(dev), gate.to(dev), tok.to(dev), slot.to(dev), pos.to(dev), residual=x.to(dev),
+                          backend="triton").cpu()
+    assert torch.equal(got.view(torch.int16), (x + want).view(torch.int16))
+
+
+def test_combine_experts_refuses_a_residual_that_does_not_fit():
+    top = _routing(3, 2, 4, seed=0)
+    tok, slot, pos, _ = expert_order(top, 4, backend="torch")
+    with pytest.raises(ValueError, match=r"residual must be bfloat16 \[3, 8\]"):
+        combine_experts(torch.zeros(6, 8).bfloat16(), torch.ones(3, 2), tok, slot, pos, residual=torch.zeros(3, 8))
 
 
 def test_combine_experts_refuses_rows_that_do_not_fit():
