@@ -131,10 +131,16 @@ def kernel_table(segments, step_fn, title: str, top: int = 24) -> str:
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     total = sum(e.self_device_time_total for e in events)
     events.sort(key=lambda e: -e.self_device_time_total)
-    lines = [f"### {title}: {total / 1e3:.3f} ms of kernels", "", "| kernel | calls | ms | share |", "|---|---|---|---|"]
+    launches = sum(e.count for e in events)
+    lines = [f"### {title}: {total / 1e3:.3f} ms of kernels, {launches} launches", "",
+             "| kernel | calls | ms | share |", "|---|---|---|---|"]
     for e in events[:top]:
         lines.append(f"| {e.key[:70]} | {e.count} | {e.self_device_time_total / 1e3:.3f} | "
                      f"{e.self_device_time_total / total:.1%} |")
+    rest = events[top:]
+    if rest:
+        ms = sum(e.self_device_time_total for e in rest)
+        lines.append(f"| ({len(rest)} other kernels) | {sum(e.count for e in rest)} | {ms / 1e3:.3f} | {ms / total:.1%} |")
     return "\n".join(lines) + "\n"
 
 
