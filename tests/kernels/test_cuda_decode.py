@@ -274,8 +274,21 @@ def test_cuda_grouped_gemm_dequantizes_weights_bit_for_bit():
 
 
 @gpu
-@pytest.mark.parametrize("m, n, k", [(1, 128, 128), (5, 160, 2048), (17, 96, 768), (64, 2048, 256), (64, 5120, 2048)])
+@pytest.mark.parametrize("m", [16, 40, 64])
+def test_cuda_dense_gemm_dequantizes_weights_bit_for_bit(m):
+    """One-hot rows of x (one to four 16-row tiles): y^T is `dequantize`'s BF16 weights exactly,
+    whatever the K split."""
+    w = _experts(1, 96, 256, seed=m)[0]
+    x = torch.eye(256)[:m].bfloat16()
+    y = fp4_linear(x.cuda(), w.to("cuda"), backend="cuda").cpu()
+    assert torch.equal(y, dequantize(w, torch.bfloat16)[:, :m].T)
+
+
+@gpu
+@pytest.mark.parametrize("m, n, k", [(1, 128, 128), (5, 160, 2048), (17, 96, 768), (64, 2048, 256), (64, 5120, 2048),
+                                     (41, 256, 512), (150, 160, 384)])
 def test_cuda_dense_gemm_is_the_dequantized_matmul(m, n, k):
+    """One to ten 16-row tiles, K split or not."""
     w = quantize(heavy_tailed(n, k, seed=m))
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).bfloat16()
     wd = dequantize(w, torch.bfloat16).double()
