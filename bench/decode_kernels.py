@@ -176,7 +176,9 @@ def main() -> None:
     if cuda_decode.supports_attention(torch.empty(1, cfg.num_attention_heads, cfg.head_dim, device="cuda"),
                             {"codes": torch.empty(1, cfg.num_key_value_heads, 1)}, 16):
         default_launch = dict(cuda_decode.LAUNCH)
-        split = {"min_chunk": paged_attention.MIN_CHUNK, "max_splits": paged_attention.MAX_SPLITS}
+        split = {"min_chunk": paged_attention.MIN_CHUNK,  # the default split of the CUDA kernel for this batch
+                 "max_splits": cuda_decode.attention_splits(args.batch, cfg.num_key_value_heads, torch.device("cuda"),
+                                                            paged_attention.MAX_SPLITS)}
         for mb, mc, ms in itertools.product((8, 12, 16), (256, 512), (16, 32)) if args.sweep else [
                 (default_launch["attention_min_blocks"], split["min_chunk"], split["max_splits"])]:
             cuda_decode.LAUNCH["attention_min_blocks"] = mb

@@ -92,6 +92,23 @@ def _check_contiguous(name: str, tensors) -> None:
             raise ValueError(f"{name}: tensor argument {i} {tuple(a.shape)} is not contiguous")
 
 
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def attention_splits(batch: int, kv_heads: int, device: torch.device, most: int) -> int:
+    """How many chunks (a power of two, at most `most`) `split_attention` cuts each sequence into:
+    the fewest that give about two waves of (sequence, KV head, chunk) programs at the kernel's
+    occupancy. Fewer, longer chunks read the same cache but write fewer partial rows for the
+    combine (batch 64, 8k context on an H200: 16 chunks, 0.163 ms against 0.169 with 32)."""
+    programs = 2 * LAUNCH["attention_min_blocks"] * _multiprocessors(device)
+    splits = 1
+    while splits < most and batch * kv_heads * splits < programs:
+        splits *= 2
+    return splits
+
+
 def split_attention(q, k_cache: dict, v_cache: dict, block_tables, seq_lens, part_o, part_ml, *, block_size: int,
                     scale: float, min_chunk: int, doublings: int, splits: int) -> None:
     """Fill part_o float32 [B, Hq, splits, 128] and part_ml float32 [B, Hq, splits, 2] as

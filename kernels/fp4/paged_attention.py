@@ -47,12 +47,13 @@ TILE = {"block_t": 32, "num_warps": 4}  # cached tokens per loop step (bench/dec
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, block_size: int, *,
-                           scale: float | None = None, min_chunk: int = MIN_CHUNK, max_splits: int = MAX_SPLITS,
+                           scale: float | None = None, min_chunk: int = MIN_CHUNK, max_splits: int | None = None,
                            backend: str = "auto") -> torch.Tensor:
     """Softmax attention of one query per sequence over its cached keys (GQA: query head h reads
     KV head h // (Hq / Hkv)). k_cache / v_cache: dicts with "codes", "scales", "g" (FP4) or
     "rows" (BF16). min_chunk / max_splits: the split of each sequence (see MAX_SPLITS); min_chunk
-    a power of two, at least TILE["block_t"]. backend: "torch" (gather, dequantize, softmax),
+    a power of two, at least TILE["block_t"]; max_splits by default MAX_SPLITS for the Triton
+    kernel, `cuda_decode.attention_splits` (about two waves of programs) for the CUDA one. backend: "torch" (gather, dequantize, softmax),
     "triton", "cuda" (the CUDA C++ split kernel of `cuda_decode`: FP4 cache, Hopper, head dim
     128; else a ValueError) or "auto" (on a GPU: "cuda" where it applies, else "triton")."""
     b, hq, d = q.shape
@@ -70,6 +71,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, block_si
     if not use_cuda and not _use_triton(q, backend):
         return _reference(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale)
     block_t = TILE["block_t"]
+    if max_splits is None:
+        max_splits = cuda_decode.attention_splits(b, hkv, q.device, MAX_SPLITS) if use_cuda else MAX_SPLITS
     if min_chunk < block_t or min_chunk & (min_chunk - 1) or max_splits < 1:
         raise ValueError(f"paged_decode_attention: min_chunk={min_chunk} must be a power of two >= {block_t}, "
                          f"max_splits={max_splits} >= 1")
