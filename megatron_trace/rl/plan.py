@@ -328,11 +328,11 @@ def make_plan(cfg, arch: Architecture, layout: Layout | None = None) -> Plan:
 
 def _engine_bytes(arch: Architecture, fp4: bool, engine_tp: int, kv_tokens: int) -> dict[str, float]:
     """One engine GPU: its shard of the weights (FP4 sites packed, or BF16; the rest BF16, norms
-    float32) and of the KV cache for `kv_tokens` token slots (FP4: codes, E4M3 scales and a
-    float32 scale per token and head)."""
+    and the router float32) and of the KV cache for `kv_tokens` token slots (FP4: codes, E4M3
+    scales and a float32 scale per token and head)."""
     L = arch.layers
     fp4_all = arch.fp4_params
-    norms = L * arch.norm_params + arch.hidden
+    norms = L * arch.norm_params + arch.hidden + arch.moe_layers * arch.experts * arch.hidden  # held in float32
     other = arch.num_params - fp4_all
     kv_per_token = L * (arch.kv_width * (0.5 + 1 / 16) + 2 * arch.kv_heads * 4 if fp4 else arch.kv_width * 2)
     return {"weights (FP4 codes + scales)" if fp4 else "weights (BF16)":

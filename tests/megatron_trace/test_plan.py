@@ -40,8 +40,10 @@ def test_tiny_parameter_count_by_hand():
     assert plan.trainer["parameters (BF16, norms FP32)"] == 2 * 107_392 + 2 * norms and plan.trainer["FP32 masters + AdamW moments"] == 12 * 107_392
     fp4 = 2 * (attention + experts)  # the FP4 sites, dequantized for backward + a 1-byte STE mask
     assert plan.trainer["QAT weight copies + STE masks"] == 3 * fp4
-    # FP4 engine: codes (1/2 byte) + E4M3 scale per 16 (1/16 byte) per FP4 weight; the rest BF16
-    assert plan.engine["weights (FP4 codes + scales)"] == fp4 * (0.5 + 1 / 16) + 2 * (107_392 - fp4 - norms) + 4 * norms
+    # FP4 engine: codes (1/2 byte) + E4M3 scale per 16 (1/16 byte) per FP4 weight; the rest BF16,
+    # the norms and the router (2 layers of 4 x 64) float32
+    fp32 = norms + 2 * 4 * 64
+    assert plan.engine["weights (FP4 codes + scales)"] == fp4 * (0.5 + 1 / 16) + 2 * (107_392 - fp4 - fp32) + 4 * fp32
 
 
 def run_shard_sizes(rank):
@@ -86,7 +88,7 @@ def test_engine_and_guidance_bytes_equal_the_engines():
         parts = [t.codes, getattr(t, "block_scales", getattr(t, "scales", None))] if hasattr(t, "codes") else [t]
         for p in parts:
             storages[p.untyped_storage().data_ptr()] = p.untyped_storage().nbytes()
-    assert plan.engine["weights (FP4 codes + scales)"] == sum(storages.values())  # norms in float32
+    assert plan.engine["weights (FP4 codes + scales)"] == sum(storages.values())  # norms, router in float32
     out = engine.generate([GroupRequest(f"g{i}", tuple(range(1 + i, 6 + i)), 1) for i in range(3)],
                           SamplingParams(max_new_tokens=6, seed=0))
     g = out.guidance
