@@ -152,6 +152,6 @@ def grouped_linear(x, codes, scales, g, tiles, num_tiles: int, out: torch.Tensor
         if splits > 1:  # one kernel: the partial sums in a fixed order (no atomics), the cast, the residual
             res = residual.contiguous() if residual is not None else y
             _launch("fp4_grouped_gemm.cu", "sum_splits", x, ((m * n + 255) // 256, 1, 1), (256, 1, 1),
-                    [part, res, y, m * n, splits, int(residual is not None)], MIN_BLOCKS=LAUNCH["gemm_min_blocks"])
+                    [part, res, y, m * n, splits, int(residual is not None)])
             return y
     return y if residual is None else residual + y

@@ -53,9 +53,10 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, block_si
     KV head h // (Hq / Hkv)). k_cache / v_cache: dicts with "codes", "scales", "g" (FP4) or
     "rows" (BF16). min_chunk / max_splits: the split of each sequence (see MAX_SPLITS); min_chunk
     a power of two, at least TILE["block_t"]; max_splits by default MAX_SPLITS for the Triton
-    kernel, `cuda_decode.attention_splits` (about two waves of programs) for the CUDA one. backend: "torch" (gather, dequantize, softmax),
-    "triton", "cuda" (the CUDA C++ split kernel of `cuda_decode`: FP4 cache, Hopper, head dim
-    128; else a ValueError) or "auto" (on a GPU: "cuda" where it applies, else "triton")."""
+    kernel, `cuda_decode.attention_splits` (about two waves of programs) for the CUDA one.
+    backend: "torch" (gather, dequantize, softmax), "triton", "cuda" (the CUDA C++ split kernel
+    of `cuda_decode`: FP4 cache, Hopper, head dim 128; else a ValueError) or "auto" (on a GPU:
+    "cuda" where it applies, else "triton")."""
     b, hq, d = q.shape
     fp4 = "codes" in k_cache
     hkv = (k_cache["codes"] if fp4 else k_cache["rows"]).shape[1]
