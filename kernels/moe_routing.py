@@ -1,5 +1,9 @@
-"""The MoE layer's bookkeeping around its grouped GEMMs, as one Triton kernel each.
+"""The MoE layer's routing and bookkeeping around its grouped GEMMs, as Triton kernels.
 
+- `route`: the router's FP32 logits, their top k and the softmax over those k. torch needs a
+  cast, an FP32 GEMM and its split-K reduction, a two-kernel top-k and a softmax: six launches
+  at decode sizes, against two here (logits in split-H partial sums; then their sum in a fixed
+  order, top k and softmax per token).
 - `expert_order`: the stable order of the (token, slot) rows by expert (rows of one expert keep
   their token order), with the per-expert row counts and each row's position. torch needs a
   radix sort, two integer divisions and a scatter-add for it: at decode sizes, five launches.
@@ -8,10 +12,12 @@
   (its BF16 rows accumulate in FP32). On a GPU `index_add_` adds BF16 rows with atomics, each
   addition rounded, in whatever order they land; the kernel's order and rounding are fixed.
 
-The torch path (CPU, or backend="torch") is the torch code itself; the Triton kernels give the
-same results bit for bit.
+The torch path (CPU, or backend="torch") is the torch code itself. The Triton kernels give the
+same results bit for bit, except `route`'s logits: they are FP32 sums of the same exact
+products (BF16 h times BF16-valued weights) taken in another order, so they can differ in their
+last bits, and a top k whose k-th and (k+1)-th logits are that close can differ.
 
-Shapes: top int64 [n, k] (expert ids, distinct per row); tok, slot int64 [n * k], pos int64
+Shapes: h bf16 [n, H], router weight [E, H]; top int64 [n, k] (expert ids, distinct per row); tok, slot int64 [n * k], pos int64
 [n * k] (row (t, j) sits at pos[t * k + j]), counts int64 [E]; y bf16 [n * k, H] in the sorted
 order, gate float32 [n, k]; out bf16 [n, H].
 """
@@ -26,11 +32,46 @@ try:
     import triton
     import triton.language as tl
 
-    from .fp4.triton_fp4 import _bf16_rne, _interpreting
+    from .fp4.triton_fp4 import _bf16_rne, _exp, _interpreting
 except ImportError:  # pragma: no cover - triton is optional on the CPU
     triton = None
 
 BLOCK = 1024  # rows per loop step of the order kernel
+# Router logits: tiles of ROUTE_BT tokens x ROUTE_BE experts, H in steps of ROUTE_BH, split over
+# H until about ROUTE_PROGRAMS programs run (a decode batch has few token tiles).
+ROUTE_BT, ROUTE_BE, ROUTE_BH, ROUTE_PROGRAMS = 16, 32, 128, 128
+
+
+def route(h: torch.Tensor, weight: torch.Tensor, k: int, *, backend: str = "auto"):
+    """(top int64 [n, k], gate float32 [n, k]): each token's k experts by descending router logit
+    (logits = h.float() @ weight.T in FP32; h bf16 [n, H], weight float32 or bf16 [E, H] holding
+    BF16 values) and the softmax of their k logits."""
+    n, hidden = h.shape
+    e = weight.shape[0]
+    if weight.shape != (e, hidden) or not 1 <= k <= e:
+        raise ValueError(f"route: weight {tuple(weight.shape)} and top-{k} do not fit h {tuple(h.shape)}")
+    if not _use_triton(h, backend):
+        logits = h.float() @ weight.float().T
+        top_logits, top = torch.topk(logits, k, dim=-1)
+        return top, torch.softmax(top_logits, -1)
+    if h.dtype != torch.bfloat16:
+        raise ValueError(f"route: the kernel takes bfloat16 h, got {h.dtype}")
+    top = torch.empty((n, k), dtype=torch.int64, device=h.device)
+    gate = torch.empty((n, k), dtype=torch.float32, device=h.device)
+    if n == 0:
+        return top, gate
+    blocks = (triton.cdiv(n, ROUTE_BT), triton.cdiv(e, ROUTE_BE))
+    steps = triton.cdiv(hidden, ROUTE_BH)
+    want = max(1, ROUTE_PROGRAMS // (blocks[0] * blocks[1]))
+    splits = max(z for z in range(1, min(steps, want) + 1) if steps % z == 0)  # equal shares of H
+    part = torch.empty((splits, n, e), dtype=torch.float32, device=h.device)
+    _router_logits_kernel[blocks + (splits,)](h.contiguous(), weight.contiguous(), part, n, e, hidden, STEPS=steps // splits,
+                                              BT=ROUTE_BT, BE=ROUTE_BE, BH=ROUTE_BH, INTERPRET=_interpreting())
+    _topk_softmax_kernel[(triton.cdiv(n, ROUTE_BT),)](part, top, gate, n, e, SPLITS=splits, K=k,
+                                                      K_PAD=triton.next_power_of_2(k),
+                                                      E_PAD=triton.next_power_of_2(e), BT=ROUTE_BT,
+                                                      INTERPRET=_interpreting())
+    return top, gate
 
 
 def expert_order(top: torch.Tensor, num_experts: int, *, backend: str = "auto"):
@@ -81,6 +122,59 @@ def combine_experts(y: torch.Tensor, gate: torch.Tensor, tok: torch.Tensor, slot
 
 
 if triton is not None:
+
+    @triton.jit
+    def _router_logits_kernel(h_ptr, w_ptr, part_ptr, n, E, H, STEPS: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr,
+                              BH: tl.constexpr, INTERPRET: tl.constexpr):
+        """Split z's partial logits [BT tokens, BE experts] over its STEPS steps of H: BF16
+        products, exact, summed in FP32."""
+        t0, e0, z = tl.program_id(0) * BT, tl.program_id(1) * BE, tl.program_id(2)
+        rows, experts = t0 + tl.arange(0, BT), e0 + tl.arange(0, BE)
+        ok_t, ok_e = rows < n, experts < E
+        acc = tl.zeros([BT, BE], dtype=tl.float32)
+        for i in range(0, STEPS):
+            cols = (z * STEPS + i) * BH + tl.arange(0, BH)
+            ok_h = cols < H
+            x = tl.load(h_ptr + rows[:, None].to(tl.int64) * H + cols[None, :], mask=ok_t[:, None] & ok_h[None, :],
+                        other=0.0)
+            w = tl.load(w_ptr + experts[:, None] * H + cols[None, :], mask=ok_e[:, None] & ok_h[None, :], other=0.0)
+            if INTERPRET:  # the interpreter's dot would multiply BF16 bit patterns
+                acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+            else:  # the weight holds BF16 values: exact products
+                acc = tl.dot(x, tl.trans(w.to(tl.bfloat16)), acc)
+        dst = part_ptr + (z * n + rows[:, None].to(tl.int64)) * E + experts[None, :]
+        tl.store(dst, acc, mask=ok_t[:, None] & ok_e[None, :])
+
+    @triton.jit
+    def _topk_softmax_kernel(part_ptr, top_ptr, gate_ptr, n, E, SPLITS: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
+                             E_PAD: tl.constexpr, BT: tl.constexpr, INTERPRET: tl.constexpr):
+        """BT tokens: logits = the partials summed in split order; k rounds of (largest, lowest
+        index among equals; NaN counts as largest, as in torch.topk); softmax over the k."""
+        rows = tl.program_id(0) * BT + tl.arange(0, BT)
+        ok_t = rows < n
+        experts = tl.arange(0, E_PAD)
+        ok = ok_t[:, None] & (experts < E)[None, :]
+        at = rows[:, None].to(tl.int64) * E + experts[None, :]
+        logits = tl.zeros([BT, E_PAD], dtype=tl.float32)
+        for z in range(0, SPLITS):
+            logits += tl.load(part_ptr + z * n * E + at, mask=ok, other=0.0)
+        key = tl.where(ok, tl.where(logits != logits, float("inf"), logits), -float("inf"))
+        j = tl.arange(0, K_PAD)
+        top = tl.zeros([BT, K_PAD], dtype=tl.int32)
+        vals = tl.full([BT, K_PAD], -float("inf"), dtype=tl.float32)
+        for r in tl.static_range(K):
+            best = tl.max(key, 1)
+            idx = tl.min(tl.where(key == best[:, None], experts[None, :], E_PAD), 1)
+            hit = experts[None, :] == idx[:, None]
+            top = tl.where(j[None, :] == r, idx[:, None], top)
+            vals = tl.where(j[None, :] == r, tl.sum(tl.where(hit, logits, 0.0), 1)[:, None], vals)
+            key = tl.where(hit, -float("inf"), key)
+        ex = _exp(vals - tl.max(vals, 1)[:, None], INTERPRET)  # the first is the largest (or NaN)
+        gate = tl.div_rn(ex, tl.sum(ex, 1)[:, None])
+        out = rows[:, None].to(tl.int64) * K + j[None, :]
+        keep = ok_t[:, None] & (j < K)[None, :]
+        tl.store(top_ptr + out, top.to(tl.int64), mask=keep)
+        tl.store(gate_ptr + out, gate, mask=keep)
 
     @triton.jit
     def _expert_order_kernel(ids_ptr, tok_ptr, slot_ptr, pos_ptr, counts_ptr, N, K: tl.constexpr,

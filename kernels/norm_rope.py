@@ -28,7 +28,7 @@ try:
     import triton
     import triton.language as tl
 
-    from .fp4.triton_fp4 import _bf16_rne, _interpreting
+    from .fp4.triton_fp4 import _bf16, _interpreting, _rms_norm_row
 except ImportError:  # pragma: no cover - triton is optional on the CPU
     triton = None
 
@@ -81,27 +81,13 @@ def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tens
 if triton is not None:
 
     @triton.jit
-    def _bf16(x, INTERPRET: tl.constexpr):
-        """x (float32) rounded to BF16 to nearest even (the interpreter's cast truncates)."""
-        if INTERPRET:
-            return _bf16_rne(x)
-        else:
-            return x.to(tl.bfloat16)
-
-    @triton.jit
-    def _norm_scale(ss, eps, N: tl.constexpr):
-        """rsqrt(mean + eps) as torch's composite: mean = sum * (1 / N) in FP32, then + eps."""
-        return tl.math.rsqrt(ss * (1.0 / N) + eps)
-
-    @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         i = tl.arange(0, BLOCK)
         ok = i < N
         x = tl.load(x_ptr + row * N + i, mask=ok, other=0.0).to(tl.float32)
-        r = _norm_scale(tl.sum(x * x, 0), eps, N)
         w = tl.load(w_ptr + i, mask=ok, other=0.0)
-        tl.store(y_ptr + row * N + i, _bf16(x * r * w, INTERPRET), mask=ok)
+        tl.store(y_ptr + row * N + i, _rms_norm_row(x, w, tl.sum(x * x, 0), eps, 1.0 / N, INTERPRET), mask=ok)
 
     @triton.jit
     def _qk_norm_rope_kernel(qkv_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, eps, GROUPS: tl.constexpr,
@@ -114,12 +100,12 @@ if triton is not None:
         src = qkv_ptr + (tg * (G + 2) + j) * D
         x1 = tl.load(src + i).to(tl.float32)  # the two halves rotate_half swaps
         x2 = tl.load(src + D // 2 + i).to(tl.float32)
-        rs = _norm_scale(tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0), eps, D)
+        ss = tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)
         is_key = j == G
         w1 = tl.where(is_key, tl.load(wk_ptr + i), tl.load(wq_ptr + i))
         w2 = tl.where(is_key, tl.load(wk_ptr + D // 2 + i), tl.load(wq_ptr + D // 2 + i))
-        y1 = _bf16(x1 * rs * w1, INTERPRET).to(tl.float32)
-        y2 = _bf16(x2 * rs * w2, INTERPRET).to(tl.float32)
+        y1 = _rms_norm_row(x1, w1, ss, eps, 1.0 / D, INTERPRET).to(tl.float32)
+        y2 = _rms_norm_row(x2, w2, ss, eps, 1.0 / D, INTERPRET).to(tl.float32)
         c1 = tl.load(cos_ptr + tok * D + i).to(tl.float32)
         c2 = tl.load(cos_ptr + tok * D + D // 2 + i).to(tl.float32)
         s1 = tl.load(sin_ptr + tok * D + i).to(tl.float32)

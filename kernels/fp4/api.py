@@ -218,7 +218,7 @@ def fake_quantize_rows(
     if x.dim() != 2:
         raise ValueError(f"fake_quantize_rows expects rows [R, K], got shape {tuple(x.shape)}")
     if _use_triton(x, backend):
-        out, bits, scales, g, bad = triton_fp4.fake_quantize_rows_triton(x.contiguous(), capture)
+        out, bits, scales, g, bad, _ = triton_fp4.fake_quantize_rows_triton(x.contiguous(), capture)
         if check_finite and bool(bad.any()):
             _raise_nonfinite("detected by the Triton kernel")
         return out, (bits, scales, g) if capture else None

@@ -72,6 +72,6 @@ def mantissa_bits(packed: torch.Tensor) -> torch.Tensor:
     if packed.dtype != torch.uint8 or packed.dim() == 0 or packed.shape[-1] % 4:
         raise ValueError(f"mantissa_bits needs packed uint8 codes [..., K/2] with K % 8 == 0, got "
                          f"{packed.dtype} {tuple(packed.shape)}")
-    bits = torch.stack((packed & 1, (packed >> 4) & 1), dim=-1).reshape(*packed.shape[:-1], -1, 8)
+    bits = torch.stack((packed & 1, (packed >> 4) & 1), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] // 4, 8)
     shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)  # made on the device: no copy
     return (bits << shifts).sum(-1, dtype=torch.uint8)

@@ -20,12 +20,15 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from .formats import Format, MXScaleRule
 from .reference import nvfp4_global_scale
 
 # How the kernel finds each block's global scale.
 G_NONE, G_TENSOR, G_ROW, G_ROW_AMAX = 0, 1, 2, 3
+# What the quantize kernel computes from its input before quantizing (fake quantization only).
+PRE_NONE, PRE_RMS_NORM, PRE_SILU_MUL = 0, 1, 2
 # Elements per program for the flat tiles; rows up to MAX_ROW_ELEMENTS get one program each.
 TILE_ELEMENTS = 4096
 MAX_ROW_ELEMENTS = 16384
@@ -253,7 +256,7 @@ def _quantize_kernel(
     IS_MX: tl.constexpr, G_MODE: tl.constexpr, STOCHASTIC: tl.constexpr, CEIL_RULE: tl.constexpr,
     GUIDED: tl.constexpr, BS: tl.constexpr, BLOCK_B: tl.constexpr,
     FAKE: tl.constexpr = False, BITS_OUT: tl.constexpr = False, INTERPRET: tl.constexpr = False,
-    HEADS: tl.constexpr = 0,
+    HEADS: tl.constexpr = 0, PRE: tl.constexpr = 0, pre_w_ptr=None, pre_out_ptr=None, eps=0.0,
 ):
     """Quantize NB blocks of BS elements; BPR blocks per row. One [BLOCK_B, BS] tile per program.
 
@@ -265,6 +268,10 @@ def _quantize_kernel(
     HEADS > 0 (G_ROW_AMAX, packed codes): rows are (token, head) of an [n, HEADS, K] view with
     strides (XS0, XS1, 1), and row (t, h) is written to output row slots_ptr[t] * HEADS + h (a
     paged KV cache's slot), its g to g_ptr at that row.
+    PRE (G_ROW_AMAX, FAKE) computes the rows before quantizing them, and writes them to
+    pre_out_ptr [rows, K] bf16: PRE_RMS_NORM, RMSNorm of x with weight pre_w_ptr (float32 [K]);
+    PRE_SILU_MUL, bf16(silu(gate)) * up of x = [gate | up] rows (row stride XS0). Each as the
+    torch code rounds it (`_rms_norm_row`, `_silu_mul`).
     """
     pid = tl.program_id(0).to(tl.int64)
     key = key.to(tl.uint32)
@@ -283,7 +290,19 @@ def _quantize_kernel(
         offs = token * XS0 + head * XS1 + tl.arange(0, BLOCK_B)[:, None] * BS + j[None, :]
         out_row = tl.load(slots_ptr + token).to(tl.int64) * HEADS + head
         b_idx = out_row * BPR + tl.arange(0, BLOCK_B)
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if PRE == 2:  # PRE_SILU_MUL: gate in columns [0, K), up in [K, 2K)
+        src = pid * XS0 + tl.arange(0, BLOCK_B)[:, None] * BS + j[None, :]
+        gate = tl.load(x_ptr + src, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + src + BPR * BS, mask=mask, other=0.0).to(tl.float32)
+        x = _silu_mul(gate, up, INTERPRET).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if PRE == 1:  # PRE_RMS_NORM: the program holds the whole row
+        w = tl.load(pre_w_ptr + tl.arange(0, BLOCK_B)[:, None] * BS + j[None, :], mask=mask, other=0.0)
+        inv_n = tl.div_rn(1.0, (BPR * BS).to(tl.float32))
+        x = _rms_norm_row(x, w, tl.sum(tl.sum(x * x, 1), 0), eps, inv_n, INTERPRET).to(tl.float32)
+    if PRE > 0:  # x holds BF16 values: the cast is exact (the interpreter's truncation too)
+        tl.store(pre_out_ptr + offs, x.to(tl.bfloat16), mask=mask)
     # NaN-propagating block max: one finiteness test per block, not per element.
     block_amax = tl.reduce(tl.abs(x), 1, _max_propagate_nan)
     bad = tl.max((~(block_amax <= 3.4028234663852886e38)).to(tl.int32), axis=0)
@@ -341,6 +360,44 @@ def _quantize_kernel(
         tl.store(bits_ptr + b_idx[:, None] * (BS // 8) + jb[None, :], packed_bits.to(tl.uint8), mask=mask)
     if not GUIDED:
         tl.store(scales_ptr + b_idx, scale_byte.to(tl.uint8), mask=b_mask)
+
+
+@triton.jit
+def _bf16(x, INTERPRET: tl.constexpr):
+    """x (float32) rounded to BF16 to nearest even (the interpreter's cast truncates)."""
+    if INTERPRET:
+        return _bf16_rne(x)
+    else:
+        return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _rms_norm_row(x, w, ss, eps, inv_n, INTERPRET: tl.constexpr):
+    """F.rms_norm of one row held whole by the program, as torch's composite computes it in
+    FP32: bf16(fl32(x * r) * w), r = rsqrt(ss * inv_n + eps) (mean, then + eps: launch with
+    enable_fp_fusion=False). x float32 of BF16 values (any tile shape, zero where masked), w
+    float32 of x's shape, ss the sum of x * x, inv_n = fl32(1 / row length)."""
+    r = tl.math.rsqrt(ss * inv_n + eps)
+    return _bf16(x * r * w, INTERPRET)
+
+
+@triton.jit
+def _exp(x, INTERPRET: tl.constexpr):
+    """expf as CUDA C++ (and so torch) computes it: libdevice's, not tl.exp's ex2.approx. The
+    interpreter has no libdevice; there it is numpy's exp."""
+    if INTERPRET:
+        return tl.exp(x)
+    else:
+        return libdevice.exp(x)
+
+
+@triton.jit
+def _silu_mul(gate, up, INTERPRET: tl.constexpr):
+    """F.silu(gate) * up on BF16 tensors as torch computes them (gate, up float32 holding BF16
+    values): silu = gate / (1 + exp(-gate)) in FP32 (libdevice exp, IEEE division) rounded to
+    BF16, then the product in FP32 rounded to BF16."""
+    s = _bf16(tl.div_rn(gate, 1.0 + _exp(-gate, INTERPRET)), INTERPRET).to(tl.float32)
+    return _bf16(s * up, INTERPRET)
 
 
 @triton.jit
@@ -413,7 +470,7 @@ def _launch_grid(g_mode: int, m: int, nb: int, bs: int) -> tuple[int, int]:
     """(BLOCK_B, programs) of the quantize kernel: one program per row in G_ROW_AMAX mode, else
     flat tiles of blocks."""
     if g_mode == G_ROW_AMAX:
-        return triton.next_power_of_2(nb // m), m
+        return triton.next_power_of_2(nb // max(m, 1)), m
     return _flat_grid(nb, bs)
 
 
@@ -489,33 +546,44 @@ def quantize_rows_into_triton(x: torch.Tensor, slots: torch.Tensor, codes: torch
 
 
 def fake_quantize_rows_triton(
-    x_MK: torch.Tensor, capture: bool
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Row-scaled NVFP4 fake quantization of contiguous rows in one kernel.
+    x_MK: torch.Tensor, capture: bool, pre: int = PRE_NONE, weight: torch.Tensor | None = None, eps: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Row-scaled NVFP4 fake quantization of contiguous rows in one kernel, optionally of rows
+    the same kernel computes first (`pre`, see `_quantize_kernel`).
 
     Args:
-        x_MK: float32/bfloat16/float16 [M, K], contiguous, K a multiple of 16.
+        x_MK: float32/bfloat16/float16 [M, K], contiguous, K a multiple of 16; PRE_RMS_NORM:
+            bfloat16 [M, K] with `weight` float32 [K] and `eps`; PRE_SILU_MUL: bfloat16
+            [M, 2K], gate then up.
         capture: also write each element's mantissa bit.
     Returns:
-        (dequantized values in x's dtype [M, K], mantissa bits uint8 [M, K/8] or None,
-         block scale bytes uint8 [M, K/16], global scales float32 [M], non-finite flag per program).
+        (dequantized values [M, K] in x's dtype, mantissa bits uint8 [M, K/8] or None,
+         block scale bytes uint8 [M, K/16], global scales float32 [M], non-finite flag per
+         program, the rows quantized bf16 [M, K] when `pre` else None).
     """
     m, k = x_MK.shape
+    if pre == PRE_SILU_MUL:
+        k //= 2
     nb, bpr = m * k // 16, k // 16
     dev = x_MK.device
-    out = torch.empty_like(x_MK)
+    out = torch.empty((m, k), dtype=x_MK.dtype, device=dev)
+    pre_out = torch.empty((m, k), dtype=torch.bfloat16, device=dev) if pre else None
     scales = torch.empty((m, bpr), dtype=torch.uint8, device=dev)
     bits = torch.empty((m, k // 8), dtype=torch.uint8, device=dev) if capture else scales
-    g, g_mode = _row_scales(x_MK, None)
+    g, g_mode = _row_scales(out, None) if pre else _row_scales(x_MK, None)
+    if pre and g_mode != G_ROW_AMAX:
+        raise ValueError(f"a fused fake quantize needs rows of at most {MAX_ROW_ELEMENTS} elements, got {k}")
     block_b, grid = _launch_grid(g_mode, m, nb, 16)
     bad = torch.empty((grid,), dtype=torch.uint8, device=dev)
-    _quantize_kernel[(grid,)](
-        x_MK, out, scales, g, bad, bits, nb, bpr, 0, out, 0, 0,
-        IS_MX=False, G_MODE=g_mode, STOCHASTIC=False, CEIL_RULE=False, GUIDED=False, BS=16, BLOCK_B=block_b,
-        FAKE=True, BITS_OUT=capture, INTERPRET=_interpreting(),
-        num_warps=8 if block_b * 16 >= 4096 else 4, enable_fp_fusion=False,
-    )
-    return out, bits if capture else None, scales, g, bad
+    if grid:
+        _quantize_kernel[(grid,)](
+            x_MK, out, scales, g, bad, bits, nb, bpr, 0, out, x_MK.stride(0), 0,
+            IS_MX=False, G_MODE=g_mode, STOCHASTIC=False, CEIL_RULE=False, GUIDED=False, BS=16, BLOCK_B=block_b,
+            FAKE=True, BITS_OUT=capture, INTERPRET=_interpreting(), PRE=pre,
+            pre_w_ptr=out if weight is None else weight, pre_out_ptr=out if pre_out is None else pre_out, eps=eps,
+            num_warps=8 if block_b * 16 >= 4096 else 4, enable_fp_fusion=False,
+        )
+    return out, bits if capture else None, scales, g, bad, pre_out
 
 
 def quantize_guided_rows_triton(

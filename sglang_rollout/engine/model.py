@@ -22,7 +22,12 @@ import torch.nn.functional as F
 from trace_kernels.fp4 import QTensor, fake_quantize_rows, mantissa_bits
 from trace_kernels.fp4.linear import expert_tiles, fp4_grouped_linear, fp4_linear
 from trace_kernels.fp4.paged_attention import paged_decode_attention
-from trace_kernels.moe_routing import combine_experts, expert_order
+from trace_kernels.fused_inputs import (
+    rms_norm_fake_quantize_rows,
+    silu_mul,
+    silu_mul_fake_quantize_rows,
+)
+from trace_kernels.moe_routing import combine_experts, expert_order, route
 from trace_kernels.norm_rope import qk_norm_rope, rms_norm
 
 from megatron_trace.model_config import ModelConfig
@@ -104,6 +109,28 @@ class ModelRunner:
             rows[(layer, name)] = x2 if kept is None else kept
         return xq.view_as(x)
 
+    def _norm_site(self, rows, layer, name, x, weight, codes=False):
+        """(the FP4 site's input: rms_norm(x) fake-quantized in fp4, the norm's rows), in one
+        kernel on the GPU in fp4 (not where captured rows must be the unquantized ones)."""
+        if self.fp4 and (rows is None or codes):
+            xq, h, kept = rms_norm_fake_quantize_rows(x, weight, self.cfg.rms_norm_eps, capture=rows is not None,
+                                                      backend=self.backend)
+            if rows is not None:
+                rows[(layer, name)] = kept
+            return xq, h
+        h = rms_norm(x, weight, self.cfg.rms_norm_eps, backend=self.backend)
+        return self._site(rows, layer, name, h, codes), h
+
+    def _swiglu_site(self, rows, layer, gate_up, codes=False):
+        """fc2's input: silu(gate) * up of gate_up [R, 2I], fake-quantized in fp4 (one kernel on
+        the GPU, as `_norm_site`); its captured rows go to `rows` (in the rows' own order)."""
+        if self.fp4 and (rows is None or codes):
+            xq, _, kept = silu_mul_fake_quantize_rows(gate_up, capture=rows is not None, backend=self.backend)
+            if rows is not None:
+                rows[(layer, "fc2")] = kept
+            return xq
+        return self._site(rows, layer, "fc2", silu_mul(gate_up, backend=self.backend), codes)
+
     def _linear(self, x, name, residual=None):
         """x [n, K] @ W^T for an FP4-site weight (packed in fp4 precision), plus residual if given."""
         if self.fp4:
@@ -146,8 +173,8 @@ class ModelRunner:
         for L in range(cfg.num_layers):
             p = f"decoder.layers.{L}."
             rows = captured if L in capture_layers else None
-            h = rms_norm(x, w.dense(p + "input_layernorm.weight"), cfg.rms_norm_eps, backend=self.backend)
-            qkv = self._linear(self._site(rows, L, "qkv", h, codes), p + "self_attention.linear_qkv.weight")
+            h, _ = self._norm_site(rows, L, "qkv", x, w.dense(p + "input_layernorm.weight"), codes)
+            qkv = self._linear(h, p + "self_attention.linear_qkv.weight")
             qkv = qkv.view(n, ng, nq // ng + 2, d)
             q, kk = qk_norm_rope(qkv, w.dense(p + "self_attention.q_layernorm.weight"),
                                  w.dense(p + "self_attention.k_layernorm.weight"), cfg.rms_norm_eps, cos, sin,
@@ -163,8 +190,7 @@ class ModelRunner:
             ctx = self._attention(L, batch, q)
             ctx = ctx.reshape(n, nq * d)
             x = self._linear(self._site(rows, L, "proj", ctx, codes), p + "self_attention.linear_proj.weight", residual=x)
-            x = self._moe(L, p, rms_norm(x, w.dense(p + "pre_mlp_layernorm.weight"), cfg.rms_norm_eps,
-                                         backend=self.backend), rows, routed, codes, residual=x)
+            x = self._moe(L, p, x, rows, routed, codes)
         x = rms_norm(x, w.dense("decoder.final_layernorm.weight"), cfg.rms_norm_eps, backend=self.backend)
         if not all_logits and batch.last is not None:
             x = x[batch.last]
@@ -204,22 +230,19 @@ class ModelRunner:
             return torch._grouped_mm(x, w.transpose(1, 2), offs=counts.cumsum(0).to(torch.int32))
         return torch.cat([chunk @ w[e].T for e, chunk in enumerate(x.split(counts.tolist()))])
 
-    def _moe(self, L, p, h, rows, routed, codes=False, residual=None):
-        """residual + the MoE block of h: top-k routing, then every (token, slot) row through its
+    def _moe(self, L, p, x, rows, routed, codes=False):
+        """x + the MoE block of x's norm: top-k routing, then every (token, slot) row through its
         expert as two grouped GEMMs (rows sorted by expert, tokens ascending within an expert)."""
         cfg, w = self.cfg, self.w
-        n, k = h.shape[0], cfg.top_k
-        logits = h.float() @ w.dense(p + "mlp.router.weight").T  # held in FP32
-        top_logits, top = torch.topk(logits, k, dim=-1)
-        gate = torch.softmax(top_logits, -1)
+        n, k = x.shape[0], cfg.top_k
+        h_in, h = self._norm_site(rows, L, "fc1", x, w.dense(p + "pre_mlp_layernorm.weight"), codes)
+        top, gate = route(h, w.dense(p + "mlp.router.weight"), k, backend=self.backend)
         routed[L] = top
         tok, slot, pos, counts = expert_order(top, cfg.num_experts, backend=self.backend)
         tiles = expert_tiles(counts, n * k) if self.fp4 and h.is_cuda and self.backend != "torch" and n else None
-        gate_up = self._experts(self._site(rows, L, "fc1", h, codes)[tok], L, "fc1", counts, tiles)
-        g_, u_ = gate_up.chunk(2, -1)
-        act = F.silu(g_) * u_  # rows in expert order
-        fc2 = {}
-        act_in = self._site(fc2 if rows is not None else None, L, "fc2", act, codes)
+        gate_up = self._experts(h_in[tok], L, "fc1", counts, tiles)  # rows in expert order
+        fc2 = {} if rows is not None else None
+        act_in = self._swiglu_site(fc2, L, gate_up, codes)
         if rows is not None:  # captured rows in token order, as the trainer's records are
             def token_order(t):
                 out = t.new_empty((n, k) + t.shape[1:])
@@ -227,7 +250,7 @@ class ModelRunner:
                 return out.reshape((n * k,) + t.shape[1:])
             rows[(L, "fc2")] = map_rows(token_order, fc2[(L, "fc2")])
         y = self._experts(act_in, L, "fc2", counts, tiles)
-        return combine_experts(y.to(h.dtype), gate, tok, slot, pos, residual=residual, backend=self.backend)
+        return combine_experts(y.to(h.dtype), gate, tok, slot, pos, residual=x, backend=self.backend)
 
 
 def rows_per_token(cfg: ModelConfig, site: str) -> int:

@@ -3,7 +3,7 @@ index_add_: bit for bit, under TRITON_INTERPRET=1 on the CPU (CI) and on a GPU."
 
 import pytest
 import torch
-from trace_kernels.moe_routing import combine_experts, expert_order
+from trace_kernels.moe_routing import combine_experts, expert_order, route
 
 from .helpers import triton_device
 
@@ -13,6 +13,39 @@ def _routing(n, k, e, seed):
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(n, e, generator=g) + torch.linspace(0, 3, e)[None]
     return logits.topk(k, -1).indices
+
+
+@pytest.mark.parametrize("n, h, e, k", [(64, 2048, 128, 8), (300, 256, 60, 4), (3, 200, 6, 2), (1, 64, 4, 4),
+                                        (0, 128, 8, 2)])
+def test_route_is_torchs_topk_softmax(n, h, e, k):
+    """Same experts in the same order as torch.topk of the FP32 logits, gates within FP32
+    rounding of torch's softmax (the kernel sums the same exact products in another order). The
+    data keep every row's k-th and (k+1)-th logits apart, as real routers almost always do."""
+    g = torch.Generator().manual_seed(n + h)
+    x = (torch.randn(n, h, generator=g) * 2).bfloat16()
+    w = (torch.randn(e, h, generator=g) / h**0.5).bfloat16().float()  # the engine holds BF16 values in FP32
+    logits = x.float() @ w.T
+    want_top, want_gate = route(x, w, k, backend="torch")
+    assert torch.equal(want_top, logits.topk(k, -1).indices)
+    assert torch.equal(want_gate, torch.softmax(logits.topk(k, -1).values, -1))
+    ranked = logits.sort(-1, descending=True).values
+    clear = (ranked[:, :k - 1] - ranked[:, 1:k]).min(1).values.clamp(max=1) if k > 1 else torch.ones(n)
+    clear = torch.minimum(clear, ranked[:, k - 1] - ranked[:, k]) if k < e else clear
+    dev = triton_device()
+    top, gate = route(x.to(dev), w.to(dev), k, backend="triton")
+    assert top.dtype == torch.int64 and gate.dtype == torch.float32 and top.shape == gate.shape == (n, k)
+    ok = clear > 1e-4  # rows whose order FP32 rounding cannot change
+    assert ok.float().mean() >= 0.95 or n < 4
+    assert torch.equal(top.cpu()[ok], want_top[ok])
+    torch.testing.assert_close(gate.cpu(), want_gate, atol=1e-6, rtol=0)  # equal gates either way round
+
+
+def test_route_refuses_what_does_not_fit():
+    x = torch.zeros(2, 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="do not fit"):
+        route(x, torch.zeros(4, 16), 2)
+    with pytest.raises(ValueError, match="do not fit"):
+        route(x, torch.zeros(4, 32), 5)
 
 
 @pytest.mark.parametrize("n, k, e", [(64, 8, 128), (375, 8, 16), (5, 2, 4), (0, 2, 4), (1, 1, 3)])
