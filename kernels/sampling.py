@@ -41,7 +41,11 @@ def gumbel_argmax(x: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, *, b
                          f"{tuple(keys.shape)}, {tuple(steps.shape)}")
     if bool(((keys < 0) | (keys > MASK32)).any()) or bool((steps < 0).any()):  # where they are: pass host tensors
         raise ValueError("gumbel_argmax: keys must be 32-bit and steps >= 0")
-    keys, steps = keys.to(x.device, torch.int64), steps.to(x.device, torch.int64)
+    if x.is_cuda:  # from pinned memory: a plain copy from pageable memory waits for the device's queue
+        keys, steps = (t.to(x.device, torch.int64) if t.is_cuda else
+                       t.to(torch.int64).pin_memory().to(x.device, non_blocking=True) for t in (keys, steps))
+    else:
+        keys, steps = keys.to(x.device, torch.int64), steps.to(x.device, torch.int64)
     x = x.float().contiguous()
     b, v = x.shape
     if not _use_triton(x, backend):

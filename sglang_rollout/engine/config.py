@@ -21,7 +21,10 @@ class EngineConfig:
     trace_kernels.fp4.cuda_decode where they apply), "torch" or "triton" (Triton only; its kernels
     also run on the CPU under TRITON_INTERPRET=1, slowly: for tests).
     cuda_graph_max_batch: decode steps of up to this many sequences replay CUDA graphs (CUDA
-    only; one graph per batch-size bucket, captured on first use); 0 runs every step eagerly."""
+    only; one graph per batch-size bucket, captured on first use); 0 runs every step eagerly.
+    overlap: once no prompt waits, launch each decode step before taking in the last one's
+    results (its tokens stay on the device), so the host's bookkeeping runs while the GPU
+    computes; the same outputs as without."""
 
     precision: str = "fp4"
     block_size: int = 16
@@ -35,6 +38,7 @@ class EngineConfig:
     device: str = "cpu"
     kernels: str = "auto"
     cuda_graph_max_batch: int = 256
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:

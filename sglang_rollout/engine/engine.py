@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -36,7 +37,7 @@ from megatron_trace.rollout import (
 from .config import EngineConfig
 from .kv_cache import PagedKVCache
 from .model import DecodeGraph, ModelRunner, Segment, map_rows, rows_per_token
-from .sampler import sample_key, sample_rows
+from .sampler import check_drawn, draw_rows, sample_key
 from .sequence import Sequence, Status
 from .weights import EngineWeights
 
@@ -52,6 +53,46 @@ def _host_array(t: torch.Tensor) -> np.ndarray:
 def _host_tensor(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     t = torch.from_numpy(a)
     return t.view(dtype) if dtype == torch.bfloat16 else t
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of a device tensor started without waiting (into pinned memory; complete
+    once an event recorded after it fires); host tensors as they are."""
+    if not t.is_cuda:
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return out.copy_(t, non_blocking=True)
+
+
+def _from_pinned(t: torch.Tensor) -> torch.Tensor:
+    """A pageable copy of a pinned host tensor, so that sequences do not hold pinned memory."""
+    return t.clone() if t.is_pinned() else t
+
+
+def _device_index(values: list[int], device) -> torch.Tensor:
+    """int64 [len(values)] on `device`, copied without a host synchronisation (a plain copy from
+    pageable memory waits for the device's queue)."""
+    t = torch.tensor(values, dtype=torch.int64)
+    return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t
+
+
+@dataclass
+class _Step:
+    """A launched forward whose results the host has not taken in: its owners (a Sequence, or
+    the _PromptJob whose prompt it prefills) and their new-token counts, the draws made from its
+    logits ((row, sequence)), the drawn tokens on the device (the next step's input), and host
+    copies in flight (drawn tokens and log-probs float64 [2, draws], routed experts [N, layers,
+    top_k], captured rows), complete once `done` fires (CUDA)."""
+
+    owners: list
+    sizes: list[int]
+    draws: list[tuple[int, Sequence]]
+    tokens: torch.Tensor | None
+    drawn: torch.Tensor | None
+    routed: torch.Tensor
+    captured: dict
+    done: object
+    decode_only: bool
 
 
 class _PromptJob:
@@ -213,56 +254,121 @@ class TraceEngine:
             seq.block_table += self.cache.allocator.allocate(need)
 
     def _run(self, jobs, sampling, guidance, results) -> None:
+        """Steps until every admitted job's samples finish. With `config.overlap`, once no prompt
+        waits, each decode step is launched before the host takes in the previous one's results:
+        its input tokens are the previous step's draws, still on the device, and the GPU runs
+        while the host does its bookkeeping. The batches, tokens and records are the same."""
         running: list[Sequence] = []  # samples decoding (or feeding their last token)
-        while jobs or running:
-            segments, owners = [], []
-            for seq in running:
-                self._ensure_blocks(seq, seq.num_tokens)
-                segments.append(Segment([seq.tokens[-1]], seq.num_tokens - 1, seq.block_table))
-                owners.append(seq)
-            budget = self.config.max_batch_tokens - len(segments)
-            while jobs and len(jobs[0].prompt.tokens) <= budget and \
-                    self._committed + jobs[0].blocks <= self._capacity:
-                job = jobs.popleft()
-                self._committed += job.blocks
-                self._ensure_blocks(job.prompt, job.prompt.num_tokens)
-                segments.append(Segment(job.prompt.tokens, 0, job.prompt.block_table))
-                owners.append(job)
-                budget -= job.prompt.num_tokens
-            if not segments:  # _check_request keeps every job admissible into an empty engine
-                raise RuntimeError("the scheduler found no work it could run")
-            prefill = any(isinstance(o, _PromptJob) for o in owners)
-            graph = None if prefill else self._decode_graph(len(segments))
-            if graph is not None:
-                logits, captured, routed = graph.run(segments)
+        pending: _Step | None = None  # launched, results not taken in yet
+        while jobs or running or pending is not None:
+            if pending is None:
+                pending = self._launch(running, jobs, sampling)
+                continue
+            ahead = None
+            if self.config.overlap and pending.decode_only and not jobs:
+                # what the host would schedule next: the samples still running after `pending`
+                # (those finishing there feed their last token next, as in the serial loop)
+                follow = [seq for _, seq in pending.draws if seq.status is Status.RUNNING]
+                ahead = self._launch(follow, jobs, sampling, after=pending) if follow else None
+            running = self._take(pending, sampling, guidance, results)
+            pending = ahead
+
+    def _launch(self, seqs: list[Sequence], jobs, sampling: SamplingParams, after: _Step | None = None) -> _Step:
+        """Schedule a step (the running samples' next tokens, then the waiting prompts the token
+        budget and the cache admit), run its forward and draw from its logits, all without
+        waiting for the device; the results come back as host copies in flight. `after`: the
+        step whose draws are `seqs`' input tokens, not yet taken in (no prompt is admitted then)."""
+        lag = after is not None  # each sequence's latest token is still on the device
+        segments, owners = [], []
+        for seq in seqs:
+            n = seq.num_tokens + lag
+            self._ensure_blocks(seq, n)
+            segments.append(Segment([0 if lag else seq.tokens[-1]], n - 1, seq.block_table))
+            owners.append(seq)
+        budget = self.config.max_batch_tokens - len(segments)
+        while not lag and jobs and len(jobs[0].prompt.tokens) <= budget and \
+                self._committed + jobs[0].blocks <= self._capacity:
+            job = jobs.popleft()
+            self._committed += job.blocks
+            self._ensure_blocks(job.prompt, job.prompt.num_tokens)
+            segments.append(Segment(job.prompt.tokens, 0, job.prompt.block_table))
+            owners.append(job)
+            budget -= job.prompt.num_tokens
+        if not segments:  # _check_request keeps every job admissible into an empty engine
+            raise RuntimeError("the scheduler found no work it could run")
+        ids = None
+        if lag:  # the draws of `after` that these sequences made, in this step's order
+            ids = after.tokens
+            if len(seqs) < len(after.draws):
+                row = {id(seq): i for i, (_, seq) in enumerate(after.draws)}
+                ids = ids[_device_index([row[id(seq)] for seq in seqs], ids.device)]
+        decode_only = not any(isinstance(o, _PromptJob) for o in owners)
+        graph = self._decode_graph(len(segments)) if decode_only else None
+        if graph is not None:
+            logits, captured, routed = graph.run(segments, ids)
+        else:
+            logits, captured, routed = self.runner.forward(segments, self.guided_layers, codes=self._capture_codes,
+                                                           ids=ids)
+        draws = []  # (logits row, sequence that samples from it)
+        for i, owner in enumerate(owners):
+            if isinstance(owner, _PromptJob):  # its samples draw their first tokens from the prompt's logits
+                draws += [(i, child) for child in owner.children]
+            elif owner.status is Status.RUNNING:
+                draws.append((i, owner))
+        tokens = drawn = None
+        if draws:
+            rows = [i for i, _ in draws]
+            picked = logits[:len(rows)] if rows == list(range(len(rows))) else logits[_device_index(rows, logits.device)]
+            tokens, logps = draw_rows(picked, sampling, [seq.key for _, seq in draws],
+                                      [len(seq.response) + lag for _, seq in draws], backend=self.runner.backend)
+            drawn = _to_host(torch.stack([tokens.double(), logps.double()]))  # ids < 2**53: exact
+        # routed experts of every layer as one [tokens, layers, top_k] copy a step, and one slice
+        # per sequence (per-layer slices cost 19 ms a step at 48 layers)
+        routed = _to_host(torch.stack([routed[layer] for layer in range(self.cfg.num_layers)], 1))
+        captured = {key: map_rows(_to_host, rows) for key, rows in captured.items()}  # one copy per layer and site
+        done = None
+        if logits.is_cuda:
+            done = torch.cuda.Event()
+            done.record()
+        return _Step(owners, [len(seg.token_ids) for seg in segments], draws, tokens, drawn, routed, captured, done,
+                     decode_only)
+
+    def _take(self, step: _Step, sampling: SamplingParams, guidance, results) -> list[Sequence]:
+        """Take in a launched step's results (waiting for its copies): routed experts and
+        captured rows to their sequences, prompts forked into their samples, fed-out samples
+        finished, drawn tokens appended. Returns the samples that run (or feed) next."""
+        if step.done is not None:
+            step.done.synchronize()
+        routed = _from_pinned(step.routed)
+        captured = {key: map_rows(_from_pinned, rows) for key, rows in step.captured.items()}
+        pieces = self._split_rows(captured, step.sizes)
+        offset, running = 0, []
+        for i, (m, owner) in enumerate(zip(step.sizes, step.owners)):
+            seq = owner.prompt if isinstance(owner, _PromptJob) else owner
+            seq.experts.append(routed[offset:offset + m])
+            if pieces:
+                seq.rows.append({key: parts[i] for key, parts in pieces.items()})
+            offset += m
+            if isinstance(owner, _PromptJob):
+                running += self._fork(owner, guidance)
+            elif seq.status is Status.FINISHED:  # its last token is now fed
+                self._finish(seq, results, guidance)
             else:
-                logits, captured, routed = self.runner.forward(segments, self.guided_layers, codes=self._capture_codes)
-            # one device-to-host copy per layer and site, not one per sequence
-            captured = {key: map_rows(torch.Tensor.cpu, rows) for key, rows in captured.items()}
-            # routed experts of every layer as one [tokens, layers, top_k] host tensor: one copy
-            # a step, and one slice per sequence (per-layer slices cost 19 ms a step at 48 layers)
-            routed = torch.stack([routed[layer] for layer in range(self.cfg.num_layers)], 1).cpu()
-            sizes = [len(seg.token_ids) for seg in segments]
-            pieces = self._split_rows(captured, sizes)
-            offset = 0
-            next_running, draws = [], []  # draws: (logits row, sequence that samples from it)
-            for i, (m, owner) in enumerate(zip(sizes, owners)):
-                seq = owner.prompt if isinstance(owner, _PromptJob) else owner
-                seq.experts.append(routed[offset:offset + m])
-                if pieces:
-                    seq.rows.append({key: parts[i] for key, parts in pieces.items()})
-                offset += m
-                if isinstance(owner, _PromptJob):
-                    children = self._fork(owner, guidance)
-                    next_running += children
-                    draws += [(i, child) for child in children]
-                elif seq.status is Status.FINISHED:  # its last token is now fed
-                    self._finish(seq, results, guidance)
-                else:
-                    next_running.append(seq)
-                    draws.append((i, seq))
-            self._sample(logits, draws, sampling)
-            running = next_running
+                running.append(seq)
+        if step.draws:
+            # a sample that finished in the step before was drawn for too (launched ahead): dropped
+            live = {id(seq) for seq in running}
+            kept = [(seq, int(t), float(lp)) for (_, seq), t, lp in zip(step.draws, *step.drawn.tolist())
+                    if id(seq) in live]
+            check_drawn([lp for _, _, lp in kept], len(step.draws))
+            for seq, token, logp in kept:
+                seq.tokens.append(token)
+                seq.logprobs.append(logp)
+                if token in sampling.stop_token_ids:
+                    seq.status, seq.finish_reason = Status.FINISHED, "stop"
+                elif len(seq.response) >= sampling.max_new_tokens:
+                    seq.status, seq.finish_reason = Status.FINISHED, "length"
+        return running
 
     def _decode_graph(self, batch: int) -> DecodeGraph | None:
         """The CUDA graph for a decode step of `batch` sequences (the smallest bucket that holds
@@ -326,22 +432,6 @@ class TraceEngine:
             child.num_cached, child.status = prompt.num_tokens, Status.RUNNING
         self.cache.allocator.release(prompt.block_table)
         return job.children
-
-    def _sample(self, logits, draws, sampling: SamplingParams) -> None:
-        """Every (logits row, sequence) of the step sampled at once on the logits' device; each
-        sequence then takes its token, finishing on a stop token or at max_new_tokens."""
-        if not draws:
-            return
-        rows = torch.tensor([i for i, _ in draws], device=logits.device)
-        tokens, logps = sample_rows(logits[rows], sampling, [seq.key for _, seq in draws],
-                                    [len(seq.response) for _, seq in draws], backend=self.runner.backend)
-        for (_, seq), token, logp in zip(draws, tokens, logps):
-            seq.tokens.append(token)
-            seq.logprobs.append(logp)
-            if token in sampling.stop_token_ids:
-                seq.status, seq.finish_reason = Status.FINISHED, "stop"
-            elif len(seq.response) >= sampling.max_new_tokens:
-                seq.status, seq.finish_reason = Status.FINISHED, "length"
 
     def _finish(self, seq: Sequence, results, guidance) -> None:
         self.cache.allocator.release(seq.block_table)

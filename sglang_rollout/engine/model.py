@@ -147,8 +147,10 @@ class ModelRunner:
 
     @torch.no_grad()
     def forward(self, segments: list[Segment], capture_layers=frozenset(), all_logits: bool = False,
-                codes: bool = False):
-        """Run the segments; write their K/V into the cache.
+                codes: bool = False, ids: torch.Tensor | None = None):
+        """Run the segments; write their K/V into the cache. `ids` (int64 [N] on the model's
+        device), if given, are the new tokens in place of the segments' token_ids: tokens a
+        previous step drew and the host has not seen yet.
 
         Returns:
             logits float32 [len(segments), V] (each segment's last token) or [N, V] (all_logits),
@@ -158,6 +160,10 @@ class ModelRunner:
             routed experts {layer: int64 [N, top_k]}.
         """
         batch = _Batch(segments, self.cache.block_size, self.w.device)  # index tensors built once per forward
+        if ids is not None:
+            if ids.shape != batch.ids.shape:
+                raise ValueError(f"forward: ids {tuple(ids.shape)} for {batch.ids.numel()} new tokens")
+            batch.ids = ids
         return self.forward_batch(batch, capture_layers, all_logits, codes)
 
     def forward_batch(self, batch, capture_layers=frozenset(), all_logits: bool = False, codes: bool = False):
@@ -341,16 +347,20 @@ class DecodeGraph:
         with torch.cuda.graph(self.graph, pool=pool):
             self.logits, self.captured, self.routed = runner.forward_batch(self, capture_layers, codes=codes)
 
-    def run(self, segments: list[Segment]):
-        """`ModelRunner.forward` of one decode step of these sequences: (logits [n, V], captured
-        rows, routed experts), views of the static outputs; fewer than batch_size sequences are
-        padded with the scratch block."""
+    def run(self, segments: list[Segment], ids: torch.Tensor | None = None):
+        """`ModelRunner.forward` of one decode step of these sequences (`ids` as there):
+        (logits [n, V], captured rows, routed experts), views of the static outputs; fewer than
+        batch_size sequences are padded with the scratch block."""
         n, cfg = len(segments), self.runner.cfg
         self._copied.synchronize()  # the previous step's copies have read the host buffers
         self.inputs.fill(segments)
         for name, t in self.inputs.tensors.items():
             getattr(self, name).copy_(t, non_blocking=True)
         self._copied.record()
+        if ids is not None:
+            if ids.shape != (n,):
+                raise ValueError(f"DecodeGraph.run: ids {tuple(ids.shape)} for {n} sequences")
+            self.ids[:n].copy_(ids)
         self.graph.replay()
         captured = {(layer, site): map_rows(lambda t, r=n * rows_per_token(cfg, site): t[:r], rows)
                     for (layer, site), rows in self.captured.items()}

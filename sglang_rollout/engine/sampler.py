@@ -40,12 +40,10 @@ def allowed_logits(scaled: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return scaled
 
 
-def sample_rows(logits: torch.Tensor, params: SamplingParams, keys: list[int], steps: list[int],
-                backend: str = "auto") -> tuple[list[int], list[float]]:
-    """A token for each row of logits (float [B, V]) and its log-probability under
-    softmax(logits / temperature) (the full distribution, before top-k / top-p): two host lists.
-    Row b draws from the stream of keys[b] at its steps[b]-th token; temperature 0 is greedy.
-    Raises ValueError naming the rows whose logits hold NaN."""
+def draw_rows(logits: torch.Tensor, params: SamplingParams, keys: list[int], steps: list[int],
+              backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_rows` left on the logits' device, with no host synchronisation: (tokens int64 [B],
+    log-probabilities float32 [B]); NaN log-probabilities mark rows whose logits hold NaN."""
     logits = logits.float()
     if params.temperature == 0:
         scaled = logits
@@ -55,9 +53,23 @@ def sample_rows(logits: torch.Tensor, params: SamplingParams, keys: list[int], s
         # streams built on the host: gumbel_argmax checks them there, without a device sync
         tokens = gumbel_argmax(allowed_logits(scaled, params), torch.tensor(keys, dtype=torch.int64),
                                torch.tensor(steps, dtype=torch.int64), backend=backend)
-    logp = torch.log_softmax(scaled, -1).gather(-1, tokens[:, None])[:, 0]
-    both = torch.stack([tokens.double(), logp.double()]).cpu()  # one copy to the host (ids < 2**53: exact)
-    bad = torch.isnan(both[1]).nonzero()[:, 0].tolist()
+    return tokens, torch.log_softmax(scaled, -1).gather(-1, tokens[:, None])[:, 0]
+
+
+def check_drawn(logps: list[float], rows: int) -> None:
+    """Raise ValueError naming the drawn rows whose log-probability is NaN (their logits held NaN)."""
+    bad = [i for i, v in enumerate(logps) if v != v]
     if bad:  # NaN logits: the model's output is broken, a token drawn from it would mean nothing
-        raise ValueError(f"sample_rows: rows {bad[:8]} of the logits hold NaN (of {logits.shape[0]} rows)")
+        raise ValueError(f"sample_rows: rows {bad[:8]} of the logits hold NaN (of {rows} rows)")
+
+
+def sample_rows(logits: torch.Tensor, params: SamplingParams, keys: list[int], steps: list[int],
+                backend: str = "auto") -> tuple[list[int], list[float]]:
+    """A token for each row of logits (float [B, V]) and its log-probability under
+    softmax(logits / temperature) (the full distribution, before top-k / top-p): two host lists.
+    Row b draws from the stream of keys[b] at its steps[b]-th token; temperature 0 is greedy.
+    Raises ValueError naming the rows whose logits hold NaN."""
+    tokens, logp = draw_rows(logits, params, keys, steps, backend)
+    both = torch.stack([tokens.double(), logp.double()]).cpu()  # one copy to the host (ids < 2**53: exact)
+    check_drawn(both[1].tolist(), logits.shape[0])
     return both[0].long().tolist(), both[1].float().tolist()

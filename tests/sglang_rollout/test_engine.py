@@ -231,6 +231,34 @@ def test_trainer_follows_the_engine_with_guidance(sd):
     assert gap["trace"] < 1e-3, gap  # measured 5e-7: the same codes everywhere
 
 
+@pytest.mark.parametrize("precision, guide", [("bf16", "none"), ("fp4", "all")])
+def test_overlapped_steps_give_the_serial_engines_outputs(sd, precision, guide, monkeypatch):
+    """Launching each decode step before the last one's results are taken in (config.overlap)
+    changes when the host learns of a stop, not what runs: the same tokens, log-probs, finish
+    reasons and guidance bytes. Stops land at many steps; g2's prompt waits for the token budget
+    (steps run serially until it is admitted)."""
+    reqs = REQUESTS + [GroupRequest("g2", tuple(range(20, 50)), n=4)]
+    params = SamplingParams(max_new_tokens=9, seed=5, temperature=1.0, stop_token_ids=tuple(range(3, 256, 7)))
+    ahead = []
+    launch = TraceEngine._launch
+    monkeypatch.setattr(TraceEngine, "_launch", lambda self, *a, after=None, **k: ahead.append(after is not None)
+                        or launch(self, *a, after=after, **k))
+    outs = {}
+    for overlap in (False, True):
+        ahead.clear()
+        e = engine(sd, precision, guide=guide, overlap=overlap, max_batch_tokens=32)
+        outs[overlap] = e.generate(reqs, params)
+        assert any(ahead) == overlap and not all(ahead)
+        assert e.cache.allocator.num_free == 128  # every block returned
+    serial, overlapped = outs[False], outs[True]
+    reasons = {s.finish_reason for s in serial.samples}
+    assert reasons == {"stop", "length"} and len({len(s.tokens) for s in serial.samples}) > 2
+    for a, b in zip(serial.samples, overlapped.samples, strict=True):
+        assert (a.tokens, a.finish_reason) == (b.tokens, b.finish_reason)
+        assert torch.equal(a.logprobs, b.logprobs)
+    assert serial.guidance.to_bytes() == overlapped.guidance.to_bytes()
+
+
 def test_triton_kernels_decode_like_the_torch_path(sd):
     """The GPU path (FP4 GEMMs, paged FP4 decode attention; here under the Triton interpreter)
     against the torch path: same greedy tokens, log-probs within accumulation-order noise."""
