@@ -15,6 +15,7 @@ scales), the FP4 cache 4.5 bits per element + 4 bytes per (token, head).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import json
@@ -182,7 +183,9 @@ def write_record(rows, profiles, args, cfg, gpu) -> None:
              "graph (what the engine does), and tokens/s counts the host's preparation of the step too; "
              "`replay alone` is the graph replay timed with CUDA events, the GPU's share. `generate` is "
              "a whole `engine.generate` call (`--generate batch:prompt:new`, GRPO groups of 8, temperature 1): "
-             "prefill, scheduling and sampling included; its context is the prompt plus half the new tokens.", "",
+             "prefill, scheduling and sampling included; its context is the prompt plus half the new tokens. "
+             "`generate_serial` is the same call with `EngineConfig.overlap` off: each step's results taken in "
+             "before the next step is launched.", "",
              "| precision | batch | context | decode | tokens/s | replay alone | floor tokens/s | floor / measured |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -207,7 +210,7 @@ def plot(rows, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in rows if r["mode"] != "generate"]
+    rows = [r for r in rows if not r["mode"].startswith("generate")]
     contexts = sorted({r["context"] for r in rows})
     fig, axes = plt.subplots(1, len(contexts), figsize=(5.5 * len(contexts), 4.2), squeeze=False)
     for ax, context in zip(axes[0], contexts):
@@ -347,17 +350,22 @@ def main() -> None:
                     write_record(rows, profiles, args, cfg, gpu)
         if generate:
             batch, prompt_len, new_tokens = generate
-            seconds, generated = time_generate(engine, cfg, batch, prompt_len, new_tokens)
             context = prompt_len + new_tokens // 2
-            r = {"precision": precision, "batch": batch, "context": context, "gpu": gpu, "mode": "generate",
-                 "date": datetime.date.today().isoformat(), "model": args.model, "layers": cfg.num_layers,
-                 "tokens_per_s": generated / seconds, "step_s": seconds, "new_tokens": new_tokens,
-                 "floor_tokens_per_s": batch / floor_seconds(cfg, batch, context, precision == "fp4", args.bandwidth)}
-            rows.append(r)
-            print(f"{precision:5s} batch {batch:4d} context {context:5d} generate  : {r['tokens_per_s']:10.1f} "
-                  f"tokens/s ({generated} tokens in {seconds:.2f} s, prompts of {prompt_len})", flush=True)
-            if args.record:
-                write_record(rows, profiles, args, cfg, gpu)
+            # the engine as it runs (overlapped steps), then with each step's results taken in
+            # before the next is launched: the host's share that overlap hides
+            for mode, overlap in (("generate", True), ("generate_serial", False)):
+                engine.config = dataclasses.replace(engine.config, overlap=overlap)
+                seconds, generated = time_generate(engine, cfg, batch, prompt_len, new_tokens)
+                r = {"precision": precision, "batch": batch, "context": context, "gpu": gpu, "mode": mode,
+                     "date": datetime.date.today().isoformat(), "model": args.model, "layers": cfg.num_layers,
+                     "tokens_per_s": generated / seconds, "step_s": seconds, "new_tokens": new_tokens,
+                     "floor_tokens_per_s": batch / floor_seconds(cfg, batch, context, precision == "fp4",
+                                                                 args.bandwidth)}
+                rows.append(r)
+                print(f"{precision:5s} batch {batch:4d} context {context:5d} {mode:10s}: {r['tokens_per_s']:10.1f} "
+                      f"tokens/s ({generated} tokens in {seconds:.2f} s, prompts of {prompt_len})", flush=True)
+                if args.record:
+                    write_record(rows, profiles, args, cfg, gpu)
         del engine, step_fn  # step_fn may be engine.runner.forward, which keeps the weights and cache alive
         gc.collect()
         if cuda:

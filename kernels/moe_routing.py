@@ -40,6 +40,7 @@ BLOCK = 1024  # rows per loop step of the order kernel
 # Router logits: tiles of ROUTE_BT tokens x ROUTE_BE experts, H in steps of ROUTE_BH, split over
 # H until about ROUTE_PROGRAMS programs run (a decode batch has few token tiles).
 ROUTE_BT, ROUTE_BE, ROUTE_BH, ROUTE_PROGRAMS = 16, 32, 128, 128
+TOPK_BT = 2  # tokens per top-k program: k rounds of reductions are a serial chain, so many small programs
 
 
 def route(h: torch.Tensor, weight: torch.Tensor, k: int, *, backend: str = "auto"):
@@ -67,10 +68,9 @@ def route(h: torch.Tensor, weight: torch.Tensor, k: int, *, backend: str = "auto
     part = torch.empty((splits, n, e), dtype=torch.float32, device=h.device)
     _router_logits_kernel[blocks + (splits,)](h.contiguous(), weight.contiguous(), part, n, e, hidden, STEPS=steps // splits,
                                               BT=ROUTE_BT, BE=ROUTE_BE, BH=ROUTE_BH, INTERPRET=_interpreting())
-    _topk_softmax_kernel[(triton.cdiv(n, ROUTE_BT),)](part, top, gate, n, e, SPLITS=splits, K=k,
-                                                      K_PAD=triton.next_power_of_2(k),
-                                                      E_PAD=triton.next_power_of_2(e), BT=ROUTE_BT,
-                                                      INTERPRET=_interpreting())
+    _topk_softmax_kernel[(triton.cdiv(n, TOPK_BT),)](part, top, gate, n, e, SPLITS=splits, K=k,
+                                                     K_PAD=triton.next_power_of_2(k), E_PAD=triton.next_power_of_2(e),
+                                                     BT=TOPK_BT, INTERPRET=_interpreting(), num_warps=1)
     return top, gate
 
 

@@ -128,6 +128,107 @@ fp4_grouped_gemm(const u16 *__restrict__ x, const u8 *__restrict__ codes, const 
       }
 }
 
+// Dense layers at decode sizes: y = x @ dequantize(W)^T for up to 64 rows of x per program, so a
+// weight element is dequantized once for all of them (the grouped kernel's 16-row tiles dequantize
+// it once per tile, four times at batch 64). Grid (cdiv(M, 64), cdiv(N, 64), splits), 4 warps of
+// 16 output features (one m16 tile) each. Per 128-wide K chunk a warp dequantizes its 16 x 128
+// weights into MMA fragments (the same K order per lane as `fp4_grouped_gemm`), then multiplies
+// them with up to eight n8 tiles of x rows, which it loads two k-steps (16 bytes a row) at a time.
+// The per-output sums run in the same order as `fp4_grouped_gemm`'s: K chunks in order, then the
+// k-steps of a chunk; split partial products go to y32 for `sum_splits`.
+#ifndef DENSE_MIN_BLOCKS
+#define DENSE_MIN_BLOCKS 1
+#endif
+#define DENSE_ROWS 64
+
+struct DenseChunk {
+  uint4 w[2];  // weight rows g, g + 8 of the warp's m-tile: K elements [32t, 32t + 32) of the chunk
+  u32 s[2];    // their two scale bytes (blocks 2t, 2t + 1)
+};
+
+__device__ __forceinline__ void load_dense_chunk(DenseChunk &c, const u8 *__restrict__ wc, const u8 *__restrict__ ws,
+                                                 int K, int chunk, int g, int t) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const u64 row = g + 8 * h;
+    c.w[h] = *reinterpret_cast<const uint4 *>(wc + row * (K / 2) + 64 * chunk + 16 * t);
+    c.s[h] = *reinterpret_cast<const u16 *>(ws + row * (K / 16) + 8 * chunk + 2 * t);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(128, DENSE_MIN_BLOCKS)
+fp4_dense_gemm(const u16 *__restrict__ x, const u8 *__restrict__ codes, const u8 *__restrict__ scales,
+               const float *__restrict__ gs, u16 *__restrict__ y, float *__restrict__ y32, int M, int N, int K,
+               int splits) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int r0 = blockIdx.x * DENSE_ROWS, n0 = blockIdx.y * 64 + 16 * warp;  // first row, first feature
+  if (n0 >= N) return;
+  const int tiles = (min(DENSE_ROWS, M - r0) + 7) / 8;  // n8 tiles of rows, the same for the whole program
+  const float gscale = gs[0];
+  const u8 *wc = codes + (u64)n0 * (K / 2);
+  const u8 *ws = scales + (u64)n0 * (K / 16);
+
+  float acc[8][4];  // n-tile j: features n0 + g (+8) x rows r0 + 8j + 2t (+1)
+#pragma unroll
+  for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+
+  const int per_split = K / 128 / splits, first = blockIdx.z * per_split, chunks = first + per_split;
+  DenseChunk cur, nxt;
+  load_dense_chunk(cur, wc, ws, K, first, g, t);
+  for (int c = first; c < chunks; ++c) {
+    if (c + 1 < chunks) load_dense_chunk(nxt, wc, ws, K, c + 1, g, t);
+    u32 wb[2][16];  // rows g, g + 8: the chunk's K elements [32t, 32t + 32) as bf16 pairs
+    {
+      float sc[4];
+      e4m3x2_to_f32(cur.s[0], sc[0], sc[1]);
+      e4m3x2_to_f32(cur.s[1], sc[2], sc[3]);
+      const float gs4[4] = {gscale, gscale, gscale, gscale};
+      Fp4Table tb[4];
+      fp4_tables(sc, gs4, tb);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const u32 words[4] = {cur.w[h].x, cur.w[h].y, cur.w[h].z, cur.w[h].w};
+#pragma unroll
+        for (int w = 0; w < 4; ++w) dequant_word(words[w], tb[2 * h + (w >> 1)], wb[h] + 4 * w);
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {  // K elements [32t + 8q, + 8) of the chunk: k-steps 2q, 2q + 1
+      u32 xb[8][4];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int row = r0 + 8 * j + g;
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (j < tiles && row < M) v = *reinterpret_cast<const uint4 *>(x + (u64)row * K + 128 * c + 32 * t + 8 * q);
+        xb[j][0] = v.x; xb[j][1] = v.y; xb[j][2] = v.z; xb[j][3] = v.w;
+      }
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk) {
+        const int k = 2 * q + kk;
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          if (j < tiles)
+            mma_bf16(acc[j], wb[0][2 * k], wb[1][2 * k], wb[0][2 * k + 1], wb[1][2 * k + 1], xb[j][2 * kk],
+                     xb[j][2 * kk + 1]);
+      }
+    }
+    cur = nxt;
+  }
+
+  float *part = y32 + (u64)blockIdx.z * M * N;
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = r0 + 8 * j + 2 * t + (e & 1), feature = n0 + g + 8 * (e >> 1);
+      if (j >= tiles || row >= M) continue;
+      if (splits == 1)
+        y[(u64)row * N + feature] = to_bf16(acc[j][e]);
+      else
+        part[(u64)row * N + feature] = acc[j][e];
+    }
+}
+
 // y = bf16(sum of the `splits` FP32 partial products [splits, mn], in split order), with
 // `residual` (bf16 [mn]) then added when has_residual, as torch adds two BF16 tensors: in FP32, rounded.
 extern "C" __global__ void __launch_bounds__(256)
