@@ -4,8 +4,7 @@
 - `split_attention` (fp4_decode_attention.cu): what `paged_attention._split_kernel` computes for
   an FP4 KV cache, the same partial (o, m, l) rows for the same combine kernel.
 - `grouped_linear` (fp4_grouped_gemm.cu): what `linear._fp4_grouped_kernel` computes for tiles of
-  up to 16 rows, for the MoE experts; `dense_linear`, the same product for a dense layer, up to
-  64 rows a program (each weight dequantized once for them).
+  up to 16 rows, for the MoE experts and (one expert) dense layers.
 
 Both dequantize to the same BF16 values as `dequantize`, bit for bit (a per-block table looked
 up with byte permutes, fp4_mma.cuh), and build the MMA fragments in registers straight from the
@@ -28,11 +27,10 @@ import torch
 KERNEL_DIR = Path(__file__).parent
 HEAD_DIM = 128
 MAX_GROUP = 16
-GEMM_ROWS = 16  # rows of x per grouped-GEMM tile (two n8 MMA tiles)
-DENSE_ROWS = 64  # rows of x per dense-GEMM program (eight n8 MMA tiles)
+GEMM_ROWS = 16  # rows of x per GEMM tile (two n8 MMA tiles)
 # __launch_bounds__ minBlocks of each kernel (caps registers at 65536 / (threads * min_blocks));
 # bench/decode_kernels.py --sweep tries others.
-LAUNCH = {"attention_min_blocks": 12, "gemm_min_blocks": 4, "dense_min_blocks": 3}
+LAUNCH = {"attention_min_blocks": 12, "gemm_min_blocks": 4}
 
 
 @functools.cache
@@ -139,51 +137,21 @@ def grouped_linear(x, codes, scales, g, tiles, num_tiles: int, out: torch.Tensor
     FP32, rounded again: torch's BF16 add), in the split-sum kernel when splits > 1."""
     m, k = x.shape
     n = codes.shape[1]
-    _check_split(splits, k, residual, m, n)
-    y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device) if out is None else out
-    if not (m and num_tiles):
-        return y if residual is None else residual + y
-    return _split_k_launch("fp4_grouped_gemm", x, [x, codes, scales, g, tiles], y, (num_tiles, (n + 127) // 128),
-                           splits, residual, MIN_BLOCKS=LAUNCH["gemm_min_blocks"])
-
-
-def dense_linear(x, codes, scales, g, splits: int = 1, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """y [M, N] bf16 = x @ dequantize(W)^T for one dense NVFP4 weight: x bf16 [M, K], codes uint8
-    [N, K/2], scales uint8 (E4M3 bits) [N, K/16], g float32 [1]. Up to DENSE_ROWS rows of x per
-    program (`fp4_dense_gemm`), so each weight element is dequantized once per 64 rows; splits and
-    residual as `grouped_linear`."""
-    m, k = x.shape
-    n = codes.shape[0]
-    _check_split(splits, k, residual, m, n)
-    y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
-    if not m:
-        return y if residual is None else residual + y
-    return _split_k_launch("fp4_dense_gemm", x, [x, codes, scales, g], y,
-                           ((m + DENSE_ROWS - 1) // DENSE_ROWS, (n + 63) // 64), splits, residual,
-                           DENSE_MIN_BLOCKS=LAUNCH["dense_min_blocks"])
-
-
-def _check_split(splits: int, k: int, residual, m: int, n: int) -> None:
     if splits < 1 or (k // 128) % splits:
-        raise ValueError(f"FP4 GEMM: {splits} splits do not divide K={k} into 128-wide chunks")
+        raise ValueError(f"grouped_linear: {splits} splits do not divide K={k} into 128-wide chunks")
     if residual is not None and (residual.shape != (m, n) or residual.dtype != torch.bfloat16):
-        raise ValueError(f"FP4 GEMM: residual must be bfloat16 [{m}, {n}], got {residual.dtype} "
+        raise ValueError(f"grouped_linear: residual must be bfloat16 [{m}, {n}], got {residual.dtype} "
                          f"{tuple(residual.shape)}")
-
-
-def _split_k_launch(name: str, x, inputs: list, y, grid_mn: tuple[int, int], splits: int, residual, **defines):
-    """Launch GEMM kernel `name` (its arguments: inputs, y, the FP32 partials, M, N, K, splits)
-    over grid_mn x splits; with splits > 1 the partial products are summed in a fixed order (no
-    atomics), cast and added to the residual by `sum_splits`, one kernel."""
-    m, k = x.shape
-    n = y.shape[1]
+    y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device) if out is None else out
     part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else y
-    args = inputs + [y, part]
-    _check_contiguous(name, args)
-    _launch("fp4_grouped_gemm.cu", name, x, grid_mn + (splits,), (128, 1, 1), args + [m, n, k, splits], **defines)
-    if splits == 1:
-        return y if residual is None else residual + y
-    res = residual.contiguous() if residual is not None else y
-    _launch("fp4_grouped_gemm.cu", "sum_splits", x, ((m * n + 255) // 256, 1, 1), (256, 1, 1),
-            [part, res, y, m * n, splits, int(residual is not None)])
-    return y
+    args = [x, codes, scales, g, tiles, y, part]
+    _check_contiguous("grouped_linear", args)
+    if m and num_tiles:
+        _launch("fp4_grouped_gemm.cu", "fp4_grouped_gemm", x, (num_tiles, (n + 127) // 128, splits), (128, 1, 1),
+                args + [m, n, k, splits], MIN_BLOCKS=LAUNCH["gemm_min_blocks"])
+        if splits > 1:  # one kernel: the partial sums in a fixed order (no atomics), the cast, the residual
+            res = residual.contiguous() if residual is not None else y
+            _launch("fp4_grouped_gemm.cu", "sum_splits", x, ((m * n + 255) // 256, 1, 1), (256, 1, 1),
+                    [part, res, y, m * n, splits, int(residual is not None)])
+            return y
+    return y if residual is None else residual + y

@@ -13,6 +13,7 @@ Shapes: x [M, K] bf16, W [N, K] (codes uint8 [N, K/2], scales e4m3 [N, K/16], g 
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -48,12 +49,12 @@ def fp4_linear(x: torch.Tensor, w: QTensor, *, residual: torch.Tensor | None = N
         raise ValueError(f"fp4_linear: residual must be bfloat16 [{m}, {n}], got {residual.dtype} "
                          f"{tuple(residual.shape)}")
     use_cuda = _use_cuda(x, n, k, m <= DENSE_CUDA_ROWS, backend)
-    if use_cuda:  # up to 64 rows a program, K split for enough programs
-        programs = triton.cdiv(m, cuda_decode.DENSE_ROWS) * triton.cdiv(n, 64)
-        return cuda_decode.dense_linear(x.contiguous(), w.codes, w.block_scales.view(torch.uint8),
-                                        w.global_scale.reshape(1).float(),
-                                        splits=_k_splits(programs, k // 128, x.device, per_sm=CUDA_PROGRAMS_PER_SM),
-                                        residual=residual)
+    if use_cuda:  # one "expert" whose tiles are the rows' blocks of 16, K split for enough programs
+        tiles = triton.cdiv(m, cuda_decode.GEMM_ROWS)
+        return cuda_decode.grouped_linear(x.contiguous(), w.codes[None], w.block_scales.view(torch.uint8)[None],
+                                          w.global_scale.reshape(1).float(), _dense_tiles(m, x.device), tiles,
+                                          splits=_k_splits(tiles * triton.cdiv(n, 128), k // 128, x.device,
+                                                           per_sm=CUDA_PROGRAMS_PER_SM), residual=residual)
     if _use_triton(x, backend):
         y = _fp4_linear_triton(x.contiguous(), w)
     else:
@@ -64,7 +65,7 @@ def fp4_linear(x: torch.Tensor, w: QTensor, *, residual: torch.Tensor | None = N
 # Dense FP4 GEMMs of up to this many rows (decode batches) run the CUDA kernel where it applies,
 # K split until there are about CUDA_PROGRAMS_PER_SM programs (4 warps each) per multiprocessor.
 DENSE_CUDA_ROWS = 256
-CUDA_PROGRAMS_PER_SM = 3
+CUDA_PROGRAMS_PER_SM = 4
 
 
 def _use_cuda(x: torch.Tensor, n: int, k: int, small: bool, backend: str) -> bool:
@@ -75,6 +76,15 @@ def _use_cuda(x: torch.Tensor, n: int, k: int, small: bool, backend: str) -> boo
         raise ValueError(f"backend='cuda' needs x on a GPU of compute capability >= 9.0, K a multiple of 128, N of "
                          f"32 and decode-sized M (got x {tuple(x.shape)} on {x.device}, N={n}, K={k})")
     return ok
+
+
+@functools.cache  # at most DENSE_CUDA_ROWS entries a device; never evicted under a graph
+def _dense_tiles(m: int, device: torch.device) -> torch.Tensor:
+    """(expert 0, first row, end row) int32 of the row blocks of an [m, K] x: built once per m and
+    device, then reused (also by CUDA graphs, which hold its address)."""
+    r0 = torch.arange(0, m, cuda_decode.GEMM_ROWS, dtype=torch.int32)
+    tiles = torch.stack([torch.zeros_like(r0), r0, (r0 + cuda_decode.GEMM_ROWS).clamp(max=m)], 1)
+    return tiles.to(device)
 
 
 class ExpertTiles(NamedTuple):
