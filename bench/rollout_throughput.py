@@ -32,13 +32,19 @@ RESULTS = ROOT / "bench" / "results"
 COPY_BANDWIDTH = 4.25e12  # H200 device copy measured in bench/results/fp4_quantize_*_h200.md
 
 
-def random_weights(cfg, device, seed=0):
+def random_weights(cfg, device, seed=0, host: bool = False):
+    """A random full state dict drawn on `device`; with `host`, each tensor is moved to host
+    memory once drawn, so that the GPU holds only the engine's own copy (48 layers in BF16 take
+    61 GB: two copies and an 8k cache do not fit one H200)."""
     from megatron_trace.model_config import full_weight_shapes
 
     g = torch.Generator(device=device).manual_seed(seed)
-    return {name: (torch.randn(shape, generator=g, device=device) * (shape[-1] ** -0.5 if len(shape) == 2 else 0.1)
-                   + (0 if len(shape) == 2 else 1)).to(torch.bfloat16 if len(shape) == 2 else torch.float32)
-            for name, shape in full_weight_shapes(cfg).items()}
+    out = {}
+    for name, shape in full_weight_shapes(cfg).items():
+        t = (torch.randn(shape, generator=g, device=device) * (shape[-1] ** -0.5 if len(shape) == 2 else 0.1)
+             + (0 if len(shape) == 2 else 1)).to(torch.bfloat16 if len(shape) == 2 else torch.float32)
+        out[name] = t.cpu() if host else t
+    return out
 
 
 def floor_seconds(cfg, batch, context, fp4, bandwidth):
@@ -243,6 +249,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--bandwidth", type=float, default=COPY_BANDWIDTH)
+    ap.add_argument("--host-weights", action="store_true",
+                    help="keep the random state dict in host memory (the GPU then holds only the engine's weights)")
     ap.add_argument("--memory-gib", type=float, default=None,
                     help="KV-cache budget (default: 60%% of the memory left free by the engine's weights)")
     ap.add_argument("--cuda-graphs", action="store_true", help="also time decode replayed as a CUDA graph")
@@ -277,7 +285,7 @@ def main() -> None:
     generate = [int(v) for v in args.generate.split(":")] if args.generate else []
     if generate and len(generate) != 3:
         raise SystemExit(f"--generate {args.generate!r}: expected BATCH:PROMPT:NEW")
-    weights = random_weights(cfg, device)
+    weights = random_weights(cfg, device, host=args.host_weights)
     rows = []
     for precision in args.precisions.split(","):
         block = 16
