@@ -151,29 +151,34 @@ def kernel_table(segments, step_fn, title: str, top: int = 24) -> str:
     return "\n".join(lines) + "\n"
 
 
-def time_generate(engine, cfg, batch: int, prompt_len: int, new_tokens: int, samples: int = 8):
-    """(seconds, tokens generated) of one `engine.generate` call, what the RL loop runs: batch /
+def time_generate(engine, cfg, batch: int, prompt_len: int, new_tokens: int, samples: int = 8, reps: int = 3):
+    """(seconds, tokens generated) of an `engine.generate` call, what the RL loop runs: batch /
     samples random prompts of prompt_len tokens, `samples` samples each (a GRPO group), drawn
     at temperature 1 up to new_tokens (random weights emit no stop token). Prefill, scheduling,
-    sampling and the host's bookkeeping are all in the time. An identical call first captures the
-    CUDA graphs of every batch size the ramp-up passes through (a shorter one would not reach
-    them all, and capturing inside the timed call cost seconds at 48 layers)."""
+    sampling and the host's bookkeeping are all in the time: the median of `reps` calls (single
+    calls on the H200 machines spread by up to 25%, bench/results/overlap_spread_*). An
+    identical call first captures the CUDA graphs of every batch size the ramp-up passes through
+    (a shorter one would not reach them all, and capturing inside a timed call cost seconds at
+    48 layers)."""
     from megatron_trace.rollout import GroupRequest, SamplingParams
 
     g = torch.Generator().manual_seed(0)
     requests = [GroupRequest(f"g{i}", tuple(torch.randint(0, cfg.vocab_size, (prompt_len,), generator=g).tolist()),
                              n=samples) for i in range(max(1, batch // samples))]
     engine.generate(requests, SamplingParams(max_new_tokens=new_tokens, seed=1))
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    out = engine.generate(requests, SamplingParams(max_new_tokens=new_tokens, seed=0))
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    errors = {s.error for s in out.samples if s.error}
-    if errors:
-        raise SystemExit(f"--generate {batch}:{prompt_len}:{new_tokens}: {sorted(errors)}")
-    return time.perf_counter() - t0, sum(len(s.tokens) for s in out.samples)
+    seconds = []
+    for rep in range(reps):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = engine.generate(requests, SamplingParams(max_new_tokens=new_tokens, seed=rep))
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - t0)
+        errors = {s.error for s in out.samples if s.error}
+        if errors:
+            raise SystemExit(f"--generate {batch}:{prompt_len}:{new_tokens}: {sorted(errors)}")
+    return statistics.median(seconds), sum(len(s.tokens) for s in out.samples)
 
 
 def write_record(rows, profiles, args, cfg, gpu) -> None:
@@ -188,7 +193,7 @@ def write_record(rows, profiles, args, cfg, gpu) -> None:
              "Decode `eager` runs the step's kernels from Python; `cuda_graph` replays the step as a CUDA "
              "graph (what the engine does), and tokens/s counts the host's preparation of the step too; "
              "`replay alone` is the graph replay timed with CUDA events, the GPU's share. `generate` is "
-             "a whole `engine.generate` call (`--generate batch:prompt:new`, GRPO groups of 8, temperature 1): "
+             "a whole `engine.generate` call (`--generate batch:prompt:new`, GRPO groups of 8, temperature 1, median of 3): "
              "prefill, scheduling and sampling included; its context is the prompt plus half the new tokens. "
              "`generate_serial` is the same call with `EngineConfig.overlap` off: each step's results taken in "
              "before the next step is launched.", "",
