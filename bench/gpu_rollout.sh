@@ -5,7 +5,7 @@
 #   bash bench/gpu_rollout.sh       # wheels (torchao, ...) in .whl/
 #   ROLLOUT_ARGS="..." picks the throughput cases; ROLLOUT_TIMEOUT (s) stops the bench in time to copy its results
 source bench/gpu_setup.sh
-python3 -m pytest -q -p no:cacheprovider -rfEs tests/kernels/test_fp4_linear_attention.py tests/kernels/test_fp4_gpu.py tests/kernels/test_cuda_decode.py tests/kernels/test_norm_rope.py tests/kernels/test_moe_routing.py \
+python3 -m pytest -q -p no:cacheprovider -rfEs tests/kernels/test_fp4_linear_attention.py tests/kernels/test_fp4_gpu.py tests/kernels/test_cuda_decode.py tests/kernels/test_norm_rope.py tests/kernels/test_moe_routing.py tests/kernels/test_fused_inputs.py \
   tests/sglang_rollout/test_engine_gpu.py tests/sglang_rollout/test_sampler.py > "$OUT/pytest_rollout_gpu.log" 2>&1; tail -n 3 "$OUT/pytest_rollout_gpu.log"
 python3 - <<'PY' 2>&1 | tee "$OUT/engine_cuda.log"
 import sys, torch

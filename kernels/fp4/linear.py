@@ -152,8 +152,13 @@ def fp4_grouped_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tenso
                          "(expert_tiles(counts, M))")
     tile_info, max_tiles, _ = expert_tiles(counts.to(x.device), m) if tiles is None else tiles
     if use_cuda:
+        # at most one tile per expert with rows plus one per GEMM_ROWS rows hold rows: with few of
+        # them, each program would walk all of K one DRAM latency at a time, so K is split (as for
+        # dense layers; a decode step of one sequence runs 8 tiles)
+        busy = min(e, m) + triton.cdiv(m, cuda_decode.GEMM_ROWS)
+        splits = _k_splits(busy * triton.cdiv(n, 128), k // 128, x.device, per_sm=CUDA_PROGRAMS_PER_SM)
         return cuda_decode.grouped_linear(x.contiguous(), codes, scales.view(torch.uint8), g.float().contiguous(),
-                                          tile_info, max_tiles, out=y)
+                                          tile_info, max_tiles, out=y, splits=splits)
     block_n, block_k = TILE["block_n"], _block_k(k)
     _fp4_grouped_kernel[(max_tiles, triton.cdiv(n, block_n))](
         x.contiguous(), codes, scales.view(torch.uint8), g.float().contiguous(), tile_info, y, n, k,

@@ -234,10 +234,12 @@ def _experts(e, n, k, seed):
 
 
 @gpu
-@pytest.mark.parametrize("counts", [[3, 0, 17, 1, 9], [0, 0, 40, 0, 0], [16, 8, 1, 0, 33], [0, 0, 0, 0, 0]])
-def test_cuda_grouped_gemm_is_each_experts_matmul(counts):
-    """Experts with no rows, one n8 tile, two, and several 16-row tiles; K = 384 (three chunks)."""
-    e, n, k = len(counts), 96, 384
+@pytest.mark.parametrize("counts, k", [([3, 0, 17, 1, 9], 384), ([0, 0, 40, 0, 0], 384), ([16, 8, 1, 0, 33], 384),
+                                       ([0, 0, 0, 0, 0], 384), ([1, 0, 2, 0, 1], 1024), ([0, 5, 0, 0, 0], 2048)])
+def test_cuda_grouped_gemm_is_each_experts_matmul(counts, k):
+    """Experts with no rows, one n8 tile, two, and several 16-row tiles; K = 384 (three chunks,
+    not split); few rows over K = 1024 and 2048 (K split across programs, partial sums added)."""
+    e, n = len(counts), 96
     experts = _experts(e, n, k, seed=sum(counts))
     codes = torch.stack([w.codes for w in experts]).cuda()
     scales = torch.stack([w.block_scales for w in experts]).cuda()
