@@ -40,6 +40,23 @@ def test_route_is_torchs_topk_softmax(n, h, e, k):
     torch.testing.assert_close(gate.cpu(), want_gate, atol=1e-6, rtol=0)  # equal gates either way round
 
 
+def test_route_gives_a_nan_token_valid_experts():
+    """A token whose hidden state holds NaN (a broken model) gets k distinct experts in range and
+    NaN gates, as torch does (its order among NaN logits is unspecified): the expert ids index
+    buffers downstream, so they must never leave 0..E-1. The other tokens are untouched."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 128, generator=g).bfloat16()
+    x[1, 5] = float("nan")
+    w = (torch.randn(16, 128, generator=g) * 0.1).bfloat16().float()
+    top, gate = route(x.to(triton_device()), w.to(triton_device()), 4, backend="triton")
+    top, gate = top.cpu(), gate.cpu()
+    want_top, want_gate = route(x, w, 4, backend="torch")
+    assert torch.isnan(gate[1]).all() and torch.isnan(want_gate[1]).all()
+    assert len(set(top[1].tolist())) == 4 and 0 <= int(top[1].min()) and int(top[1].max()) < 16
+    assert torch.equal(top[[0, 2]], want_top[[0, 2]])
+    torch.testing.assert_close(gate[[0, 2]], want_gate[[0, 2]], atol=1e-6, rtol=0)
+
+
 def test_route_refuses_what_does_not_fit():
     x = torch.zeros(2, 32, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="do not fit"):
