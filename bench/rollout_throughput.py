@@ -193,7 +193,8 @@ def write_record(rows, profiles, args, cfg, gpu) -> None:
              "Decode `eager` runs the step's kernels from Python; `cuda_graph` replays the step as a CUDA "
              "graph (what the engine does), and tokens/s counts the host's preparation of the step too; "
              "`replay alone` is the graph replay timed with CUDA events, the GPU's share. `generate` is "
-             "a whole `engine.generate` call (`--generate batch:prompt:new`, GRPO groups of 8, temperature 1, median of 3): "
+             "a whole `engine.generate` call (`--generate batch:prompt:new`, GRPO groups of 8, temperature 1, "
+             "median of 3): "
              "prefill, scheduling and sampling included; its context is the prompt plus half the new tokens. "
              "`generate_serial` is the same call with `EngineConfig.overlap` off: each step's results taken in "
              "before the next step is launched.", "",

@@ -17,9 +17,9 @@ same results bit for bit, except `route`'s logits: they are FP32 sums of the sam
 products (BF16 h times BF16-valued weights) taken in another order, so they can differ in their
 last bits, and a top k whose k-th and (k+1)-th logits are that close can differ.
 
-Shapes: h bf16 [n, H], router weight [E, H]; top int64 [n, k] (expert ids, distinct per row); tok, slot int64 [n * k], pos int64
-[n * k] (row (t, j) sits at pos[t * k + j]), counts int64 [E]; y bf16 [n * k, H] in the sorted
-order, gate float32 [n, k]; out bf16 [n, H].
+Shapes: h bf16 [n, H], router weight [E, H]; top int64 [n, k] (expert ids, distinct per row);
+tok, slot int64 [n * k], pos int64 [n * k] (row (t, j) sits at pos[t * k + j]), counts int64
+[E]; y bf16 [n * k, H] in the sorted order, gate float32 [n, k]; out bf16 [n, H].
 """
 
 from __future__ import annotations
@@ -66,8 +66,9 @@ def route(h: torch.Tensor, weight: torch.Tensor, k: int, *, backend: str = "auto
     want = max(1, ROUTE_PROGRAMS // (blocks[0] * blocks[1]))
     splits = max(z for z in range(1, min(steps, want) + 1) if steps % z == 0)  # equal shares of H
     part = torch.empty((splits, n, e), dtype=torch.float32, device=h.device)
-    _router_logits_kernel[blocks + (splits,)](h.contiguous(), weight.contiguous(), part, n, e, hidden, STEPS=steps // splits,
-                                              BT=ROUTE_BT, BE=ROUTE_BE, BH=ROUTE_BH, INTERPRET=_interpreting())
+    _router_logits_kernel[blocks + (splits,)](h.contiguous(), weight.contiguous(), part, n, e, hidden,
+                                              STEPS=steps // splits, BT=ROUTE_BT, BE=ROUTE_BE, BH=ROUTE_BH,
+                                              INTERPRET=_interpreting())
     _topk_softmax_kernel[(triton.cdiv(n, TOPK_BT),)](part, top, gate, n, e, SPLITS=splits, K=k,
                                                      K_PAD=triton.next_power_of_2(k), E_PAD=triton.next_power_of_2(e),
                                                      BT=TOPK_BT, INTERPRET=_interpreting(), num_warps=1)
@@ -146,8 +147,8 @@ if triton is not None:
         tl.store(dst, acc, mask=ok_t[:, None] & ok_e[None, :])
 
     @triton.jit
-    def _topk_softmax_kernel(part_ptr, top_ptr, gate_ptr, n, E, SPLITS: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
-                             E_PAD: tl.constexpr, BT: tl.constexpr, INTERPRET: tl.constexpr):
+    def _topk_softmax_kernel(part_ptr, top_ptr, gate_ptr, n, E, SPLITS: tl.constexpr, K: tl.constexpr,
+                             K_PAD: tl.constexpr, E_PAD: tl.constexpr, BT: tl.constexpr, INTERPRET: tl.constexpr):
         """BT tokens: logits = the partials summed in split order; k rounds of (largest, lowest
         index among equals; NaN counts as largest, as in torch.topk); softmax over the k."""
         rows = tl.program_id(0) * BT + tl.arange(0, BT)

@@ -318,7 +318,8 @@ class TraceEngine:
         tokens = drawn = None
         if draws:
             rows = [i for i, _ in draws]
-            picked = logits[:len(rows)] if rows == list(range(len(rows))) else logits[_device_index(rows, logits.device)]
+            in_order = rows == list(range(len(rows)))  # decode steps: every row, in order
+            picked = logits[:len(rows)] if in_order else logits[_device_index(rows, logits.device)]
             tokens, logps = draw_rows(picked, sampling, [seq.key for _, seq in draws],
                                       [len(seq.response) + lag for _, seq in draws], backend=self.runner.backend)
             drawn = _to_host(torch.stack([tokens.double(), logps.double()]))  # ids < 2**53: exact

@@ -94,7 +94,8 @@ def test_overlapped_graph_steps_give_the_serial_outputs(precision, guide):
     cfg = PRESETS["tiny"]
     sd = sc.random_full_state_dict(cfg)
     requests = [GroupRequest("a", (1, 2, 3, 4, 5), n=3), GroupRequest("b", tuple(range(7, 40)), n=5)]
-    params = SamplingParams(max_new_tokens=24, seed=3, temperature=1.0, top_p=0.9, stop_token_ids=tuple(range(5, 256, 9)))
+    params = SamplingParams(max_new_tokens=24, seed=3, temperature=1.0, top_p=0.9,
+                            stop_token_ids=tuple(range(5, 256, 9)))
     outs = {}
     for overlap in (False, True):
         engine = TraceEngine(cfg, EngineConfig(precision=precision, block_size=16, num_blocks=64, device="cuda",
