@@ -91,7 +91,7 @@ class _Step:
     drawn: torch.Tensor | None
     routed: torch.Tensor
     captured: dict
-    done: object
+    done: torch.cuda.Event | None
     decode_only: bool
 
 

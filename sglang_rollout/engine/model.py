@@ -179,8 +179,8 @@ class ModelRunner:
         for L in range(cfg.num_layers):
             p = f"decoder.layers.{L}."
             rows = captured if L in capture_layers else None
-            h, _ = self._norm_site(rows, L, "qkv", x, w.dense(p + "input_layernorm.weight"), codes)
-            qkv = self._linear(h, p + "self_attention.linear_qkv.weight")
+            qkv_in, _ = self._norm_site(rows, L, "qkv", x, w.dense(p + "input_layernorm.weight"), codes)
+            qkv = self._linear(qkv_in, p + "self_attention.linear_qkv.weight")
             qkv = qkv.view(n, ng, nq // ng + 2, d)
             q, kk = qk_norm_rope(qkv, w.dense(p + "self_attention.q_layernorm.weight"),
                                  w.dense(p + "self_attention.k_layernorm.weight"), cfg.rms_norm_eps, cos, sin,
