@@ -158,16 +158,17 @@ def main() -> None:
     default_gemm, default_attn = dict(linear.TILE), dict(paged_attention.TILE)
     for name, fp4_fn, bf16_fn, fp4_bytes, bf16_bytes in gemm_cases(cfg, args.batch, gen) + dense_cases(cfg, args.batch, gen):
         if cuda_decode.supports_gemm(torch.empty(1, device="cuda"), 128, 128):
-            dense = name in ("qkv", "proj")  # K split until this many programs a multiprocessor
-            per_sm_sweep = (2, 4, 8, 16) if args.sweep and dense else [linear.CUDA_PROGRAMS_PER_SM]
-            for mb, per_sm in itertools.product((1, 2, 4, 8) if args.sweep else [cuda_decode.LAUNCH["gemm_min_blocks"]],
+            dense = name in ("qkv", "proj")  # dense_linear: K split until this many programs a multiprocessor
+            blocks_key = "dense_min_blocks" if dense else "gemm_min_blocks"
+            per_sm_sweep = (1, 2, 3, 4, 8) if args.sweep and dense else [linear.DENSE_PROGRAMS_PER_SM]
+            for mb, per_sm in itertools.product((1, 2, 3, 4) if args.sweep else [cuda_decode.LAUNCH[blocks_key]],
                                                 per_sm_sweep):
-                default_gemm_launch, default_per_sm = dict(cuda_decode.LAUNCH), linear.CUDA_PROGRAMS_PER_SM
-                cuda_decode.LAUNCH["gemm_min_blocks"], linear.CUDA_PROGRAMS_PER_SM = mb, per_sm
+                default_launch, default_per_sm = dict(cuda_decode.LAUNCH), linear.DENSE_PROGRAMS_PER_SM
+                cuda_decode.LAUNCH[blocks_key], linear.DENSE_PROGRAMS_PER_SM = mb, per_sm
                 measure(name, lambda f=fp4_fn: f("cuda"), bf16_fn, fp4_bytes, bf16_bytes,
                         {"kernel": "cuda_decode", "min_blocks": mb} | ({"programs_per_sm": per_sm} if dense else {}))
-                cuda_decode.LAUNCH.update(default_gemm_launch)
-                linear.CUDA_PROGRAMS_PER_SM = default_per_sm
+                cuda_decode.LAUNCH.update(default_launch)
+                linear.DENSE_PROGRAMS_PER_SM = default_per_sm
         for tile in gemm_tiles:  # the Triton kernels: the FP4 path where the CUDA kernel does not apply
             linear.TILE.update(tile)
             measure(name, lambda f=fp4_fn: f("triton"), bf16_fn, fp4_bytes, bf16_bytes, tile)

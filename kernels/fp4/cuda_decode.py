@@ -4,9 +4,11 @@
 - `split_attention` (fp4_decode_attention.cu): what `paged_attention._split_kernel` computes for
   an FP4 KV cache, the same partial (o, m, l) rows for the same combine kernel.
 - `grouped_linear` (fp4_grouped_gemm.cu): what `linear._fp4_grouped_kernel` computes for tiles of
-  up to 16 rows, for the MoE experts and (one expert) dense layers.
+  up to 16 rows, for the MoE experts.
+- `dense_linear` (fp4_dense_gemm.cu): the same products for a dense layer, up to 64 rows a program
+  shared through shared memory, so each weight is dequantized once per 64 rows, not per 16.
 
-Both dequantize to the same BF16 values as `dequantize`, bit for bit (a per-block table looked
+All three dequantize to the same BF16 values as `dequantize`, bit for bit (a per-block table looked
 up with byte permutes, fp4_mma.cuh), and build the MMA fragments in registers straight from the
 loaded words: Triton stages dequantized tiles through shared memory and repacks the code bytes
 one register each, which made its FP4 kernels bound by instructions
@@ -30,7 +32,11 @@ MAX_GROUP = 16
 GEMM_ROWS = 16  # rows of x per GEMM tile (two n8 MMA tiles)
 # __launch_bounds__ minBlocks of each kernel (caps registers at 65536 / (threads * min_blocks));
 # bench/decode_kernels.py --sweep tries others.
-LAUNCH = {"attention_min_blocks": 12, "gemm_min_blocks": 4}
+# gemm_prefetch: K chunks an unsplit GEMM's warps ask L2 for beyond the next one (in registers).
+# The expert GEMMs at batch 64: fc1 114 -> 109 us, fc2 61 -> 58; split dense GEMMs walk too few
+# chunks a warp to gain (bench/results/decode_pass6_2026-12-01_h200.log).
+LAUNCH = {"attention_min_blocks": 12, "gemm_min_blocks": 4, "gemm_prefetch": 2, "dense_min_blocks": 3}
+DENSE_ROWS = 64  # rows of x a dense GEMM program takes at most (8 n8 MMA tiles)
 
 
 @functools.cache
@@ -126,32 +132,78 @@ def split_attention(q, k_cache: dict, v_cache: dict, block_tables, seq_lens, par
             MIN_CHUNK=min_chunk, DOUBLINGS=doublings, SPLITS=splits, MIN_BLOCKS=LAUNCH["attention_min_blocks"])
 
 
+def _check_gemm(name: str, m: int, n: int, k: int, splits: int, residual: torch.Tensor | None) -> None:
+    if splits < 1 or (k // 128) % splits:
+        raise ValueError(f"{name}: {splits} splits do not divide K={k} into 128-wide chunks")
+    if residual is not None and (residual.shape != (m, n) or residual.dtype != torch.bfloat16):
+        raise ValueError(f"{name}: residual must be bfloat16 [{m}, {n}], got {residual.dtype} {tuple(residual.shape)}")
+
+
+def _finish(x, y, part, splits: int, residual: torch.Tensor | None) -> torch.Tensor:
+    """y from a GEMM kernel's output: with splits > 1 one kernel sums the FP32 partial products
+    `part` in split order (no atomics), rounds once and adds the residual; else the residual is
+    added by torch (a BF16 add, as the split-sum kernel does it)."""
+    if splits == 1:
+        return y if residual is None else residual + y
+    m, n = y.shape
+    res = residual.contiguous() if residual is not None else y
+    _launch("fp4_grouped_gemm.cu", "sum_splits", x, ((m * n + 255) // 256, 1, 1), (256, 1, 1),
+            [part, res, y, m * n, splits, int(residual is not None)])
+    return y
+
+
 def grouped_linear(x, codes, scales, g, tiles, num_tiles: int, out: torch.Tensor | None = None,
-                   splits: int = 1, residual: torch.Tensor | None = None) -> torch.Tensor:
+                   splits: int = 1, residual: torch.Tensor | None = None,
+                   x_rows: torch.Tensor | None = None) -> torch.Tensor:
     """y [M, N] bf16 with y[rows of e] = x[rows of e] @ dequantize(W_e)^T. x: bf16 [M, K];
     codes uint8 [E, N, K/2]; scales uint8 (E4M3 bits) [E, N, K/16]; g float32 [E]; tiles int32
     [num_tiles, 3]: (expert, first row, end row) of up to GEMM_ROWS rows each, empty ones (no
     rows) allowed, as `linear._tile_list_kernel` lists them. out: where to write y (else new).
     splits: K split across programs (a power of two dividing K / 128); the FP32 partial products
     are summed in split order, then rounded to BF16 once. residual: bf16 [M, N] added to y (in
-    FP32, rounded again: torch's BF16 add), in the split-sum kernel when splits > 1."""
-    m, k = x.shape
+    FP32, rounded again: torch's BF16 add), in the split-sum kernel when splits > 1. x_rows:
+    int64 [M] on x's device, row r of the product is row x_rows[r] of x (then x may have any
+    number of rows): what x[x_rows] would give, without writing it."""
+    k = x.shape[1]
+    m = x.shape[0] if x_rows is None else x_rows.numel()
     n = codes.shape[1]
-    if splits < 1 or (k // 128) % splits:
-        raise ValueError(f"grouped_linear: {splits} splits do not divide K={k} into 128-wide chunks")
-    if residual is not None and (residual.shape != (m, n) or residual.dtype != torch.bfloat16):
-        raise ValueError(f"grouped_linear: residual must be bfloat16 [{m}, {n}], got {residual.dtype} "
-                         f"{tuple(residual.shape)}")
+    _check_gemm("grouped_linear", m, n, k, splits, residual)
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device) if out is None else out
     part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else y
-    args = [x, codes, scales, g, tiles, y, part]
+    if x_rows is not None and x_rows.dtype != torch.int64:
+        raise ValueError(f"grouped_linear: x_rows must be int64, got {x_rows.dtype}")
+    args = [x, codes, scales, g, tiles, tiles if x_rows is None else x_rows, y, part]
     _check_contiguous("grouped_linear", args)
-    if m and num_tiles:
-        _launch("fp4_grouped_gemm.cu", "fp4_grouped_gemm", x, (num_tiles, (n + 127) // 128, splits), (128, 1, 1),
-                args + [m, n, k, splits], MIN_BLOCKS=LAUNCH["gemm_min_blocks"])
-        if splits > 1:  # one kernel: the partial sums in a fixed order (no atomics), the cast, the residual
-            res = residual.contiguous() if residual is not None else y
-            _launch("fp4_grouped_gemm.cu", "sum_splits", x, ((m * n + 255) // 256, 1, 1), (256, 1, 1),
-                    [part, res, y, m * n, splits, int(residual is not None)])
-            return y
-    return y if residual is None else residual + y
+    if not (m and num_tiles):
+        return y if residual is None else residual + y
+    _launch("fp4_grouped_gemm.cu", "fp4_grouped_gemm", x, (num_tiles, (n + 127) // 128, splits), (128, 1, 1),
+            args + [m, n, k, splits, int(x_rows is not None)], MIN_BLOCKS=LAUNCH["gemm_min_blocks"],
+            PREFETCH=LAUNCH["gemm_prefetch"] if splits == 1 else 0)
+    return _finish(x, y, part, splits, residual)
+
+
+def dense_rows(m: int) -> int:
+    """Rows of x a `dense_linear` program takes: all m up to DENSE_ROWS (whole n8 MMA tiles)."""
+    return min(DENSE_ROWS, -(-m // 8) * 8)
+
+
+def dense_linear(x, codes, scales, g, out: torch.Tensor | None = None, splits: int = 1,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+    """y [M, N] bf16 = x @ dequantize(W)^T for a dense weight: x bf16 [M, K]; codes uint8 [N, K/2];
+    scales uint8 (E4M3 bits) [N, K/16]; g float32 [1]. Each weight element is dequantized once per
+    `dense_rows(M)` rows (fp4_dense_gemm.cu), with the grouped kernel's summation order: the
+    same bits as `grouped_linear` for the same splits. out, splits, residual: as `grouped_linear`."""
+    m, k = x.shape
+    n = codes.shape[0]
+    _check_gemm("dense_linear", m, n, k, splits, residual)
+    y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device) if out is None else out
+    part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else y
+    args = [x, codes, scales, g, y, part]
+    _check_contiguous("dense_linear", args)
+    if not m:
+        return y if residual is None else residual + y
+    rows = dense_rows(m)
+    _launch("fp4_dense_gemm.cu", "fp4_dense_gemm", x, ((m + rows - 1) // rows, (n + 63) // 64, splits), (128, 1, 1),
+            args + [m, n, k, splits], NT=rows // 8, MIN_BLOCKS=LAUNCH["dense_min_blocks"],
+            PREFETCH=LAUNCH["gemm_prefetch"] if splits == 1 else 0)
+    return _finish(x, y, part, splits, residual)

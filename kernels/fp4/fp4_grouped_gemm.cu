@@ -1,5 +1,5 @@
 // Grouped FP4 GEMM for decode-sized batches: y[rows of e] = x[rows of e] @ dequantize(W_e)^T, for
-// the MoE experts (rows sorted by expert) and, with one "expert", for dense layers.
+// the MoE experts (rows sorted by expert). Dense layers run fp4_dense_gemm.cu, which shares rows.
 //
 // The same values as linear.py's Triton kernel: every weight element becomes
 // bf16(fl32(e2m1 * s * g)) (`fp4_tables` and `dequant_word`, fp4_mma.cuh) before a BF16 MMA with FP32
@@ -12,15 +12,19 @@
 //
 // Grid (tiles, cdiv(N, 128), splits), 4 warps of 32 output features each (two m16 tiles); a tile
 // is up to 16 rows of one expert (two n8 tiles), listed by linear.py's `_tile_list_kernel` as
-// (expert, first row, end row); tiles with no rows exit. K is a multiple of 128, N of 32. With
-// splits > 1 (dense layers: few tiles, long K), program z covers K chunks [z * K / splits, ...)
-// and writes FP32 partial products to y32 [splits, M, N]; `sum_splits` (below) adds them in a
-// fixed order.
+// (expert, first row, end row); tiles with no rows exit. With a row map (x_rows, `mapped`), row r
+// of the product reads row x_rows[r] of x: the experts' sorted rows straight from the token rows.
+// K is a multiple of 128, N of 32. With splits > 1 (few tiles, long K: a decode step of one
+// sequence), program z covers K chunks [z * K / splits, ...) and writes FP32 partial products to
+// y32 [splits, M, N]; `sum_splits` (below) adds them in a fixed order.
 
 #include "fp4_mma.cuh"
 
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 1
+#endif
+#ifndef PREFETCH
+#define PREFETCH 0  // K chunks past the next one that a warp asks L2 for (0: none)
 #endif
 
 // What one lane reads of one 128-wide K chunk: weight rows 16m + g + 8h of m-tile m (i = 2m + h).
@@ -39,18 +43,13 @@ __device__ __forceinline__ void load_chunk(Chunk &c, const u8 *__restrict__ wc, 
   }
 }
 
-__device__ __forceinline__ u16 to_bf16(float v) {
-  u16 r;
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
-  return r;
-}
-
 __device__ __forceinline__ float bf16_to_f32(u16 v) { return __uint_as_float((u32)v << 16); }
 
 extern "C" __global__ void __launch_bounds__(128, MIN_BLOCKS)
 fp4_grouped_gemm(const u16 *__restrict__ x, const u8 *__restrict__ codes, const u8 *__restrict__ scales,
-                 const float *__restrict__ gs, const int *__restrict__ tiles, u16 *__restrict__ y,
-                 float *__restrict__ y32, int M, int N, int K, int splits) {
+                 const float *__restrict__ gs, const int *__restrict__ tiles,
+                 const long long *__restrict__ x_rows, u16 *__restrict__ y, float *__restrict__ y32, int M, int N,
+                 int K, int splits, int mapped) {
   const int expert = tiles[3 * blockIdx.x], r0 = tiles[3 * blockIdx.x + 1], r1 = tiles[3 * blockIdx.x + 2];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int n0 = blockIdx.y * 128 + 32 * warp;  // this warp's first output feature
@@ -59,7 +58,10 @@ fp4_grouped_gemm(const u16 *__restrict__ x, const u8 *__restrict__ codes, const 
   const float gscale = gs[expert];
   const u8 *wc = codes + ((u64)expert * N + n0) * (K / 2);
   const u8 *ws = scales + ((u64)expert * N + n0) * (K / 16);
-  const int xrow[2] = {r0 + g, r0 + 8 + g};  // the x row lane group g brings to n-tile j
+  const int xrow[2] = {r0 + g, r0 + 8 + g};  // the product row lane group g brings to n-tile j
+  int xat[2];                                 // and the row of x that holds it
+#pragma unroll
+  for (int j = 0; j < 2; ++j) xat[j] = mapped && xrow[j] < r1 ? (int)x_rows[xrow[j]] : xrow[j];
 
   float acc[2][2][4];  // [m-tile][n-tile]: features n0 + 16m + g (+8) x rows 8j + 2t (+1)
 #pragma unroll
@@ -70,14 +72,22 @@ fp4_grouped_gemm(const u16 *__restrict__ x, const u8 *__restrict__ codes, const 
   const int per_split = K / 128 / splits, first = blockIdx.z * per_split, chunks = first + per_split;
   Chunk cur, nxt;
   load_chunk(cur, wc, ws, K, first, g, t);
-  for (int c = first; c < chunks; ++c) {
+  // L2 prefetch of the codes PREFETCH chunks past the one loaded into registers: lane (g, t) asks
+  // for weight row 16 * (t / 2) + g + 8 * (t % 2) of the warp's 32 (64 bytes a row and chunk).
+  const u8 *ahead = wc + (u64)(16 * (t >> 1) + g + 8 * (t & 1)) * (K / 2) + 64 * (first + 2);
+#pragma unroll
+  for (int d = 2; d <= PREFETCH; ++d)
+    if (first + d < chunks) asm volatile("prefetch.global.L2 [%0];" ::"l"(ahead + 64 * (d - 2)));
+  ahead += 64 * (PREFETCH - 1);  // chunk first + 1 + PREFETCH
+  for (int c = first; c < chunks; ++c, ahead += 64) {
     if (c + 1 < chunks) load_chunk(nxt, wc, ws, K, c + 1, g, t);
+    if (PREFETCH > 0 && c + 1 + PREFETCH < chunks) asm volatile("prefetch.global.L2 [%0];" ::"l"(ahead));
     // x^T fragments: row xrow[j], K elements [128c + 32t, + 32) as 16 bf16 pairs (zero past the tile)
     u32 xb[2][16];
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const bool ok = xrow[j] < r1 && (j == 0 || second);
-      const uint4 *src = reinterpret_cast<const uint4 *>(x + (u64)xrow[j] * K + 128 * c + 32 * t);
+      const uint4 *src = reinterpret_cast<const uint4 *>(x + (u64)xat[j] * K + 128 * c + 32 * t);
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const uint4 v = ok ? src[i] : make_uint4(0u, 0u, 0u, 0u);

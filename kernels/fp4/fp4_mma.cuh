@@ -13,6 +13,12 @@ __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
   return r;
 }
 
+__device__ __forceinline__ u16 to_bf16(float v) {
+  u16 r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
+  return r;
+}
+
 __device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 two_bytes) {
   u32 r;
   asm("{.reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;}" : "=r"(r) : "r"(two_bytes));

@@ -4,16 +4,15 @@ Hopper has no FP4 tensor cores, so the speed of FP4 weights comes from bytes: a 
 reads 4.5 bits per weight instead of 16. The Triton kernel loads packed codes and E4M3 block
 scales, dequantizes each [BLOCK_N, BLOCK_K] tile exactly as `dequantize` does ((e2m1 * s) * g,
 rounded to BF16), and multiplies on the tensor cores with FP32 accumulation. On Hopper,
-decode-sized GEMMs run `cuda_decode.grouped_linear` instead: the same values, the MMA fragments
-built in registers. The torch path (CPU, or backend="torch") dequantizes the whole weight, then
-matmuls. backend: "auto", "torch", "triton" or "cuda" (which raises where it does not apply).
+decode-sized GEMMs run CUDA kernels instead (`cuda_decode.grouped_linear` for the experts,
+`cuda_decode.dense_linear` for dense layers): the same values, the MMA fragments built in
+registers. The torch path (CPU, or backend="torch") dequantizes the whole weight, then matmuls. backend: "auto", "torch", "triton" or "cuda" (which raises where it does not apply).
 
 Shapes: x [M, K] bf16, W [N, K] (codes uint8 [N, K/2], scales e4m3 [N, K/16], g 0-d), y [M, N].
 """
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -49,12 +48,12 @@ def fp4_linear(x: torch.Tensor, w: QTensor, *, residual: torch.Tensor | None = N
         raise ValueError(f"fp4_linear: residual must be bfloat16 [{m}, {n}], got {residual.dtype} "
                          f"{tuple(residual.shape)}")
     use_cuda = _use_cuda(x, n, k, m <= DENSE_CUDA_ROWS, backend)
-    if use_cuda:  # one "expert" whose tiles are the rows' blocks of 16, K split for enough programs
-        tiles = triton.cdiv(m, cuda_decode.GEMM_ROWS)
-        return cuda_decode.grouped_linear(x.contiguous(), w.codes[None], w.block_scales.view(torch.uint8)[None],
-                                          w.global_scale.reshape(1).float(), _dense_tiles(m, x.device), tiles,
-                                          splits=_k_splits(tiles * triton.cdiv(n, 128), k // 128, x.device,
-                                                           per_sm=CUDA_PROGRAMS_PER_SM), residual=residual)
+    if use_cuda:  # each weight dequantized once per 64 rows, K split for enough programs
+        programs = triton.cdiv(m, cuda_decode.dense_rows(m)) * triton.cdiv(n, 64)
+        return cuda_decode.dense_linear(x.contiguous(), w.codes, w.block_scales.view(torch.uint8),
+                                        w.global_scale.reshape(1).float(),
+                                        splits=_k_splits(programs, k // 128, x.device, per_sm=DENSE_PROGRAMS_PER_SM,
+                                                         min_steps=DENSE_MIN_CHUNKS), residual=residual)
     if _use_triton(x, backend):
         y = _fp4_linear_triton(x.contiguous(), w)
     else:
@@ -63,9 +62,13 @@ def fp4_linear(x: torch.Tensor, w: QTensor, *, residual: torch.Tensor | None = N
 
 
 # Dense FP4 GEMMs of up to this many rows (decode batches) run the CUDA kernel where it applies,
-# K split until there are about CUDA_PROGRAMS_PER_SM programs (4 warps each) per multiprocessor.
+# K split until there are about DENSE_PROGRAMS_PER_SM programs (4 warps each) per multiprocessor
+# (bench/results/decode_pass6_2026-12-01_h200.log); the MoE GEMMs of few rows split until
+# CUDA_PROGRAMS_PER_SM.
 DENSE_CUDA_ROWS = 256
 CUDA_PROGRAMS_PER_SM = 4
+DENSE_PROGRAMS_PER_SM = 2
+DENSE_MIN_CHUNKS = 4  # K chunks of 128 a dense split keeps at least (proj at batch 64: 8 splits, not 16)
 
 
 def _use_cuda(x: torch.Tensor, n: int, k: int, small: bool, backend: str) -> bool:
@@ -76,15 +79,6 @@ def _use_cuda(x: torch.Tensor, n: int, k: int, small: bool, backend: str) -> boo
         raise ValueError(f"backend='cuda' needs x on a GPU of compute capability >= 9.0, K a multiple of 128, N of "
                          f"32 and decode-sized M (got x {tuple(x.shape)} on {x.device}, N={n}, K={k})")
     return ok
-
-
-@functools.cache  # at most DENSE_CUDA_ROWS entries a device; never evicted under a graph
-def _dense_tiles(m: int, device: torch.device) -> torch.Tensor:
-    """(expert 0, first row, end row) int32 of the row blocks of an [m, K] x: built once per m and
-    device, then reused (also by CUDA graphs, which hold its address)."""
-    r0 = torch.arange(0, m, cuda_decode.GEMM_ROWS, dtype=torch.int32)
-    tiles = torch.stack([torch.zeros_like(r0), r0, (r0 + cuda_decode.GEMM_ROWS).clamp(max=m)], 1)
-    return tiles.to(device)
 
 
 class ExpertTiles(NamedTuple):
@@ -112,7 +106,7 @@ def expert_tiles(counts: torch.Tensor, m: int) -> ExpertTiles:
 
 def fp4_grouped_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, g: torch.Tensor,
                        counts: torch.Tensor, *, tiles: ExpertTiles | None = None,
-                       backend: str = "auto") -> torch.Tensor:
+                       x_rows: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
     """Rows of x grouped by expert (counts[e] consecutive rows for expert e) times each expert's
     FP4 weight: y[rows of e] = x[rows of e] @ dequantize(W_e)^T.
 
@@ -121,15 +115,21 @@ def fp4_grouped_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tenso
             g: float32 [E], one global scale per expert. counts: int64 [E] summing to M, on x's
             device (the GPU paths build their tile list there, without a host synchronisation).
         tiles: `expert_tiles(counts, M)` of these counts when the caller has it already (GPU paths).
+        x_rows: int64 [M]: the rows are x[x_rows] (x then [T, K], any T): the CUDA kernel reads
+            them where they are, the other paths gather them first.
     Returns:
         bfloat16 [M, N].
     """
     e, n, half_k = codes.shape
-    m = x.shape[0]
     if x.dim() != 2 or x.shape[1] != 2 * half_k or x.dtype != torch.bfloat16 or tuple(counts.shape) != (e,):
         raise ValueError(f"fp4_grouped_linear: x {x.dtype} {tuple(x.shape)} and counts {tuple(counts.shape)} "
                          f"do not fit weights {tuple(codes.shape)}")
+    if x_rows is not None and (x_rows.dim() != 1 or x_rows.dtype != torch.int64):
+        raise ValueError(f"fp4_grouped_linear: x_rows must be int64 [M], got {x_rows.dtype} {tuple(x_rows.shape)}")
+    m = x.shape[0] if x_rows is None else x_rows.numel()
     use_cuda = _use_cuda(x, n, 2 * half_k, m <= cuda_decode.GEMM_ROWS * e, backend)
+    if x_rows is not None and not use_cuda:
+        x, x_rows = x[x_rows], None
     if not use_cuda and not _use_triton(x, backend):
         sizes = counts.tolist()
         if sum(sizes) != m:
@@ -158,7 +158,7 @@ def fp4_grouped_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tenso
         busy = min(e, m) + triton.cdiv(m, cuda_decode.GEMM_ROWS)
         splits = _k_splits(busy * triton.cdiv(n, 128), k // 128, x.device, per_sm=CUDA_PROGRAMS_PER_SM)
         return cuda_decode.grouped_linear(x.contiguous(), codes, scales.view(torch.uint8), g.float().contiguous(),
-                                          tile_info, max_tiles, out=y, splits=splits)
+                                          tile_info, max_tiles, out=y, splits=splits, x_rows=x_rows)
     block_n, block_k = TILE["block_n"], _block_k(k)
     _fp4_grouped_kernel[(max_tiles, triton.cdiv(n, block_n))](
         x.contiguous(), codes, scales.view(torch.uint8), g.float().contiguous(), tile_info, y, n, k,
@@ -180,15 +180,17 @@ def _block_k(k: int) -> int:
     return next((b for b in sizes if k % b == 0), 32)
 
 
-def _k_splits(programs: int, k_steps: int, device: torch.device, per_sm: int | None = None) -> int:
+def _k_splits(programs: int, k_steps: int, device: torch.device, per_sm: int | None = None,
+              min_steps: int = 1) -> int:
     """K splits (a power of two dividing k_steps) that bring `programs` up to per_sm (default
     TILE["programs"]) per multiprocessor (the interpreter counts one multiprocessor, so CPU tests
-    split too). A decode GEMM has few output tiles; unsplit, each program walks all of K one
-    latency at a time."""
+    split too), each split keeping at least min_steps of the k_steps. A decode GEMM has few output
+    tiles; unsplit, each program walks all of K one latency at a time; split finely, the FP32
+    partial products to sum grow with the splits."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
     per_sm = TILE["programs"] if per_sm is None else per_sm
     splits = 1
-    while programs * splits < per_sm * sms and k_steps % (2 * splits) == 0:
+    while programs * splits < per_sm * sms and k_steps % (2 * splits) == 0 and k_steps // (2 * splits) >= min_steps:
         splits *= 2
     return splits
 

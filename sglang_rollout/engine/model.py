@@ -226,12 +226,16 @@ class ModelRunner:
                                              attn_mask=allowed, enable_gqa=keys.shape[1] != nq)
         return out.transpose(0, 1)
 
-    def _experts(self, x, L, site, counts, tiles=None):
+    def _experts(self, x, L, site, counts, tiles=None, x_rows=None):
         """Rows of x grouped by expert (counts per expert) through the layer's fc1 or fc2; tiles:
-        the GPU kernels' row tiles of these counts (`expert_tiles`), shared by fc1 and fc2."""
+        the GPU kernels' row tiles of these counts (`expert_tiles`), shared by fc1 and fc2. x_rows:
+        the rows are x[x_rows] (the FP4 GPU kernel reads them in place)."""
         w = self.w.stacked[(L, site)]
         if self.fp4:
-            return fp4_grouped_linear(x, w.codes, w.scales, w.g, counts, tiles=tiles, backend=self.backend)
+            return fp4_grouped_linear(x, w.codes, w.scales, w.g, counts, tiles=tiles, x_rows=x_rows,
+                                      backend=self.backend)
+        if x_rows is not None:
+            x = x[x_rows]
         if x.is_cuda and self.backend != "torch":
             return torch._grouped_mm(x, w.transpose(1, 2), offs=counts.cumsum(0).to(torch.int32))
         return torch.cat([chunk @ w[e].T for e, chunk in enumerate(x.split(counts.tolist()))])
@@ -246,7 +250,7 @@ class ModelRunner:
         routed[L] = top
         tok, slot, pos, counts = expert_order(top, cfg.num_experts, backend=self.backend)
         tiles = expert_tiles(counts, n * k) if self.fp4 and h.is_cuda and self.backend != "torch" and n else None
-        gate_up = self._experts(h_in[tok], L, "fc1", counts, tiles)  # rows in expert order
+        gate_up = self._experts(h_in, L, "fc1", counts, tiles, x_rows=tok)  # rows in expert order
         fc2 = {} if rows is not None else None
         act_in = self._swiglu_site(fc2, L, gate_up, codes)
         if rows is not None:  # captured rows in token order, as the trainer's records are

@@ -259,6 +259,24 @@ def test_cuda_grouped_gemm_is_each_experts_matmul(counts, k):
 
 
 @gpu
+@pytest.mark.parametrize("k", [384, 2048])
+def test_cuda_grouped_gemm_reads_mapped_rows_in_place(k):
+    """x_rows: the product of x[x_rows] (every token row used k times, in expert order), bit for
+    bit, without the gather; K split (2048) or not (384)."""
+    counts, tokens = [3, 0, 17, 1, 9], 12
+    e, n = len(counts), 96
+    experts = _experts(e, n, k, seed=k)
+    args = [torch.stack([w.codes for w in experts]).cuda(), torch.stack([w.block_scales for w in experts]).cuda(),
+            torch.stack([w.global_scale for w in experts]).cuda(), torch.tensor(counts).cuda()]
+    x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(2)).bfloat16().cuda()
+    rows = torch.randint(0, tokens, (sum(counts),), generator=torch.Generator().manual_seed(3)).cuda()
+    want = fp4_grouped_linear(x[rows], *args, backend="cuda")
+    assert torch.equal(fp4_grouped_linear(x, *args, x_rows=rows, backend="cuda"), want)
+    assert torch.equal(fp4_grouped_linear(x, *args, x_rows=rows, backend="triton"),
+                       fp4_grouped_linear(x[rows], *args, backend="triton"))
+
+
+@gpu
 def test_cuda_grouped_gemm_dequantizes_weights_bit_for_bit():
     """One-hot rows of x make each output one weight element times 1: the kernel's in-register
     weights must be `dequantize`'s BF16 values exactly, for every code and scales from 2**-9 up."""
@@ -302,6 +320,22 @@ def test_cuda_dense_gemm_is_the_dequantized_matmul(m, n, k):
     # the residual added in the kernel that sums the K splits: as torch adds two BF16 tensors
     r = (torch.randn(m, n, generator=torch.Generator().manual_seed(n)) * 3).bfloat16()
     assert torch.equal(fp4_linear(x.cuda(), w.to("cuda"), residual=r.cuda(), backend="cuda").cpu(), r + y)
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 9, 40, 64, 100, 256])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_cuda_dense_gemm_is_the_grouped_kernel_bit_for_bit(m, splits):
+    """The dense kernel (up to 64 rows a program, shared through shared memory, the last program's
+    rows and a program's last warp partly past the end) sums in the grouped kernel's order (16-row
+    tiles, rows in registers): the same bits, with K split or not."""
+    n, k = 160, 1024
+    w = quantize(heavy_tailed(n, k, seed=m))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16().cuda()
+    codes, scales, g = w.codes.cuda(), w.block_scales.view(torch.uint8).cuda(), w.global_scale.reshape(1).cuda()
+    tiles = torch.tensor([[0, r0, min(m, r0 + 16)] for r0 in range(0, m, 16)], dtype=torch.int32).cuda()
+    want = cuda_decode.grouped_linear(x, codes[None], scales[None], g, tiles, len(tiles), splits=splits)
+    assert torch.equal(cuda_decode.dense_linear(x, codes, scales, g, splits=splits), want)
 
 
 def test_fp4_linear_adds_the_residual_on_every_path():

@@ -115,6 +115,13 @@ def test_fp4_grouped_linear_is_each_experts_matmul(counts):
         fp4_grouped_linear(x, codes, scales, gs, torch.tensor(counts[:-1] + [counts[-1] + 1]))
     with pytest.raises(ValueError, match="do not fit"):
         fp4_grouped_linear(x, codes, scales, gs, torch.tensor(counts[:-1]))
+    # rows given as a map into token rows: each token row used several times, out of order
+    tokens = x[::2].contiguous() if sum(counts) > 1 else x
+    rows = torch.randint(0, tokens.shape[0], (sum(counts),), generator=g) if tokens.shape[0] else torch.zeros(0).long()
+    assert torch.equal(fp4_grouped_linear(tokens, codes, scales, gs, torch.tensor(counts), x_rows=rows),
+                       fp4_grouped_linear(tokens[rows], codes, scales, gs, torch.tensor(counts)))
+    with pytest.raises(ValueError, match="x_rows must be int64"):
+        fp4_grouped_linear(tokens, codes, scales, gs, torch.tensor(counts), x_rows=rows.int())
 
 
 @pytest.mark.parametrize("shape, dtype", [((37, 64), torch.bfloat16), ((5, 256), torch.float32), ((9, 48), torch.float16)])
