@@ -27,6 +27,6 @@ for a, b in zip(outs["cpu"].samples, outs["cuda"].samples):
 print("guidance bytes cpu/cuda:", outs["cpu"].guidance.nbytes, outs["cuda"].guidance.nbytes)
 PY
 python3 bench/decode_kernels.py --record 2>&1 | tee "$OUT/decode_kernels.log"
-timeout "${ROLLOUT_TIMEOUT:-3000}" python3 bench/rollout_throughput.py ${ROLLOUT_ARGS:---model qwen3-30b-a3b --layers 4 --steps 3 --warmup 1 --cuda-graphs --profile 64 --generate 64:128:256 --record} \
+timeout "${ROLLOUT_TIMEOUT:-420}" python3 bench/rollout_throughput.py ${ROLLOUT_ARGS:---model qwen3-30b-a3b --steps 2 --warmup 1 --cuda-graphs --host-weights --memory-gib 60 --profile 64 --generate 64:128:128 --record} \
   2>&1 | tr '\r' '\n' | grep -v -e '%|' > "$OUT/rollout_throughput_$(date +%F)_h200.log"; grep "tokens/s" "$OUT/rollout_throughput_$(date +%F)_h200.log"
-cp bench/results/rollout_throughput.* bench/results/decode_kernels_* "$OUT/" 2>/dev/null || true
+cp bench/results/rollout_throughput.* bench/results/decode_kernels_"$(date +%F)"_* "$OUT/" 2>/dev/null || true
