@@ -32,9 +32,10 @@ MAX_GROUP = 16
 GEMM_ROWS = 16  # rows of x per GEMM tile (two n8 MMA tiles)
 # __launch_bounds__ minBlocks of each kernel (caps registers at 65536 / (threads * min_blocks));
 # bench/decode_kernels.py --sweep tries others.
-# gemm_prefetch: K chunks an unsplit GEMM's warps ask L2 for beyond the next one (in registers).
-# The expert GEMMs at batch 64: fc1 114 -> 109 us, fc2 61 -> 58; split dense GEMMs walk too few
-# chunks a warp to gain (bench/results/decode_pass6_2026-12-01_h200.log).
+# gemm_prefetch: K chunks a GEMM warp asks L2 for beyond the next one (in registers). The expert
+# GEMMs at batch 64: fc1 114 -> 109 us, fc2 61 -> 58 (bench/results/decode_pass6_2026-12-01_h200.log);
+# the grouped kernel built without it spills registers. Dense GEMMs use it when unsplit: split,
+# a warp walks too few chunks to gain.
 LAUNCH = {"attention_min_blocks": 12, "gemm_min_blocks": 4, "gemm_prefetch": 2, "dense_min_blocks": 3}
 DENSE_ROWS = 64  # rows of x a dense GEMM program takes at most (8 n8 MMA tiles)
 
@@ -178,7 +179,7 @@ def grouped_linear(x, codes, scales, g, tiles, num_tiles: int, out: torch.Tensor
         return y if residual is None else residual + y
     _launch("fp4_grouped_gemm.cu", "fp4_grouped_gemm", x, (num_tiles, (n + 127) // 128, splits), (128, 1, 1),
             args + [m, n, k, splits, int(x_rows is not None)], MIN_BLOCKS=LAUNCH["gemm_min_blocks"],
-            PREFETCH=LAUNCH["gemm_prefetch"] if splits == 1 else 0)
+            PREFETCH=LAUNCH["gemm_prefetch"])
     return _finish(x, y, part, splits, residual)
 
 

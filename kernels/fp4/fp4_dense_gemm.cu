@@ -43,22 +43,6 @@ __device__ __forceinline__ void stage_x(uint4 *buf, const u16 *__restrict__ x, i
   asm volatile("cp.async.commit_group;");
 }
 
-// What one lane reads of one 128-wide K chunk of its warp's 16 weight rows: rows g and g + 8.
-struct Chunk {
-  uint4 w[2];
-  u32 s[2];  // the rows' two scale bytes (blocks 2t, 2t + 1 of the chunk)
-};
-
-__device__ __forceinline__ void load_chunk(Chunk &c, const u8 *__restrict__ wc, const u8 *__restrict__ ws, int K,
-                                           int chunk, int g, int t) {
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const u64 row = g + 8 * h;
-    c.w[h] = *reinterpret_cast<const uint4 *>(wc + row * (K / 2) + 64 * chunk + 16 * t);
-    c.s[h] = *reinterpret_cast<const u16 *>(ws + row * (K / 16) + 8 * chunk + 2 * t);
-  }
-}
-
 extern "C" __global__ void __launch_bounds__(128, MIN_BLOCKS)
 fp4_dense_gemm(const u16 *__restrict__ x, const u8 *__restrict__ codes, const u8 *__restrict__ scales,
                const float *__restrict__ gs, u16 *__restrict__ y, float *__restrict__ y32, int M, int N, int K,
@@ -76,7 +60,7 @@ fp4_dense_gemm(const u16 *__restrict__ x, const u8 *__restrict__ codes, const u8
   for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
 
   const int per_split = K / 128 / splits, first = blockIdx.z * per_split, chunks = first + per_split;
-  Chunk cur, nxt;
+  WeightChunk<2> cur, nxt;  // the warp's weight rows g, g + 8
   load_chunk(cur, wc, ws, K, first, g, t);
   stage_x(stage[0], x, m0, M, K, first);
   // L2 prefetch of the codes PREFETCH chunks past the next: lanes t < 2 ask for row g + 8t.

@@ -27,24 +27,6 @@
 #define PREFETCH 0  // K chunks past the next one that a warp asks L2 for (0: none)
 #endif
 
-// What one lane reads of one 128-wide K chunk: weight rows 16m + g + 8h of m-tile m (i = 2m + h).
-struct Chunk {
-  uint4 w[4];
-  u32 s[4];  // the rows' two scale bytes (blocks 2t, 2t + 1 of the chunk)
-};
-
-__device__ __forceinline__ void load_chunk(Chunk &c, const u8 *__restrict__ wc, const u8 *__restrict__ ws, int K,
-                                           int chunk, int g, int t) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const u64 row = 16 * (i >> 1) + g + 8 * (i & 1);
-    c.w[i] = *reinterpret_cast<const uint4 *>(wc + row * (K / 2) + 64 * chunk + 16 * t);
-    c.s[i] = *reinterpret_cast<const u16 *>(ws + row * (K / 16) + 8 * chunk + 2 * t);
-  }
-}
-
-__device__ __forceinline__ float bf16_to_f32(u16 v) { return __uint_as_float((u32)v << 16); }
-
 extern "C" __global__ void __launch_bounds__(128, MIN_BLOCKS)
 fp4_grouped_gemm(const u16 *__restrict__ x, const u8 *__restrict__ codes, const u8 *__restrict__ scales,
                  const float *__restrict__ gs, const int *__restrict__ tiles,
@@ -70,7 +52,7 @@ fp4_grouped_gemm(const u16 *__restrict__ x, const u8 *__restrict__ codes, const 
     for (int j = 0; j < 2; ++j) acc[m][j][0] = acc[m][j][1] = acc[m][j][2] = acc[m][j][3] = 0.f;
 
   const int per_split = K / 128 / splits, first = blockIdx.z * per_split, chunks = first + per_split;
-  Chunk cur, nxt;
+  WeightChunk<4> cur, nxt;  // m-tile m's rows g, g + 8 are 2m, 2m + 1
   load_chunk(cur, wc, ws, K, first, g, t);
   // L2 prefetch of the codes PREFETCH chunks past the one loaded into registers: lane (g, t) asks
   // for weight row 16 * (t / 2) + g + 8 * (t % 2) of the warp's 32 (64 bytes a row and chunk).

@@ -19,6 +19,8 @@ __device__ __forceinline__ u16 to_bf16(float v) {
   return r;
 }
 
+__device__ __forceinline__ float bf16_to_f32(u16 v) { return __uint_as_float((u32)v << 16); }
+
 __device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 two_bytes) {
   u32 r;
   asm("{.reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;}" : "=r"(r) : "r"(two_bytes));
@@ -149,4 +151,24 @@ __device__ __forceinline__ void mma_bf16(float c[4], u32 a0, u32 a1, u32 a2, u32
       "{%0, %1, %2, %3};"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// What one lane (g, t) of a GEMM warp reads of one 128-wide K chunk of R weight rows: row i is
+// 16 * (i / 2) + g + 8 * (i % 2) of the warp's (rows g, g + 8 of m-tile i / 2), its 16 code
+// bytes [16t, 16t + 16) (K elements [32t, 32t + 32)) and their two scale bytes (blocks 2t, 2t + 1).
+template <int R>
+struct WeightChunk {
+  uint4 w[R];
+  u32 s[R];
+};
+
+template <int R>
+__device__ __forceinline__ void load_chunk(WeightChunk<R> &c, const u8 *__restrict__ wc, const u8 *__restrict__ ws,
+                                           int K, int chunk, int g, int t) {
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    const u64 row = 16 * (i >> 1) + g + 8 * (i & 1);
+    c.w[i] = *reinterpret_cast<const uint4 *>(wc + row * (K / 2) + 64 * chunk + 16 * t);
+    c.s[i] = *reinterpret_cast<const u16 *>(ws + row * (K / 16) + 8 * chunk + 2 * t);
+  }
 }
