@@ -171,8 +171,8 @@ def grouped_linear(x, codes, scales, g, tiles, num_tiles: int, out: torch.Tensor
     _check_gemm("grouped_linear", m, n, k, splits, residual)
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device) if out is None else out
     part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else y
-    if x_rows is not None and x_rows.dtype != torch.int64:
-        raise ValueError(f"grouped_linear: x_rows must be int64, got {x_rows.dtype}")
+    if x_rows is not None and (x_rows.dtype != torch.int64 or x_rows.device != x.device):
+        raise ValueError(f"grouped_linear: x_rows must be int64 on {x.device}, got {x_rows.dtype} on {x_rows.device}")
     args = [x, codes, scales, g, tiles, tiles if x_rows is None else x_rows, y, part]
     _check_contiguous("grouped_linear", args)
     if not (m and num_tiles):
