@@ -1,10 +1,12 @@
 """An FP4 site's input computed and fake-quantized in one kernel.
 
 Two FP4 sites take rows that a small elementwise step has just made: qkv and fc1 take the
-RMSNorm of the residual stream, fc2 takes SwiGLU's silu(gate) * up. At decode sizes each of
-those steps costs a launch, not bytes, so on the GPU the quantize kernel computes them itself
-(`triton_fp4._quantize_kernel`, PRE_*) and also writes the rows it quantized (the router and
-guidance capture need them).
+RMSNorm of the residual stream, fc2 takes SwiGLU's silu(gate) * up; fc1's residual stream is
+itself fresh, the attention block's output (proj's product, K split) added to it
+(`add_rms_norm_fake_quantize_rows`). At decode sizes each of those steps costs a launch, not
+bytes, so on the GPU the quantize kernel computes them itself (`triton_fp4._quantize_kernel`,
+PRE_*) and also writes the rows it made (the router, guidance capture and the residual stream
+need them).
 
 The results are the torch composition's: the norm as `norm_rope.rms_norm` computes it (torch's
 composite, the sum of squares in another order), silu(gate) * up with torch's own rounding, then
@@ -20,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .fp4.api import _use_triton, fake_quantize_rows
+from .fp4.linear import sum_parts
 
 try:
     import triton
@@ -54,6 +57,34 @@ def rms_norm_fake_quantize_rows(x: torch.Tensor, weight: torch.Tensor, eps: floa
     xq, bits, scales, g, _, h = triton_fp4.fake_quantize_rows_triton(
         x.contiguous(), capture, triton_fp4.PRE_RMS_NORM, weight.float().contiguous(), eps)
     return xq, h, (bits, scales, g) if capture else None
+
+
+def add_rms_norm_fake_quantize_rows(product: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                                    *, capture: bool = False, backend: str = "auto"):
+    """`rms_norm_fake_quantize_rows` of x = residual + product, in the same one kernel on the GPU:
+    product as `linear.fp4_linear_parts` leaves it (bf16 [R, K], or a split-K GEMM's FP32 partial
+    products [S, R, K], added as `sum_parts` adds them), residual bf16 [R, K]. The sum is the
+    block's output, the residual stream after it.
+
+    Returns:
+        (fake-quantized rows bf16 [R, K], the norm's rows bf16 [R, K], None or the capture as
+         `rms_norm_fake_quantize_rows`'s, x bf16 [R, K])."""
+    _check_rows(residual, "add_rms_norm_fake_quantize_rows", 16)
+    if product.shape[-2:] != residual.shape or product.dim() not in (2, 3) or \
+            product.dtype != (torch.float32 if product.dim() == 3 else torch.bfloat16):
+        raise ValueError(f"add_rms_norm_fake_quantize_rows: product must be bfloat16 {list(residual.shape)} or float32 "
+                         f"[S, {residual.shape[0]}, {residual.shape[1]}], got {product.dtype} {tuple(product.shape)}")
+    if not _use_triton(residual, backend):
+        x = sum_parts(product, residual)
+        return *rms_norm_fake_quantize_rows(x, weight, eps, capture=capture, backend="torch"), x
+    if weight.shape != (residual.shape[1],):
+        raise ValueError(f"add_rms_norm_fake_quantize_rows: weight {tuple(weight.shape)} does not fit rows of "
+                         f"{residual.shape[1]}")
+    x = torch.empty_like(residual)
+    xq, bits, scales, g, _, h = triton_fp4.fake_quantize_rows_triton(
+        product.contiguous(), capture, triton_fp4.PRE_RMS_NORM, weight.float().contiguous(), eps,
+        residual=residual.contiguous(), sum_out=x)
+    return xq, h, (bits, scales, g) if capture else None, x
 
 
 def silu_mul_fake_quantize_rows(gate_up: torch.Tensor, *, capture: bool = False, backend: str = "auto"):

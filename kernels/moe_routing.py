@@ -41,6 +41,8 @@ BLOCK = 1024  # rows per loop step of the order kernel
 # H until about ROUTE_PROGRAMS programs run (a decode batch has few token tiles).
 ROUTE_BT, ROUTE_BE, ROUTE_BH, ROUTE_PROGRAMS = 16, 32, 128, 128
 TOPK_BT = 2  # tokens per top-k program: k rounds of reductions are a serial chain, so many small programs
+# Columns and warps of a combine program (one token's): batch 64, H 2048: 2.59 us, 1024 columns 2.71
+COMBINE = {"block_h": 512, "num_warps": 4}
 
 
 def route(h: torch.Tensor, weight: torch.Tensor, k: int, *, backend: str = "auto"):
@@ -112,13 +114,13 @@ def combine_experts(y: torch.Tensor, gate: torch.Tensor, tok: torch.Tensor, slot
         out = out.index_add_(0, tok, (y * gate[tok, slot, None]).to(y.dtype))
         return out if residual is None else residual + out
     out = torch.empty((n, h), dtype=y.dtype, device=y.device)
-    block_h = min(1024, triton.next_power_of_2(h))
+    block_h = min(COMBINE["block_h"], triton.next_power_of_2(h))
     if n:
         res = out if residual is None else residual.contiguous()
         _combine_kernel[(n, triton.cdiv(h, block_h))](y.contiguous(), gate.float().contiguous(), pos, res, out, h, K=k,
                                                       K_PAD=triton.next_power_of_2(k), BLOCK_H=block_h,
                                                       RESIDUAL=residual is not None, INTERPRET=_interpreting(),
-                                                      enable_fp_fusion=False)
+                                                      num_warps=COMBINE["num_warps"], enable_fp_fusion=False)
     return out
 
 

@@ -5,12 +5,16 @@ no fused kernel for that dtype mix, so `F.rms_norm` falls back to its composite 
 kernels: upcast, square, mean, add, rsqrt, two products, downcast), and the rotary embedding is
 five more per tensor. At decode sizes each of those kernels costs a launch, not bytes.
 
-Both functions compute what the torch code computes, operation for operation:
+The functions compute what the torch code computes, operation for operation:
 - `rms_norm`: bf16(fl32(fl32(x * rsqrt(mean(x^2) + eps)) * w)), as torch's composite does in
   FP32; the sum of squares is taken in another order, so r can differ in its last bits and the
   result, rarely, by one BF16 ulp.
 - `qk_norm_rope`: that norm per head, then x * cos + rotate_half(x) * sin with every product
   and the sum rounded to BF16 as torch's BF16 ops round them (exact replication).
+- `qk_norm_rope_into_cache`: the same, with the keys and the values written into the paged KV
+  cache by the same kernel (quantized per (token, head) for an FP4 cache): at decode sizes the
+  K and V stores were two more launches, and, with qkv's split-K partial products summed in
+  the kernel too, the sum one more.
 The torch path (CPU, or backend="torch") is that torch code itself.
 
 Shapes: x bf16 [..., N], weight float32 [N]; qkv bf16 [n, groups, G + 2, d] (per KV group: G
@@ -22,13 +26,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .fp4.api import _use_triton
+from .fp4.api import _use_triton, quantize_rows_into
+from .fp4.linear import sum_parts
 
 try:
     import triton
     import triton.language as tl
 
-    from .fp4.triton_fp4 import _bf16, _interpreting, _rms_norm_row
+    from .fp4.triton_fp4 import (
+        _bf16,
+        _e2m1_codes,
+        _interpreting,
+        _max_propagate_nan,
+        _nvfp4_block_scales,
+        _pack_pairs,
+        _rms_norm_row,
+        _row_global_scale,
+    )
 except ImportError:  # pragma: no cover - triton is optional on the CPU
     triton = None
 
@@ -58,24 +72,94 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, cos: torch.Tensor,
                  sin: torch.Tensor, *, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Queries and keys of qkv [n, groups, G + 2, d] (bf16), each head RMS-normed (q_weight /
-    k_weight float32 [d]) then rotated: q bf16 [n, groups * G, d], k bf16 [n, groups, d]."""
-    n, groups, width, d = qkv.shape
-    g = width - 2
-    if d % 2 or q_weight.shape != (d,) or k_weight.shape != (d,) or cos.shape != (n, 1, d) or sin.shape != cos.shape:
-        raise ValueError(f"qk_norm_rope: qkv {tuple(qkv.shape)}, weights {tuple(q_weight.shape)} / "
-                         f"{tuple(k_weight.shape)}, cos / sin {tuple(cos.shape)} / {tuple(sin.shape)} do not fit")
+    k_weight float32 [d]) then rotated: q bf16 [n, groups * G, d], k bf16 [n, groups, d]. qkv
+    may also be a split-K GEMM's FP32 partial products of it, [S, n, groups, G + 2, d]
+    (`fp4_linear_parts`): the kernel adds them first as `sum_parts` does."""
+    n, groups, g, d = _check_qkv(qkv, q_weight, k_weight, cos, sin)
     if not _use_triton(qkv, backend):
+        qkv = sum_parts(qkv)
         q = F.rms_norm(qkv[:, :, :g].reshape(n, groups * g, d), (d,), q_weight, eps)
         k = F.rms_norm(qkv[:, :, -2], (d,), k_weight, eps)
         return rope(q, cos, sin), rope(k, cos, sin)
-    qkv = qkv.contiguous()
-    q = torch.empty((n, groups * g, d), dtype=qkv.dtype, device=qkv.device)
-    k = torch.empty((n, groups, d), dtype=qkv.dtype, device=qkv.device)
-    if n:
-        _qk_norm_rope_kernel[(n * groups * (g + 1),)](
-            qkv, q_weight.float().contiguous(), k_weight.float().contiguous(), cos.contiguous(), sin.contiguous(),
-            q, k, eps, GROUPS=groups, G=g, D=d, INTERPRET=_interpreting(), enable_fp_fusion=False)
+    q = torch.empty((n, groups * g, d), dtype=torch.bfloat16, device=qkv.device)
+    k = torch.empty((n, groups, d), dtype=torch.bfloat16, device=qkv.device)
+    _launch_qk_norm_rope(qkv, q_weight, k_weight, eps, cos, sin, q, STORE_K, k=k)
     return q, k
+
+
+def qk_norm_rope_into_cache(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                            cos: torch.Tensor, sin: torch.Tensor, k_cache: dict, v_cache: dict, slots: torch.Tensor,
+                            *, backend: str = "auto") -> torch.Tensor:
+    """`qk_norm_rope`'s queries, with its keys and qkv's values (qkv[:, :, -1]) written into one
+    layer of a paged KV cache at `slots` (int64 [n]) instead of returned, in the same kernel. A
+    cache is {"codes", "scales", "g"} (FP4: each (token, KV head) row quantized as
+    `quantize_rows_into` quantizes it) or {"rows"} (BF16 [slots, groups, d]).
+
+    Returns: q bf16 [n, groups * G, d]."""
+    n, groups, g, d = _check_qkv(qkv, q_weight, k_weight, cos, sin)
+    fp4 = "codes" in k_cache
+    want = {"codes": d // 2, "scales": d // 16, "g": 1} if fp4 else {"rows": d}
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if set(cache) != set(want) or any(cache[t].dim() != 3 or cache[t].shape[1:] != (groups, width)
+                                          or not cache[t].is_contiguous() for t, width in want.items()):
+            raise ValueError(f"qk_norm_rope_into_cache: {name} must hold contiguous "
+                             f"{ {t: [None, groups, w] for t, w in want.items()} }, got "
+                             f"{ {t: tuple(v.shape) for t, v in cache.items()} }")
+    if slots.shape != (n,) or slots.dtype != torch.int64:
+        raise ValueError(f"qk_norm_rope_into_cache: slots must be int64 [{n}], got {slots.dtype} {tuple(slots.shape)}")
+    if not _use_triton(qkv, backend) or (fp4 and d % 32):  # the kernel quantizes a row's halves block by block
+        q, k = qk_norm_rope(qkv, q_weight, k_weight, eps, cos, sin, backend=backend)
+        v = sum_parts(qkv)[:, :, -1]
+        for cache, t in ((k_cache, k), (v_cache, v)):
+            if fp4:
+                quantize_rows_into(t, slots, cache["codes"], cache["scales"], cache["g"], backend=backend)
+            else:
+                cache["rows"][slots.to(t.device)] = t
+        return q
+    q = torch.empty((n, groups * g, d), dtype=torch.bfloat16, device=qkv.device)
+    caches = [k_cache[t] for t in want] + [v_cache[t] for t in want]
+    if not fp4:  # one tensor each: the kernel's unused FP4 pointers
+        caches = [caches[0], caches[0], caches[0], caches[1], caches[1], caches[1]]
+    _launch_qk_norm_rope(qkv, q_weight, k_weight, eps, cos, sin, q, STORE_FP4 if fp4 else STORE_BF16,
+                         slots=slots.to(qkv.device), caches=caches)
+    return q
+
+
+# What the norm + RoPE kernel does with the keys (and values); its warps per head row.
+STORE_K, STORE_BF16, STORE_FP4 = 0, 1, 2
+QK_WARPS = 1
+
+
+def _check_qkv(qkv, q_weight, k_weight, cos, sin) -> tuple[int, int, int, int]:
+    """(n, groups, G, d) of qkv [n, groups, G + 2, d] (bf16) or its partial products [S, ...] (float32)."""
+    parts = qkv.dim() == 5 and qkv.dtype == torch.float32
+    if not (parts or (qkv.dim() == 4 and qkv.dtype == torch.bfloat16)):
+        raise ValueError(f"qk_norm_rope: qkv must be bfloat16 [n, groups, G + 2, d] or float32 partial products "
+                         f"[S, n, groups, G + 2, d], got {qkv.dtype} {tuple(qkv.shape)}")
+    n, groups, width, d = qkv.shape[-4:]
+    if d % 2 or width < 3 or q_weight.shape != (d,) or k_weight.shape != (d,) or cos.shape != (n, 1, d) \
+            or sin.shape != cos.shape:
+        raise ValueError(f"qk_norm_rope: qkv {tuple(qkv.shape)}, weights {tuple(q_weight.shape)} / "
+                         f"{tuple(k_weight.shape)}, cos / sin {tuple(cos.shape)} / {tuple(sin.shape)} do not fit")
+    return n, groups, width - 2, d
+
+
+def _launch_qk_norm_rope(qkv, q_weight, k_weight, eps, cos, sin, q, store, *, k=None, slots=None, caches=None):
+    """One program per head row of each (token, KV group): its G queries, its key, and (storing
+    into a cache) its value."""
+    n, groups, width, d = qkv.shape[-4:]
+    splits = qkv.shape[0] if qkv.dim() == 5 else 0
+    if not n:
+        return
+    qkv = qkv.contiguous()
+    rows = width - 1 if store == STORE_K else width
+    w = min(16, d // 2)
+    caches = caches or [q] * 6
+    _qk_norm_rope_kernel[(n * groups * rows,)](
+        qkv, q_weight.float().contiguous(), k_weight.float().contiguous(), cos.contiguous(), sin.contiguous(), q,
+        q if k is None else k, q if slots is None else slots, *caches, eps, n * groups * width * d,
+        GROUPS=groups, G=width - 2, D=d, W=w, SPLITS=splits, STORE=store, INTERPRET=_interpreting(),
+        num_warps=QK_WARPS, enable_fp_fusion=False)
 
 
 if triton is not None:
@@ -90,30 +174,87 @@ if triton is not None:
         tl.store(y_ptr + row * N + i, _rms_norm_row(x, w, tl.sum(x * x, 0), eps, 1.0 / N, INTERPRET), mask=ok)
 
     @triton.jit
-    def _qk_norm_rope_kernel(qkv_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, eps, GROUPS: tl.constexpr,
-                             G: tl.constexpr, D: tl.constexpr, INTERPRET: tl.constexpr):
-        """One head row: query j < G of token-group tg, or its key (j == G)."""
+    def _row_halves(ptr, idx, D: tl.constexpr, PART_STRIDE, SPLITS: tl.constexpr, INTERPRET: tl.constexpr):
+        """The two halves of a bf16 row at ptr (idx: [D/2/W, W] offsets in a half) as float32; of
+        SPLITS float32 partial rows PART_STRIDE apart, their sum in split order rounded to BF16."""
+        if SPLITS == 0:
+            return tl.load(ptr + idx).to(tl.float32), tl.load(ptr + D // 2 + idx).to(tl.float32)
+        else:
+            x1 = tl.load(ptr + idx)
+            x2 = tl.load(ptr + D // 2 + idx)
+            for z in tl.static_range(1, SPLITS):
+                x1 += tl.load(ptr + z * PART_STRIDE + idx)
+                x2 += tl.load(ptr + z * PART_STRIDE + D // 2 + idx)
+            return _bf16(x1, INTERPRET).to(tl.float32), _bf16(x2, INTERPRET).to(tl.float32)
+
+    @triton.jit
+    def _store_fp4_row(codes_ptr, scales_ptr, g_ptr, row, x1, x2, D: tl.constexpr):
+        """Row-scaled NVFP4 of one row given as halves x1, x2 [D/32, 16] (float32 of BF16 values)
+        at cache row `row`, as `_quantize_kernel` computes it (G_ROW_AMAX)."""
+        a1 = tl.reduce(tl.abs(x1), 1, _max_propagate_nan)  # block amaxes [D/32]
+        a2 = tl.reduce(tl.abs(x2), 1, _max_propagate_nan)
+        g = _row_global_scale(_max_propagate_nan(tl.reduce(a1, 0, _max_propagate_nan),
+                                                 tl.reduce(a2, 0, _max_propagate_nan)))
+        s1, b1 = _nvfp4_block_scales(a1, g)
+        s2, b2 = _nvfp4_block_scales(a2, g)
+        c1 = _e2m1_codes(tl.div_rn(x1, (s1 * g)[:, None]), 0, 0, False)
+        c2 = _e2m1_codes(tl.div_rn(x2, (s2 * g)[:, None]), 0, 0, False)
+        hb = tl.arange(0, D // 32)
+        packed = row * (D // 2) + hb[:, None] * 8 + tl.arange(0, 8)[None, :]
+        tl.store(codes_ptr + packed, _pack_pairs(c1))
+        tl.store(codes_ptr + D // 4 + packed, _pack_pairs(c2))
+        tl.store(scales_ptr + row * (D // 16) + hb, b1.to(tl.uint8))
+        tl.store(scales_ptr + row * (D // 16) + D // 32 + hb, b2.to(tl.uint8))
+        tl.store(g_ptr + row, g)
+
+    @triton.jit
+    def _qk_norm_rope_kernel(qkv_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, slots_ptr, kc_ptr, ks_ptr,
+                             kg_ptr, vc_ptr, vs_ptr, vg_ptr, eps, PART_STRIDE, GROUPS: tl.constexpr,
+                             G: tl.constexpr, D: tl.constexpr, W: tl.constexpr, SPLITS: tl.constexpr,
+                             STORE: tl.constexpr, INTERPRET: tl.constexpr):
+        """One head row of token-group tg: query j < G, its key (j == G) or, storing into a
+        cache, its value (j == G + 1). Queries and keys are normed and rotated; STORE_K writes
+        keys to k_ptr, STORE_BF16 / STORE_FP4 keys and values into the cache (kc/ks/kg,
+        vc/vs/vg: codes, scales, g; BF16 rows in kc / vc) at row slots[token] * GROUPS + group."""
+        ROWS: tl.constexpr = G + 1 if STORE == 0 else G + 2
         r = tl.program_id(0).to(tl.int64)
-        tg, j = r // (G + 1), r % (G + 1)
+        tg, j = r // ROWS, r % ROWS
         tok = tg // GROUPS
-        i = tl.arange(0, D // 2)
-        src = qkv_ptr + (tg * (G + 2) + j) * D
-        x1 = tl.load(src + i).to(tl.float32)  # the two halves rotate_half swaps
-        x2 = tl.load(src + D // 2 + i).to(tl.float32)
-        ss = tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)
+        idx = tl.arange(0, D // 2 // W)[:, None] * W + tl.arange(0, W)[None, :]  # a half as [D/2/W, W]
+        x1, x2 = _row_halves(qkv_ptr + (tg * (G + 2) + j) * D, idx, D, PART_STRIDE, SPLITS, INTERPRET)
+        ss = tl.sum(tl.sum(x1 * x1, 1), 0) + tl.sum(tl.sum(x2 * x2, 1), 0)
         is_key = j == G
-        w1 = tl.where(is_key, tl.load(wk_ptr + i), tl.load(wq_ptr + i))
-        w2 = tl.where(is_key, tl.load(wk_ptr + D // 2 + i), tl.load(wq_ptr + D // 2 + i))
+        w1 = tl.where(is_key, tl.load(wk_ptr + idx), tl.load(wq_ptr + idx))
+        w2 = tl.where(is_key, tl.load(wk_ptr + D // 2 + idx), tl.load(wq_ptr + D // 2 + idx))
         y1 = _rms_norm_row(x1, w1, ss, eps, 1.0 / D, INTERPRET).to(tl.float32)
         y2 = _rms_norm_row(x2, w2, ss, eps, 1.0 / D, INTERPRET).to(tl.float32)
-        c1 = tl.load(cos_ptr + tok * D + i).to(tl.float32)
-        c2 = tl.load(cos_ptr + tok * D + D // 2 + i).to(tl.float32)
-        s1 = tl.load(sin_ptr + tok * D + i).to(tl.float32)
-        s2 = tl.load(sin_ptr + tok * D + D // 2 + i).to(tl.float32)
+        c1 = tl.load(cos_ptr + tok * D + idx).to(tl.float32)
+        c2 = tl.load(cos_ptr + tok * D + D // 2 + idx).to(tl.float32)
+        s1 = tl.load(sin_ptr + tok * D + idx).to(tl.float32)
+        s2 = tl.load(sin_ptr + tok * D + D // 2 + idx).to(tl.float32)
         # x * cos + cat(-x2, x1) * sin, each product and the sum rounded to BF16
         o1 = _bf16(_bf16(y1 * c1, INTERPRET).to(tl.float32) + _bf16(-y2 * s1, INTERPRET).to(tl.float32), INTERPRET)
         o2 = _bf16(_bf16(y2 * c2, INTERPRET).to(tl.float32) + _bf16(y1 * s2, INTERPRET).to(tl.float32), INTERPRET)
-        head = (tg % GROUPS) * G + j
-        dst = tl.where(is_key, k_ptr + (tok * GROUPS + tg % GROUPS) * D, q_ptr + (tok * GROUPS * G + head) * D)
-        tl.store(dst + i, o1)
-        tl.store(dst + D // 2 + i, o2)
+        group = tg % GROUPS
+        if j < G:
+            dst = q_ptr + (tok * GROUPS * G + group * G + j) * D
+            tl.store(dst + idx, o1)
+            tl.store(dst + D // 2 + idx, o2)
+        elif STORE == 0:
+            dst = k_ptr + (tok * GROUPS + group) * D
+            tl.store(dst + idx, o1)
+            tl.store(dst + D // 2 + idx, o2)
+        else:
+            row = tl.load(slots_ptr + tok) * GROUPS + group
+            if is_key:  # the normed, rotated key
+                h1, h2 = o1.to(tl.float32), o2.to(tl.float32)
+            else:  # the value as it is
+                h1, h2 = x1, x2
+            if STORE == 1:
+                dst = tl.where(is_key, kc_ptr, vc_ptr) + row * D
+                tl.store(dst + idx, h1.to(tl.bfloat16))
+                tl.store(dst + D // 2 + idx, h2.to(tl.bfloat16))
+            elif is_key:
+                _store_fp4_row(kc_ptr, ks_ptr, kg_ptr, row, h1, h2, D)
+            else:
+                _store_fp4_row(vc_ptr, vs_ptr, vg_ptr, row, h1, h2, D)

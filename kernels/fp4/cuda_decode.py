@@ -53,7 +53,9 @@ def _nvrtc_loads() -> bool:
     return True
 
 
-def _runtime_ok(t: torch.Tensor) -> bool:
+def available(t: torch.Tensor) -> bool:
+    """Whether these kernels can run on t's device: CUDA, compute capability >= 9.0, NVRTC
+    loadable, and TRACE_CUDA_KERNELS not set to 0."""
     return (t.is_cuda and os.environ.get("TRACE_CUDA_KERNELS", "1") != "0" and hasattr(torch.cuda, "_compile_kernel")
             and torch.cuda.get_device_capability(t.device) >= (9, 0) and _nvrtc_loads())
 
@@ -62,7 +64,7 @@ def supports_attention(q: torch.Tensor, k_cache: dict, block_size: int) -> bool:
     """Whether `split_attention` can run this call: an FP4 cache on a CUDA device of compute
     capability >= 9.0 (E4M3 pair conversion, BF16 MMA), head dim 128, <= 16 query heads per KV
     head, cache blocks a multiple of 16 tokens, and torch's NVRTC entry point present."""
-    if "codes" not in k_cache or not _runtime_ok(q):
+    if "codes" not in k_cache or not available(q):
         return False
     hq, d = q.shape[1], q.shape[2]
     hkv = k_cache["codes"].shape[1]
@@ -72,7 +74,7 @@ def supports_attention(q: torch.Tensor, k_cache: dict, block_size: int) -> bool:
 def supports_gemm(x: torch.Tensor, n: int, k: int) -> bool:
     """Whether `grouped_linear` can run y = x @ W^T with W [n, k]: x on a CUDA device of compute
     capability >= 9.0, k a multiple of 128 and n of 32."""
-    return _runtime_ok(x) and k % 128 == 0 and n % 32 == 0
+    return available(x) and k % 128 == 0 and n % 32 == 0
 
 
 @functools.cache
@@ -140,17 +142,30 @@ def _check_gemm(name: str, m: int, n: int, k: int, splits: int, residual: torch.
         raise ValueError(f"{name}: residual must be bfloat16 [{m}, {n}], got {residual.dtype} {tuple(residual.shape)}")
 
 
-def _finish(x, y, part, splits: int, residual: torch.Tensor | None) -> torch.Tensor:
-    """y from a GEMM kernel's output: with splits > 1 one kernel sums the FP32 partial products
-    `part` in split order (no atomics), rounds once and adds the residual; else the residual is
-    added by torch (a BF16 add, as the split-sum kernel does it)."""
+def sum_splits(part: torch.Tensor, residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """bf16 [M, N]: a split-K GEMM's FP32 partial products part [S, M, N] added in split order
+    (no atomics) and rounded to BF16 once, plus `residual` (bf16 [M, N], added in FP32 and
+    rounded again: torch's BF16 add), in one kernel. out: where to write it (else new)."""
+    if part.dim() != 3 or part.dtype != torch.float32:
+        raise ValueError(f"sum_splits: part must be float32 [S, M, N], got {part.dtype} {tuple(part.shape)}")
+    splits, m, n = part.shape
+    _check_gemm("sum_splits", m, n, 128, 1, residual)
+    y = torch.empty((m, n), dtype=torch.bfloat16, device=part.device) if out is None else out
+    _check_contiguous("sum_splits", [part, y])
+    if m * n:
+        res = residual.contiguous() if residual is not None else y
+        _launch("fp4_grouped_gemm.cu", "sum_splits", part, ((m * n + 255) // 256, 1, 1), (256, 1, 1),
+                [part, res, y, m * n, splits, int(residual is not None)])
+    return y
+
+
+def _finish(y, part, splits: int, residual: torch.Tensor | None, keep_parts: bool = False) -> torch.Tensor:
+    """What a GEMM wrapper returns from its kernel's output: y, plus the residual (a BF16 add by
+    torch when K was not split); or, split, the partial products summed by `sum_splits`, or
+    left as they are with `keep_parts` (for a consumer that sums them itself)."""
     if splits == 1:
         return y if residual is None else residual + y
-    m, n = y.shape
-    res = residual.contiguous() if residual is not None else y
-    _launch("fp4_grouped_gemm.cu", "sum_splits", x, ((m * n + 255) // 256, 1, 1), (256, 1, 1),
-            [part, res, y, m * n, splits, int(residual is not None)])
-    return y
+    return part if keep_parts else sum_splits(part, residual, out=y)
 
 
 def grouped_linear(x, codes, scales, g, tiles, num_tiles: int, out: torch.Tensor | None = None,
@@ -180,7 +195,7 @@ def grouped_linear(x, codes, scales, g, tiles, num_tiles: int, out: torch.Tensor
     _launch("fp4_grouped_gemm.cu", "fp4_grouped_gemm", x, (num_tiles, (n + 127) // 128, splits), (128, 1, 1),
             args + [m, n, k, splits, int(x_rows is not None)], MIN_BLOCKS=LAUNCH["gemm_min_blocks"],
             PREFETCH=LAUNCH["gemm_prefetch"])
-    return _finish(x, y, part, splits, residual)
+    return _finish(y, part, splits, residual)
 
 
 def dense_rows(m: int) -> int:
@@ -189,22 +204,26 @@ def dense_rows(m: int) -> int:
 
 
 def dense_linear(x, codes, scales, g, out: torch.Tensor | None = None, splits: int = 1,
-                 residual: torch.Tensor | None = None) -> torch.Tensor:
+                 residual: torch.Tensor | None = None, keep_parts: bool = False) -> torch.Tensor:
     """y [M, N] bf16 = x @ dequantize(W)^T for a dense weight: x bf16 [M, K]; codes uint8 [N, K/2];
     scales uint8 (E4M3 bits) [N, K/16]; g float32 [1]. Each weight element is dequantized once per
     `dense_rows(M)` rows (fp4_dense_gemm.cu), with the grouped kernel's summation order: the
-    same bits as `grouped_linear` for the same splits. out, splits, residual: as `grouped_linear`."""
+    same bits as `grouped_linear` for the same splits. out, splits, residual: as `grouped_linear`.
+    keep_parts (no residual): with splits > 1, return the FP32 partial products [splits, M, N]
+    unsummed, for a consumer kernel that sums them as `sum_splits` does (one launch fewer)."""
     m, k = x.shape
     n = codes.shape[0]
     _check_gemm("dense_linear", m, n, k, splits, residual)
+    if keep_parts and residual is not None:
+        raise ValueError("dense_linear: keep_parts leaves the residual to the consumer; pass none")
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device) if out is None else out
     part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else y
     args = [x, codes, scales, g, y, part]
     _check_contiguous("dense_linear", args)
     if not m:
-        return y if residual is None else residual + y
+        return part if keep_parts and splits > 1 else (y if residual is None else residual + y)
     rows = dense_rows(m)
     _launch("fp4_dense_gemm.cu", "fp4_dense_gemm", x, ((m + rows - 1) // rows, (n + 63) // 64, splits), (128, 1, 1),
             args + [m, n, k, splits], NT=rows // 8, MIN_BLOCKS=LAUNCH["dense_min_blocks"],
             PREFETCH=LAUNCH["gemm_prefetch"] if splits == 1 else 0)
-    return _finish(x, y, part, splits, residual)
+    return _finish(y, part, splits, residual, keep_parts)

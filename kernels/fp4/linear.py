@@ -39,25 +39,52 @@ def fp4_linear(x: torch.Tensor, w: QTensor, *, residual: torch.Tensor | None = N
 
     Raises ValueError for another format, a row-scaled weight, or shapes that do not fit.
     """
+    parts = fp4_linear_parts(x, w, backend=backend)
+    if residual is not None and (residual.shape != parts.shape[-2:] or residual.dtype != torch.bfloat16):
+        raise ValueError(f"fp4_linear: residual must be bfloat16 {list(parts.shape[-2:])}, got {residual.dtype} "
+                         f"{tuple(residual.shape)}")
+    return sum_parts(parts, residual)
+
+
+def fp4_linear_parts(x: torch.Tensor, w: QTensor, *, backend: str = "auto") -> torch.Tensor:
+    """`fp4_linear(x, w)` as its GPU kernel leaves it: where the GEMM splits K across programs,
+    the FP32 partial products float32 [S, M, N] (S >= 2), for a consumer kernel to add in split
+    order as `sum_parts` does, saving the launch that would sum them; else the product bfloat16
+    [M, N]. x, w and the errors: as `fp4_linear`."""
     if w.fmt is not Format.NVFP4 or w.is_row_scaled or len(w.shape) != 2:
         raise ValueError("fp4_linear needs a 2-D tensor-scaled NVFP4 weight")
     if x.dim() != 2 or x.shape[1] != w.shape[1] or x.dtype != torch.bfloat16:
         raise ValueError(f"fp4_linear: x must be bfloat16 [M, {w.shape[1]}], got {x.dtype} {tuple(x.shape)}")
     m, n, k = x.shape[0], w.shape[0], w.shape[1]
-    if residual is not None and (residual.shape != (m, n) or residual.dtype != torch.bfloat16):
-        raise ValueError(f"fp4_linear: residual must be bfloat16 [{m}, {n}], got {residual.dtype} "
-                         f"{tuple(residual.shape)}")
-    use_cuda = _use_cuda(x, n, k, m <= DENSE_CUDA_ROWS, backend)
-    if use_cuda:  # each weight dequantized once per 64 rows, K split for enough programs
+    if _use_cuda(x, n, k, m <= DENSE_CUDA_ROWS, backend):  # each weight dequantized once per 64 rows
         programs = triton.cdiv(m, cuda_decode.dense_rows(m)) * triton.cdiv(n, 64)
         return cuda_decode.dense_linear(x.contiguous(), w.codes, w.block_scales.view(torch.uint8),
                                         w.global_scale.reshape(1).float(),
                                         splits=_k_splits(programs, k // 128, x.device, per_sm=DENSE_PROGRAMS_PER_SM,
-                                                         min_steps=DENSE_MIN_CHUNKS), residual=residual)
+                                                         min_steps=DENSE_MIN_CHUNKS), keep_parts=True)
     if _use_triton(x, backend):
-        y = _fp4_linear_triton(x.contiguous(), w)
-    else:
-        y = x @ dequantize(w, torch.bfloat16, backend="torch").T
+        return _fp4_linear_triton(x.contiguous(), w)
+    return x @ dequantize(w, torch.bfloat16, backend="torch").T
+
+
+def sum_parts(parts: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """A product as `fp4_linear_parts` returns it, made whole: FP32 partial products [S, *shape]
+    added in split order (parts[0] + parts[1] + ...) and rounded to BF16 once; a bf16 [*shape]
+    product as it is. Plus `residual` (bf16 [*shape]) as torch adds two BF16 tensors. One kernel
+    on a GPU that runs the CUDA decode kernels (`cuda_decode.sum_splits`)."""
+    if parts.dtype == torch.bfloat16:
+        return parts if residual is None else residual + parts
+    if parts.dtype != torch.float32 or parts.dim() < 2:
+        raise ValueError(f"sum_parts: parts must be bfloat16 [...] or float32 [S, ...], got {parts.dtype} "
+                         f"{tuple(parts.shape)}")
+    if cuda_decode.available(parts):
+        flat = parts.reshape(parts.shape[0], -1, parts.shape[-1])
+        res = None if residual is None else residual.reshape(flat.shape[1:])
+        return cuda_decode.sum_splits(flat, res).view(parts.shape[1:])
+    acc = parts[0].clone()
+    for z in range(1, parts.shape[0]):
+        acc += parts[z]
+    y = acc.bfloat16()
     return y if residual is None else residual + y
 
 
@@ -90,13 +117,19 @@ class ExpertTiles(NamedTuple):
     rows: int
 
 
+def expert_tile_shape(m: int, e: int) -> tuple[int, int]:
+    """(rows per tile, tiles listed) of the grouped GEMM's tile list for m rows over e experts:
+    16-row tiles at decode sizes, else 64; at most one partial tile per expert."""
+    block_m = cuda_decode.GEMM_ROWS if m <= cuda_decode.GEMM_ROWS * e else 64
+    return block_m, -(-m // block_m) + e
+
+
 def expert_tiles(counts: torch.Tensor, m: int) -> ExpertTiles:
     """The row tiles the GPU grouped GEMM runs for m rows grouped by expert (counts int64 [E] on
     the GPU), listed by one small kernel without a host synchronisation. Layers whose two grouped
     GEMMs share the rows and counts (fc1, fc2) build them once and pass them to both."""
     e = counts.numel()
-    block_m = cuda_decode.GEMM_ROWS if m <= cuda_decode.GEMM_ROWS * e else 64
-    max_tiles = triton.cdiv(m, block_m) + e
+    block_m, max_tiles = expert_tile_shape(m, e)
     tile_info = torch.empty((max_tiles, 3), dtype=torch.int32, device=counts.device)
     _tile_list_kernel[(triton.cdiv(max_tiles, 32),)](
         counts, tile_info, e, max_tiles, BLOCK_M=block_m, E_PAD=triton.next_power_of_2(e), T_BLOCK=32,
@@ -143,11 +176,11 @@ def fp4_grouped_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tenso
             start += c
         return y
     k = x.shape[1]
-    block_m = cuda_decode.GEMM_ROWS if m <= cuda_decode.GEMM_ROWS * e else 64
+    block_m, max_tiles = expert_tile_shape(m, e)
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
     if m == 0:
         return y
-    if tiles is not None and (tiles.rows != m or tiles.count != triton.cdiv(m, block_m) + e):
+    if tiles is not None and (tiles.rows != m or tiles.count != max_tiles):
         raise ValueError(f"fp4_grouped_linear: tiles of {tiles.rows} rows were not listed for {m} rows of {e} experts "
                          "(expert_tiles(counts, M))")
     tile_info, max_tiles, _ = expert_tiles(counts.to(x.device), m) if tiles is None else tiles
@@ -196,6 +229,8 @@ def _k_splits(programs: int, k_steps: int, device: torch.device, per_sm: int | N
 
 
 def _fp4_linear_triton(x: torch.Tensor, w: QTensor) -> torch.Tensor:
+    """x @ dequantize(w)^T by the Triton kernel: bf16 [M, N], or float32 [S, M, N] partial
+    products where K is split (`fp4_linear_parts`)."""
     m, k = x.shape
     n = w.shape[0]
     block_m = 16 if m <= 64 else 64  # decode batches: more programs, the weight tiles re-read from L2
@@ -209,7 +244,7 @@ def _fp4_linear_triton(x: torch.Tensor, w: QTensor) -> torch.Tensor:
         K_SPLIT=triton.cdiv(k, block_k) // splits * block_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         INTERPRET=_interpreting(), num_warps=TILE["num_warps"], enable_fp_fusion=False,
     )
-    return out[0] if splits == 1 else out.sum(0).to(torch.bfloat16)
+    return out[0] if splits == 1 else out
 
 
 if triton is not None:

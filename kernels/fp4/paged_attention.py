@@ -44,6 +44,9 @@ except ImportError:  # pragma: no cover
 MAX_SPLITS = 32
 MIN_CHUNK = 256
 TILE = {"block_t": 32, "num_warps": 4}  # cached tokens per loop step (bench/decode_kernels.py --sweep)
+# Warps of the combine kernel (one (sequence, query head) a program): at batch 64 / 8k, one warp
+# 158.6 us for split + combine, four 161.3 (bench/results/decode_pass7_2026-12-01_h200.log).
+COMBINE_WARPS = 1
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, block_size: int, *,
@@ -100,7 +103,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, block_si
     out = torch.empty_like(q)
     _combine_kernel[(b, hq)](part_o, part_ml, seq_lens, out, HQ=hq, D=d, MIN_CHUNK=min_chunk, DOUBLINGS=doublings,
                              SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), INTERPRET=_interpreting(),
-                             num_warps=4)
+                             num_warps=COMBINE_WARPS)
     return out
 
 

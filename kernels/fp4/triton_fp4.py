@@ -32,6 +32,18 @@ PRE_NONE, PRE_RMS_NORM, PRE_SILU_MUL = 0, 1, 2
 # Elements per program for the flat tiles; rows up to MAX_ROW_ELEMENTS get one program each.
 TILE_ELEMENTS = 4096
 MAX_ROW_ELEMENTS = 16384
+# Row-per-program fake quantization (the FP4 sites' inputs) of at most FEW_ROWS rows (a decode
+# batch: fewer programs than a few per multiprocessor) spreads each row over about a warp per
+# 128 output elements, 4 to 16 warps, for more loads in flight per program: at batch 64 qkv's
+# input 3.2 -> 2.9 us, fc1's 4.7 -> 3.8, fc2's 5.4 -> 4.7, proj's 3.3 -> 3.0
+# (bench/results/decode_pass7_2026-12-01_h200.log). More rows keep 4 warps (8 from 4096 elements).
+FEW_ROWS = 512
+
+
+def _fake_row_warps(rows: int, row_elements: int) -> int:
+    if rows <= FEW_ROWS:
+        return min(16, max(4, triton.next_power_of_2(triton.cdiv(row_elements, 128))))
+    return 8 if row_elements >= 4096 else 4
 
 
 @triton.jit
@@ -250,6 +262,32 @@ def _max_propagate_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
+@triton.jit
+def _row_global_scale(row_amax):
+    """Row-scaled NVFP4's global scale of rows with this amax (float32): amax / (6 * 448), 1 for
+    an all-zero row (reference.nvfp4_global_scale)."""
+    g = tl.div_rn(row_amax, 2688.0)
+    return tl.where(g == 0, 1.0, g)
+
+
+@triton.jit
+def _nvfp4_block_scales(block_amax, g):
+    """(E4M3 block scales as float32, their bytes as int32) of NVFP4 blocks with these amaxes
+    under global scale g: amax / (6 g) clamped to E4M3's range and rounded; 1.0 (byte 0x38) for
+    an all-zero block."""
+    s = tl.minimum(tl.maximum(tl.div_rn(block_amax, 6.0 * g), 0.001953125), 448.0)
+    s, scale_byte = _e4m3_round(s)
+    zero_block = block_amax == 0
+    return tl.where(zero_block, 1.0, s), tl.where(zero_block, 0x38, scale_byte)
+
+
+@triton.jit
+def _pack_pairs(codes):
+    """E2M1 codes uint8 [R, C] -> packed bytes [R, C / 2]: element 2j in byte j's low nibble."""
+    even, odd = tl.split(tl.reshape(codes, [codes.shape[0], codes.shape[1] // 2, 2]))
+    return even | (odd << 4)
+
+
 @triton.jit(do_not_specialize=["NB", "BPR", "key", "XS0", "XS1"])
 def _quantize_kernel(
     x_ptr, codes_ptr, scales_ptr, g_ptr, bad_ptr, bits_ptr, NB, BPR, key, slots_ptr, XS0, XS1,
@@ -257,6 +295,7 @@ def _quantize_kernel(
     GUIDED: tl.constexpr, BS: tl.constexpr, BLOCK_B: tl.constexpr,
     FAKE: tl.constexpr = False, BITS_OUT: tl.constexpr = False, INTERPRET: tl.constexpr = False,
     HEADS: tl.constexpr = 0, PRE: tl.constexpr = 0, pre_w_ptr=None, pre_out_ptr=None, eps=0.0,
+    PARTS: tl.constexpr = 0, RESIDUAL: tl.constexpr = False, res_ptr=None, sum_out_ptr=None,
 ):
     """Quantize NB blocks of BS elements; BPR blocks per row. One [BLOCK_B, BS] tile per program.
 
@@ -272,6 +311,9 @@ def _quantize_kernel(
     pre_out_ptr [rows, K] bf16: PRE_RMS_NORM, RMSNorm of x with weight pre_w_ptr (float32 [K]);
     PRE_SILU_MUL, bf16(silu(gate)) * up of x = [gate | up] rows (row stride XS0). Each as the
     torch code rounds it (`_rms_norm_row`, `_silu_mul`).
+    PRE_RMS_NORM's x may itself be a sum, written to sum_out_ptr [rows, K] bf16: PARTS > 0, x_ptr
+    holds that many FP32 partial products [PARTS, rows, K] of a split-K GEMM, added in order and
+    rounded to BF16 (linear.sum_parts); RESIDUAL, then plus res_ptr's bf16 rows (torch's BF16 add).
     """
     pid = tl.program_id(0).to(tl.int64)
     key = key.to(tl.uint32)
@@ -297,6 +339,14 @@ def _quantize_kernel(
         x = _silu_mul(gate, up, INTERPRET).to(tl.float32)
     else:
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if PARTS > 0:
+        for z in tl.static_range(1, PARTS):
+            x += tl.load(x_ptr + z * (NB * BS).to(tl.int64) + offs, mask=mask, other=0.0)
+        x = _bf16(x, INTERPRET).to(tl.float32)
+    if RESIDUAL:
+        x = _bf16(x + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32), INTERPRET).to(tl.float32)
+    if PARTS > 0 or RESIDUAL:
+        tl.store(sum_out_ptr + offs, x.to(tl.bfloat16), mask=mask)
     if PRE == 1:  # PRE_RMS_NORM: the program holds the whole row
         w = tl.load(pre_w_ptr + tl.arange(0, BLOCK_B)[:, None] * BS + j[None, :], mask=mask, other=0.0)
         inv_n = tl.div_rn(1.0, (BPR * BS).to(tl.float32))
@@ -318,19 +368,12 @@ def _quantize_kernel(
         elif G_MODE == 2:
             g = tl.load(g_ptr + b_idx // BPR, mask=b_mask, other=1.0)
         else:
-            row_amax = tl.reduce(block_amax, 0, _max_propagate_nan)
-            g = tl.div_rn(row_amax, 2688.0)
-            g = tl.where(g == 0, 1.0, g)
+            g = _row_global_scale(tl.reduce(block_amax, 0, _max_propagate_nan))
             tl.store(g_ptr + out_row, g)
         if GUIDED:
             s = _e4m3_value(tl.load(scales_ptr + b_idx, mask=b_mask, other=0x38).to(tl.int32))
         else:
-            t = 6.0 * g
-            s = tl.minimum(tl.maximum(tl.div_rn(block_amax, t), 0.001953125), 448.0)
-            s, scale_byte = _e4m3_round(s)
-            zero_block = block_amax == 0
-            s = tl.where(zero_block, 1.0, s)
-            scale_byte = tl.where(zero_block, 0x38, scale_byte)  # 0x38 is 1.0 in E4M3
+            s, scale_byte = _nvfp4_block_scales(block_amax, g)
         u = s * g
     v = tl.div_rn(x, u[:, None])
     if GUIDED:
@@ -350,9 +393,8 @@ def _quantize_kernel(
             out = out.to(codes_ptr.dtype.element_ty)
         tl.store(codes_ptr + offs, out, mask=mask)
     else:
-        even, odd = tl.split(tl.reshape(codes, [BLOCK_B, BS // 2, 2]))
         jh = tl.arange(0, BS // 2)
-        tl.store(codes_ptr + b_idx[:, None] * (BS // 2) + jh[None, :], even | (odd << 4), mask=mask)
+        tl.store(codes_ptr + b_idx[:, None] * (BS // 2) + jh[None, :], _pack_pairs(codes), mask=mask)
     if BITS_OUT:  # element i of a block in bit i % 8 of its byte i // 8, as packing.pack_bits
         lsb = tl.reshape((codes & 1).to(tl.int32), [BLOCK_B, BS // 8, 8])
         packed_bits = tl.sum(lsb << tl.arange(0, 8)[None, None, :], axis=2)
@@ -546,27 +588,36 @@ def quantize_rows_into_triton(x: torch.Tensor, slots: torch.Tensor, codes: torch
 
 
 def fake_quantize_rows_triton(
-    x_MK: torch.Tensor, capture: bool, pre: int = PRE_NONE, weight: torch.Tensor | None = None, eps: float = 0.0
+    x_MK: torch.Tensor, capture: bool, pre: int = PRE_NONE, weight: torch.Tensor | None = None, eps: float = 0.0,
+    residual: torch.Tensor | None = None, sum_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Row-scaled NVFP4 fake quantization of contiguous rows in one kernel, optionally of rows
     the same kernel computes first (`pre`, see `_quantize_kernel`).
 
     Args:
         x_MK: float32/bfloat16/float16 [M, K], contiguous, K a multiple of 16; PRE_RMS_NORM:
-            bfloat16 [M, K] with `weight` float32 [K] and `eps`; PRE_SILU_MUL: bfloat16
+            bfloat16 [M, K] with `weight` float32 [K] and `eps`, or float32 [S, M, K], a split-K
+            GEMM's partial products (summed first, `linear.sum_parts`); PRE_SILU_MUL: bfloat16
             [M, 2K], gate then up.
+        residual, sum_out: PRE_RMS_NORM only: bf16 [M, K] added to x before the norm; bf16
+            [M, K] that receives x (required with partial products or a residual).
         capture: also write each element's mantissa bit.
     Returns:
-        (dequantized values [M, K] in x's dtype, mantissa bits uint8 [M, K/8] or None,
+        (dequantized values [M, K] in x's dtype (bf16 from partial products), mantissa bits uint8 [M, K/8] or None,
          block scale bytes uint8 [M, K/16], global scales float32 [M], non-finite flag per
          program, the rows quantized bf16 [M, K] when `pre` else None).
     """
-    m, k = x_MK.shape
+    parts = x_MK.shape[0] if x_MK.dim() == 3 else 0
+    m, k = x_MK.shape[-2:]
+    summed = parts or residual is not None
+    if summed and (pre != PRE_RMS_NORM or sum_out is None or sum_out.shape != (m, k)):
+        raise ValueError("fake_quantize_rows_triton: partial products or a residual go with PRE_RMS_NORM and a "
+                         f"sum_out of [{m}, {k}]")
     if pre == PRE_SILU_MUL:
         k //= 2
     nb, bpr = m * k // 16, k // 16
     dev = x_MK.device
-    out = torch.empty((m, k), dtype=x_MK.dtype, device=dev)
+    out = torch.empty((m, k), dtype=torch.bfloat16 if parts else x_MK.dtype, device=dev)
     pre_out = torch.empty((m, k), dtype=torch.bfloat16, device=dev) if pre else None
     scales = torch.empty((m, bpr), dtype=torch.uint8, device=dev)
     bits = torch.empty((m, k // 8), dtype=torch.uint8, device=dev) if capture else scales
@@ -581,7 +632,9 @@ def fake_quantize_rows_triton(
             IS_MX=False, G_MODE=g_mode, STOCHASTIC=False, CEIL_RULE=False, GUIDED=False, BS=16, BLOCK_B=block_b,
             FAKE=True, BITS_OUT=capture, INTERPRET=_interpreting(), PRE=pre,
             pre_w_ptr=out if weight is None else weight, pre_out_ptr=out if pre_out is None else pre_out, eps=eps,
-            num_warps=8 if block_b * 16 >= 4096 else 4, enable_fp_fusion=False,
+            PARTS=parts, RESIDUAL=residual is not None, res_ptr=out if residual is None else residual,
+            sum_out_ptr=sum_out if summed else out,
+            num_warps=_fake_row_warps(m, k), enable_fp_fusion=False,
         )
     return out, bits if capture else None, scales, g, bad, pre_out
 

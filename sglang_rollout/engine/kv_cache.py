@@ -9,7 +9,7 @@ d/16], g [slots, kv_heads, 1]; slot = block * block_size + offset.
 from __future__ import annotations
 
 import torch
-from trace_kernels.fp4 import QTensor, quantize, quantize_rows_into
+from trace_kernels.fp4 import QTensor, quantize
 from trace_kernels.fp4.paged_attention import read_cache_rows
 
 
@@ -79,15 +79,6 @@ class PagedKVCache:
                 cache["g"][slots] = t.global_scale
             else:
                 cache["rows"][slots] = t
-
-    def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: str = "auto") -> None:
-        """Quantize (fp4) and store K and V rows [n, kv_heads, d] at `slots`: what `write` of
-        `quantize_rows` stores, in one kernel per tensor on the GPU (no QTensor in between)."""
-        if not self.fp4:
-            self.write(layer, slots, k, v)
-            return
-        for cache, t in ((self.k[layer], k), (self.v[layer], v)):
-            quantize_rows_into(t, slots, cache["codes"], cache["scales"], cache["g"], backend=backend)
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """BF16 K and V [n, kv_heads, d] at `slots` (dequantized in fp4)."""

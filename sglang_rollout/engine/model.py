@@ -20,15 +20,21 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from trace_kernels.fp4 import QTensor, fake_quantize_rows, mantissa_bits
-from trace_kernels.fp4.linear import expert_tiles, fp4_grouped_linear, fp4_linear
+from trace_kernels.fp4.linear import (
+    expert_tiles,
+    fp4_grouped_linear,
+    fp4_linear_parts,
+    sum_parts,
+)
 from trace_kernels.fp4.paged_attention import paged_decode_attention
 from trace_kernels.fused_inputs import (
+    add_rms_norm_fake_quantize_rows,
     rms_norm_fake_quantize_rows,
     silu_mul,
     silu_mul_fake_quantize_rows,
 )
 from trace_kernels.moe_routing import combine_experts, expert_order, route
-from trace_kernels.norm_rope import qk_norm_rope, rms_norm
+from trace_kernels.norm_rope import qk_norm_rope, qk_norm_rope_into_cache, rms_norm
 
 from megatron_trace.model_config import ModelConfig
 
@@ -109,17 +115,26 @@ class ModelRunner:
             rows[(layer, name)] = x2 if kept is None else kept
         return xq.view_as(x)
 
-    def _norm_site(self, rows, layer, name, x, weight, codes=False):
-        """(the FP4 site's input: rms_norm(x) fake-quantized in fp4, the norm's rows), in one
-        kernel on the GPU in fp4 (not where captured rows must be the unquantized ones)."""
+    def _norm_site(self, rows, layer, name, x, weight, codes=False, product=None):
+        """(the FP4 site's input: rms_norm(x) fake-quantized in fp4, the norm's rows, x), where
+        with a `product` (`_linear`'s) x is first made x + product, the residual stream after a
+        block. In one kernel on the GPU in fp4 (not where captured rows must be the unquantized
+        ones)."""
+        eps = self.cfg.rms_norm_eps
         if self.fp4 and (rows is None or codes):
-            xq, h, kept = rms_norm_fake_quantize_rows(x, weight, self.cfg.rms_norm_eps, capture=rows is not None,
-                                                      backend=self.backend)
+            capture = rows is not None
+            if product is None:
+                xq, h, kept = rms_norm_fake_quantize_rows(x, weight, eps, capture=capture, backend=self.backend)
+            else:
+                xq, h, kept, x = add_rms_norm_fake_quantize_rows(product, x, weight, eps, capture=capture,
+                                                                 backend=self.backend)
             if rows is not None:
                 rows[(layer, name)] = kept
-            return xq, h
-        h = rms_norm(x, weight, self.cfg.rms_norm_eps, backend=self.backend)
-        return self._site(rows, layer, name, h, codes), h
+            return xq, h, x
+        if product is not None:
+            x = sum_parts(product, x)
+        h = rms_norm(x, weight, eps, backend=self.backend)
+        return self._site(rows, layer, name, h, codes), h, x
 
     def _swiglu_site(self, rows, layer, gate_up, codes=False):
         """fc2's input: silu(gate) * up of gate_up [R, 2I], fake-quantized in fp4 (one kernel on
@@ -131,12 +146,13 @@ class ModelRunner:
             return xq
         return self._site(rows, layer, "fc2", silu_mul(gate_up, backend=self.backend), codes)
 
-    def _linear(self, x, name, residual=None):
-        """x [n, K] @ W^T for an FP4-site weight (packed in fp4 precision), plus residual if given."""
+    def _linear(self, x, name):
+        """x [n, K] @ W^T for an FP4-site weight (packed in fp4 precision), as `fp4_linear_parts`
+        leaves it: bf16 [n, N], or on the GPU FP32 partial products [S, n, N] that the next
+        kernel adds up (`sum_parts`)."""
         if self.fp4:
-            return fp4_linear(x, self.w.tensors[name], residual=residual, backend=self.backend)
-        y = x @ self.w.dense(name).T
-        return y if residual is None else residual + y
+            return fp4_linear_parts(x, self.w.tensors[name], backend=self.backend)
+        return x @ self.w.dense(name).T
 
     def _rope_tables(self, pos, dtype):
         """cos, sin [N, 1, d] in the activations' dtype (like Megatron's bshd path), for the rotary:
@@ -179,24 +195,26 @@ class ModelRunner:
         for L in range(cfg.num_layers):
             p = f"decoder.layers.{L}."
             rows = captured if L in capture_layers else None
-            qkv_in, _ = self._norm_site(rows, L, "qkv", x, w.dense(p + "input_layernorm.weight"), codes)
+            qkv_in, _, _ = self._norm_site(rows, L, "qkv", x, w.dense(p + "input_layernorm.weight"), codes)
             qkv = self._linear(qkv_in, p + "self_attention.linear_qkv.weight")
-            qkv = qkv.view(n, ng, nq // ng + 2, d)
-            q, kk = qk_norm_rope(qkv, w.dense(p + "self_attention.q_layernorm.weight"),
-                                 w.dense(p + "self_attention.k_layernorm.weight"), cfg.rms_norm_eps, cos, sin,
-                                 backend=self.backend)
-            v = qkv[:, :, -1]
+            qkv = qkv.view(*qkv.shape[:-1], ng, nq // ng + 2, d)
+            qk_norm = (w.dense(p + "self_attention.q_layernorm.weight"), w.dense(p + "self_attention.k_layernorm.weight"),
+                       cfg.rms_norm_eps, cos, sin)
             if rows is not None:  # captured: with codes, the rounding the cache itself holds
+                qkv = sum_parts(qkv)
+                q, kk = qk_norm_rope(qkv, *qk_norm, backend=self.backend)
+                v = qkv[:, :, -1]
                 kq, vq = (PagedKVCache.quantize_rows(kk), PagedKVCache.quantize_rows(v)) if self.fp4 else (kk, v)
                 rows[(L, "k")], rows[(L, "v")] = ((_dense_capture(kq, d), _dense_capture(vq, d)) if codes and self.fp4
                                                   else (kk.reshape(-1, d), v.reshape(-1, d)))
                 self.cache.write(L, batch.slots, kq, vq)
-            else:
-                self.cache.store(L, batch.slots, kk, v, backend=self.backend)
+            else:  # K and V go into the cache from the norm + RoPE kernel
+                q = qk_norm_rope_into_cache(qkv, *qk_norm, self.cache.k[L], self.cache.v[L], batch.slots,
+                                            backend=self.backend)
             ctx = self._attention(L, batch, q)
             ctx = ctx.reshape(n, nq * d)
-            x = self._linear(self._site(rows, L, "proj", ctx, codes), p + "self_attention.linear_proj.weight", residual=x)
-            x = self._moe(L, p, x, rows, routed, codes)
+            proj = self._linear(self._site(rows, L, "proj", ctx, codes), p + "self_attention.linear_proj.weight")
+            x = self._moe(L, p, x, proj, rows, routed, codes)
         x = rms_norm(x, w.dense("decoder.final_layernorm.weight"), cfg.rms_norm_eps, backend=self.backend)
         if not all_logits and batch.last is not None:
             x = x[batch.last]
@@ -240,12 +258,13 @@ class ModelRunner:
             return torch._grouped_mm(x, w.transpose(1, 2), offs=counts.cumsum(0).to(torch.int32))
         return torch.cat([chunk @ w[e].T for e, chunk in enumerate(x.split(counts.tolist()))])
 
-    def _moe(self, L, p, x, rows, routed, codes=False):
-        """x + the MoE block of x's norm: top-k routing, then every (token, slot) row through its
-        expert as two grouped GEMMs (rows sorted by expert, tokens ascending within an expert)."""
+    def _moe(self, L, p, x, proj, rows, routed, codes=False):
+        """y + the MoE block of y's norm, y = x + proj (the attention block's output, `_linear`'s
+        product): top-k routing, then every (token, slot) row through its expert as two grouped
+        GEMMs (rows sorted by expert, tokens ascending within an expert)."""
         cfg, w = self.cfg, self.w
         n, k = x.shape[0], cfg.top_k
-        h_in, h = self._norm_site(rows, L, "fc1", x, w.dense(p + "pre_mlp_layernorm.weight"), codes)
+        h_in, h, x = self._norm_site(rows, L, "fc1", x, w.dense(p + "pre_mlp_layernorm.weight"), codes, product=proj)
         top, gate = route(h, w.dense(p + "mlp.router.weight"), k, backend=self.backend)
         routed[L] = top
         tok, slot, pos, counts = expert_order(top, cfg.num_experts, backend=self.backend)
@@ -282,15 +301,24 @@ class StepInputs:
     """
 
     def __init__(self, batch_size: int, max_blocks: int, scratch_block: int, block_size: int, pin: bool):
-        def buf(shape, dtype):
-            return torch.zeros(shape, dtype=dtype, pin_memory=pin)
-        self.tensors = {"ids": buf(batch_size, torch.long), "pos": buf(batch_size, torch.long),
-                        "slots": buf(batch_size, torch.long), "tables": buf((batch_size, max_blocks), torch.int32),
-                        "lens": buf(batch_size, torch.int32)}
+        # one buffer, so that a step's inputs reach the GPU in one copy (five took up to 0.19 ms
+        # of host time a step: bench/results/decode_pass7_2026-12-01_h200.log)
+        int32s = batch_size * (max_blocks + 1)
+        self.buffer = torch.zeros(3 * batch_size + (int32s + 1) // 2, dtype=torch.long, pin_memory=pin)
+        self.tensors = self.views(self.buffer, batch_size, max_blocks)
         self.arrays = {name: t.numpy() for name, t in self.tensors.items()}
         self.arrays["tables"].fill(scratch_block)
         self.batch_size, self.max_blocks, self.scratch, self.block_size = batch_size, max_blocks, scratch_block, block_size
         self._rows: list[tuple[list[int] | None, int]] = [(None, 0)] * batch_size  # (table written, its length)
+
+    @staticmethod
+    def views(buffer: torch.Tensor, batch_size: int, max_blocks: int) -> dict[str, torch.Tensor]:
+        """The inputs as views of one int64 buffer (host or device): ids, pos, slots int64 [B],
+        then tables int32 [B, max_blocks] and lens int32 [B]."""
+        b = batch_size
+        int32s = buffer[3 * b:].view(torch.int32)
+        return {"ids": buffer[:b], "pos": buffer[b:2 * b], "slots": buffer[2 * b:3 * b],
+                "tables": int32s[:b * max_blocks].view(b, max_blocks), "lens": int32s[b * max_blocks:b * (max_blocks + 1)]}
 
     def fill(self, segments: list[Segment]) -> None:
         """Write one decode step of these sequences (padding rows: token 0 at position 0 of the
@@ -337,8 +365,9 @@ class DecodeGraph:
         self.runner, self.batch_size, self.max_blocks, self.scratch = runner, batch_size, max_blocks, scratch_block
         self.inputs = StepInputs(batch_size, max_blocks, scratch_block, bs, pin=True)
         self.inputs.fill([])  # every row padding: the scratch block
-        for name, t in self.inputs.tensors.items():  # the static buffers the graph reads
-            setattr(self, name, t.to(dev))
+        self.buffer = self.inputs.buffer.to(dev)
+        for name, t in StepInputs.views(self.buffer, batch_size, max_blocks).items():  # what the graph reads
+            setattr(self, name, t)
         self.decode_only, self.last = True, None
         self._copied = torch.cuda.Event()  # recorded once the last copies have read the host buffers
         stream = torch.cuda.Stream()
@@ -358,8 +387,7 @@ class DecodeGraph:
         n, cfg = len(segments), self.runner.cfg
         self._copied.synchronize()  # the previous step's copies have read the host buffers
         self.inputs.fill(segments)
-        for name, t in self.inputs.tensors.items():
-            getattr(self, name).copy_(t, non_blocking=True)
+        self.buffer.copy_(self.inputs.buffer, non_blocking=True)
         self._copied.record()
         if ids is not None:
             if ids.shape != (n,):

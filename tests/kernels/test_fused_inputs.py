@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from trace_kernels.fp4 import fake_quantize_rows
 from trace_kernels.fused_inputs import (
+    add_rms_norm_fake_quantize_rows,
     rms_norm_fake_quantize_rows,
     silu_mul,
     silu_mul_fake_quantize_rows,
@@ -56,6 +57,35 @@ def test_rms_norm_fake_quantize_is_norm_then_fake_quantize(rows, k):
     assert rms_norm_fake_quantize_rows(x, w, 1e-6, backend="torch")[2] is None
 
 
+@pytest.mark.parametrize("rows, k, splits", [(9, 256, 3), (4, 2048, 2), (5, 96, 0), (0, 64, 2)])
+def test_add_rms_norm_fake_quantize_sums_first(rows, k, splits):
+    """x = residual + the product (its FP32 partial products added in split order, then rounded
+    to BF16; or a BF16 product), computed in the kernel: x as float64 math makes it, and the rest
+    as rms_norm_fake_quantize_rows of that x."""
+    gen = torch.Generator().manual_seed(rows + k)
+    residual = (heavy_tailed(rows, k, seed=k + 1) * 2).bfloat16()
+    product = torch.randn(max(splits, 1), rows, k, generator=gen) * 4
+    acc = product[0].double()
+    for z in range(1, splits):  # FP32 adds in split order: each float64 add of two floats exact, then rounded
+        acc = (acc + product[z].double()).float().double()
+    want_x = (acc.float().bfloat16().double() + residual.double()).float().bfloat16()
+    if not splits:
+        product = product[0].bfloat16()
+        want_x = (product.double() + residual.double()).float().bfloat16()
+    w = torch.rand(k, generator=gen) + 0.5
+    dev = triton_device()
+    for backend, on in (("triton", dev), ("torch", "cpu")):
+        xq, h, kept, x = add_rms_norm_fake_quantize_rows(product.to(on), residual.to(on), w.to(on), 1e-6,
+                                                         capture=True, backend=backend)
+        assert_bitwise_equal(x.cpu(), want_x)
+        want_xq, want_h, want_kept = rms_norm_fake_quantize_rows(want_x.to(on), w.to(on), 1e-6, capture=True,
+                                                                 backend=backend)
+        assert_bitwise_equal(h.cpu(), want_h.cpu())
+        assert_bitwise_equal(xq.cpu(), want_xq.cpu())
+        for got, ref in zip(kept, want_kept, strict=True):
+            assert torch.equal(got.cpu(), ref.cpu())
+
+
 @pytest.mark.parametrize("rows, i", [(64, 768), (7, 96), (1, 16), (0, 32)])
 def test_silu_mul_is_torchs(rows, i):
     g = torch.Generator().manual_seed(i)
@@ -86,3 +116,5 @@ def test_fused_inputs_refuse_what_does_not_fit():
         silu_mul_fake_quantize_rows(torch.zeros(2, 48, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="multiple of 2"):
         silu_mul(torch.zeros(2, 5, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="product must be"):
+        add_rms_norm_fake_quantize_rows(torch.zeros(2, 3, 32), x, torch.ones(32), 1e-6)

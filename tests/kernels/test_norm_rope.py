@@ -4,7 +4,13 @@ F.rms_norm and rotary code: under TRITON_INTERPRET=1 on the CPU (CI) and on a GP
 import pytest
 import torch
 import torch.nn.functional as F
-from trace_kernels.norm_rope import qk_norm_rope, rms_norm, rope
+from trace_kernels.fp4 import quantize_rows_into
+from trace_kernels.norm_rope import (
+    qk_norm_rope,
+    qk_norm_rope_into_cache,
+    rms_norm,
+    rope,
+)
 
 from .helpers import heavy_tailed, triton_device
 
@@ -47,6 +53,81 @@ def test_qk_norm_rope_is_norm_then_rope(n, groups, g, d):
     assert torch.equal(tq, want_q) and torch.equal(tk, want_k)
 
 
+def _rope_tables(n, d):
+    pos = torch.arange(n).float()[:, None] * (1e4 ** -(torch.arange(0, d, 2) / d))[None]
+    emb = torch.cat([pos, pos], -1)[:, None]
+    return emb.cos().bfloat16(), emb.sin().bfloat16()
+
+
+def _split_products(n, groups, g, d, splits, seed):
+    """FP32 partial products [splits, n, groups, g + 2, d] and the qkv they make: added in split
+    order, each add rounded to FP32 (float64 adds of two floats are exact, then rounded), and
+    the sum rounded to BF16."""
+    gen = torch.Generator().manual_seed(seed)
+    parts = torch.randn(splits, n, groups, g + 2, d, generator=gen) * 3
+    acc = parts[0].double()
+    for z in range(1, splits):  # FP32 adds, one at a time in split order
+        acc = (acc + parts[z].double()).float().double()
+    return parts, acc.float().bfloat16()
+
+
+@pytest.mark.parametrize("splits", [2, 3])
+def test_qk_norm_rope_sums_split_products_first(splits):
+    n, groups, g, d = 5, 2, 3, 64
+    parts, qkv = _split_products(n, groups, g, d, splits, seed=splits)
+    wq, wk = torch.rand(d) + 0.5, torch.rand(d) + 0.5
+    cos, sin = _rope_tables(n, d)
+    dev = triton_device()
+    for backend, on in (("triton", dev), ("torch", "cpu")):
+        q, k = qk_norm_rope(parts.to(on), wq.to(on), wk.to(on), 1e-6, cos.to(on), sin.to(on), backend=backend)
+        want_q, want_k = qk_norm_rope(qkv.to(on), wq.to(on), wk.to(on), 1e-6, cos.to(on), sin.to(on),
+                                      backend=backend)
+        assert torch.equal(q.cpu(), want_q.cpu()) and torch.equal(k.cpu(), want_k.cpu())
+
+
+def _empty_cache(slots, groups, d, fp4):
+    if fp4:
+        return {"codes": torch.zeros(slots, groups, d // 2, dtype=torch.uint8),
+                "scales": torch.zeros(slots, groups, d // 16, dtype=torch.uint8),
+                "g": torch.ones(slots, groups, 1)}
+    return {"rows": torch.zeros(slots, groups, d, dtype=torch.bfloat16)}
+
+
+@pytest.mark.parametrize("fp4", [True, False])
+@pytest.mark.parametrize("splits, d", [(0, 128), (2, 128), (2, 16)])
+def test_qk_norm_rope_into_cache_stores_keys_and_values(fp4, splits, d):
+    """Queries as qk_norm_rope; the cache afterwards holds, at the slots and nowhere else, the
+    keys qk_norm_rope returns and qkv's values: as quantize_rows_into (torch reference) stores
+    them in FP4, as they are in BF16. (Head dim 16: an FP4 block spans both rotary halves, so
+    the Triton path composes the separate kernels.)"""
+    n, groups, g, num_slots = 6, 2, 2, 20
+    parts, qkv = _split_products(n, groups, g, d, max(splits, 1), seed=7 + splits)
+    for t in (qkv, parts):
+        t[..., 0, 1, -1, :] = 0.0  # an all-zero value row: scale 1, g 1
+        t[..., 1, 0, -1, :16] = 0.0  # an all-zero block
+    wq, wk = torch.rand(d) + 0.5, torch.rand(d) + 0.5
+    cos, sin = _rope_tables(n, d)
+    slots = torch.tensor([3, 17, 0, 9, 12, 5])
+    src = parts if splits else qkv
+    want_q, want_k = qk_norm_rope(qkv, wq, wk, 1e-6, cos, sin, backend="torch")
+    want_k_cache, want_v_cache = _empty_cache(num_slots, groups, d, fp4), _empty_cache(num_slots, groups, d, fp4)
+    for cache, rows in ((want_k_cache, want_k), (want_v_cache, qkv[:, :, -1])):
+        if fp4:
+            quantize_rows_into(rows, slots, cache["codes"], cache["scales"], cache["g"], backend="torch")
+        else:
+            cache["rows"][slots] = rows
+    dev = triton_device()
+    for backend, on in (("triton", dev), ("torch", "cpu")):
+        k_cache = {t: v.to(on) for t, v in _empty_cache(num_slots, groups, d, fp4).items()}
+        v_cache = {t: v.to(on) for t, v in _empty_cache(num_slots, groups, d, fp4).items()}
+        q = qk_norm_rope_into_cache(src.to(on), wq.to(on), wk.to(on), 1e-6, cos.to(on), sin.to(on), k_cache, v_cache,
+                                    slots.to(on), backend=backend)
+        assert torch.equal(q.cpu(), want_q)
+        for got, want in ((k_cache, want_k_cache), (v_cache, want_v_cache)):
+            for name in want:
+                assert torch.equal(got[name].cpu(), want[name]), (backend, name)
+
+
 def test_norm_kernels_refuse_what_does_not_fit():
     x = torch.randn(2, 64).bfloat16()
     with pytest.raises(ValueError, match="does not fit rows of 64"):
@@ -54,3 +135,13 @@ def test_norm_kernels_refuse_what_does_not_fit():
     qkv = torch.randn(2, 1, 3, 16).bfloat16()
     with pytest.raises(ValueError, match="qk_norm_rope"):
         qk_norm_rope(qkv, torch.ones(16), torch.ones(16), 1e-6, torch.ones(2, 1, 8), torch.ones(2, 1, 8))
+    q_ok = torch.randn(2, 1, 3, 32).bfloat16()
+    cache = _empty_cache(4, 1, 32, fp4=True)
+    with pytest.raises(ValueError, match="slots must be int64"):
+        qk_norm_rope_into_cache(q_ok, torch.ones(32), torch.ones(32), 1e-6, torch.ones(2, 1, 32), torch.ones(2, 1, 32),
+                                cache, _empty_cache(4, 1, 32, fp4=True), torch.tensor([0, 1], dtype=torch.int32))
+    with pytest.raises(ValueError, match="v_cache must hold"):
+        qk_norm_rope_into_cache(q_ok, torch.ones(32), torch.ones(32), 1e-6, torch.ones(2, 1, 32), torch.ones(2, 1, 32),
+                                cache, _empty_cache(4, 2, 32, fp4=True), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="float32 partial products"):
+        qk_norm_rope(q_ok.float(), torch.ones(32), torch.ones(32), 1e-6, torch.ones(2, 1, 32), torch.ones(2, 1, 32))
