@@ -3,6 +3,9 @@ Megatron's), paged prompt sharing, seeds, stops, weight updates, guidance and ba
 
 from __future__ import annotations
 
+import collections
+import math
+
 import pytest
 import torch
 
@@ -24,7 +27,8 @@ def sd():
 
 def engine(sd, precision="bf16", version=0, **kw):
     share = kw.pop("share_prompts", True)
-    e = TraceEngine(CFG, EngineConfig(precision=precision, block_size=4, num_blocks=128, **kw), share_prompts=share)
+    e = TraceEngine(CFG, EngineConfig(precision=precision, **{"block_size": 4, "num_blocks": 128, **kw}),
+                    share_prompts=share)
     e.update_weights(sd, version)
     return e
 
@@ -88,6 +92,55 @@ def test_seeds_reproduce_and_differ(sd):
     assert all(s.tokens == by_id[s.sample_id] for s in a.samples[:3])  # g0's samples, whatever the order
     assert [s.tokens for s in a.samples] != [s.tokens for s in c.samples]
     assert len({tuple(s.tokens) for s in a.samples[:3]}) > 1  # samples of a group differ
+
+
+def _pooled_chi2(tokens: list[int], logprobs: list[float]) -> tuple[float, int]:
+    """Pearson's chi-square of drawn tokens against their probabilities exp(logprob) (the
+    engine's own, float64 here), cells expected below 5 pooled with the tokens never drawn."""
+    n, counts, prob = len(tokens), collections.Counter(tokens), dict(zip(tokens, logprobs))
+    chi2, cells, pooled_obs, pooled_exp = 0.0, 0, 0, n * (1 - sum(math.exp(lp) for lp in prob.values()))
+    for t, lp in prob.items():
+        want = n * math.exp(lp)
+        if want >= 5:
+            chi2, cells = chi2 + (counts[t] - want) ** 2 / want, cells + 1
+        else:
+            pooled_obs, pooled_exp = pooled_obs + counts[t], pooled_exp + want
+    return chi2 + (pooled_obs - pooled_exp) ** 2 / pooled_exp, cells
+
+
+def test_every_decode_step_draws_from_the_engines_own_distribution(sd):
+    # Many samples of one prompt: the second and third tokens, among the samples that share the
+    # commonest prefix, must follow that prefix's distribution. A random stream reused from one
+    # step to the next (the same noise at two positions) skews them; frequencies checked alone
+    # at the first position would not see it.
+    e = engine(sd, num_blocks=4096, max_batch_tokens=4096)
+    out = e.generate([GroupRequest("g", (1, 2, 3, 4, 5), n=3000)], SamplingParams(temperature=0.2, max_new_tokens=3,
+                                                                                   seed=7))
+    for pos in range(3):
+        prefix = collections.Counter(tuple(s.tokens[:pos]) for s in out.samples).most_common(1)[0][0]
+        rows = [s for s in out.samples if tuple(s.tokens[:pos]) == prefix]
+        chi2, cells = _pooled_chi2([s.tokens[pos] for s in rows], [float(s.logprobs[pos]) for s in rows])
+        assert len(rows) > 500 and cells >= 4, (pos, len(rows), cells)
+        assert chi2 < cells + 6 * math.sqrt(2 * cells), (pos, chi2, cells)  # df = cells; p < 1e-6 to fail
+
+
+def test_a_samples_positions_draw_independent_noise(sd):
+    # With one random stream reused at two positions of a sample (the same Gumbel noise), nearly
+    # flat logits would repeat the previous token far more often than the model says. Expected
+    # repeats: the sum over samples of p(t[i] = t[i-1] | prefix), each scored by a full forward.
+    e = engine(sd, num_blocks=4096, max_batch_tokens=4096)
+    prompt = (1, 2, 3, 4, 5)
+    out = e.generate([GroupRequest("g", prompt, n=1500)], SamplingParams(temperature=1.0, max_new_tokens=3, seed=9))
+    for pos in (1, 2):
+        repeat_p = {}
+        for s in out.samples:
+            prefix = tuple(s.tokens[:pos])
+            if prefix not in repeat_p:  # p(next = last token of prefix | prompt + prefix)
+                repeat_p[prefix] = math.exp(float(e.score([*prompt, *prefix, prefix[-1]])[-1]))
+        want = sum(repeat_p[tuple(s.tokens[:pos])] for s in out.samples)
+        sigma = math.sqrt(sum(p * (1 - p) for p in (repeat_p[tuple(s.tokens[:pos])] for s in out.samples)))
+        seen = sum(s.tokens[pos] == s.tokens[pos - 1] for s in out.samples)
+        assert abs(seen - want) < 6 * sigma + 1, (pos, seen, want, sigma)
 
 
 def test_greedy_stop_tokens_and_lengths(sd):
