@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import queue
 import re
 import uuid
 from collections.abc import Iterable, Iterator
@@ -57,6 +58,17 @@ _SKIPPED_BYTES = re.compile(r"(^common_state|\._extra_state)/shard_[\d._]+$")
 
 
 # ---- saving and loading under a parallel layout ------------------------------------------------
+
+
+def _results_queue_in_process() -> None:
+    """Megatron's filesystem writer reports its results through a `multiprocessing.Manager`
+    queue: a server process, spawned at the first save, that outlives a killed trainer (an
+    orphan importing torch, one per rank). `save_model` saves synchronously, so the writes run on
+    threads of this process and a plain thread-safe queue carries the same results."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 def save_model(model: torch.nn.Module, cfg: ModelConfig, directory: str | os.PathLike,
@@ -95,6 +107,7 @@ def save_model(model: torch.nn.Module, cfg: ModelConfig, directory: str | os.Pat
     plain = [k for k, v in sharded.items() if not isinstance(v, ShardedBase)]
     if plain:
         raise ValueError(f"state outside sharded tensors would go to Megatron's common state: {plain}")
+    _results_queue_in_process()
     dist_checkpointing.save(sharded, str(tmp))
     if torch.distributed.get_rank() == 0:
         for name, content in {CONFIG_FILE: dataclasses.asdict(cfg), **(extra_files or {})}.items():

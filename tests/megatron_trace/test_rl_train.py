@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 import torch
 
@@ -86,8 +87,11 @@ def test_a_killed_run_resumes_as_it_would_have_continued(tmp_path):
     while not (latest.exists() and latest.read_text().strip() == "rl-000002") and proc.poll() is None:
         assert time.time() < deadline, "the run never reached its step-2 checkpoint"
         time.sleep(0.05)
+    children = psutil.Process(proc.pid).children(recursive=True)
     proc.kill()  # SIGKILL: no cleanup of any kind
     proc.wait()
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, f"the killed run left processes behind: {[p.cmdline() for p in alive]}"
     resumed = subprocess.run(_train_cmd(killed), env=env, check=True, capture_output=True, text=True)
     assert "resuming from" in resumed.stdout
     want, got = _rows(tmp_path / "whole"), _rows(killed)
