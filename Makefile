@@ -35,6 +35,7 @@ demo: $(VENV)/.base
 	OMP_NUM_THREADS=1 $(VENV)/bin/trace-rl train
 
 test: $(VENV)/.test
+	$(VENV)/bin/ruff check .
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q
 
 clean:

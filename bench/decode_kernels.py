@@ -130,9 +130,8 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("decode_kernels.py needs a CUDA GPU")
-    from trace_kernels.fp4 import cuda_decode, linear, paged_attention
-
     from megatron_trace.model_config import PRESETS
+    from trace_kernels.fp4 import cuda_decode, linear, paged_attention
 
     cfg = PRESETS[args.model]
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -29,6 +29,7 @@ if not torch.cuda.is_available():  # must precede the kernels' definition
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tqdm import tqdm  # noqa: E402
+
 from trace_kernels.fp4 import (  # noqa: E402
     dequantize,
     pack_bits,

@@ -5,6 +5,7 @@
 
 import torch
 import triton.testing
+
 from trace_kernels.fp4 import dequantize, quantize, triton_fp4
 
 x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)

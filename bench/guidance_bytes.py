@@ -1,4 +1,4 @@
-"""Guidance bytes against flips on activations with realistic drift (DESIGN.md 4.4).
+"""Guidance bytes against flips on activations with realistic drift (docs/design.md 4.4).
 
 Engine and trainer activations are the same BF16 matmul reduced in two orders (the trainer
 adds two partial products), which leaves ulp-level drift like two kernels do. For each
@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
-from trace_kernels.fp4 import quantize, quantize_guided, unpack_codes
 
 from megatron_trace.guidance import (
     Coding,
@@ -26,6 +25,7 @@ from megatron_trace.guidance import (
     code_flips,
     guided_inputs,
 )
+from trace_kernels.fp4 import quantize, quantize_guided, unpack_codes
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

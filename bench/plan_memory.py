@@ -40,42 +40,42 @@ def measure(overrides: list[str]) -> dict:
 
     release_large_frees()  # freed tensors go back to the OS, so RSS follows live tensors as a GPU allocator's peak does
     from megatron_trace.backend import engine_factory
+    from megatron_trace.config import load_config
     from megatron_trace.megatron.spawn import init_one_process
+    from megatron_trace.rl import train as train_module
+    from megatron_trace.rl.factories import resolve_model_config
     from megatron_trace.rl.plan import (
         architecture,
         engine_kv_blocks,
         make_plan,
         plan_json,
     )
-    from megatron_trace.rl.train import load_config, model_config, train
 
     with tempfile.TemporaryDirectory() as out:
         cfg = load_config(None, ["model.preset=small", "sft.steps=0", "rl.steps=2", "checkpoint.every=0",
                                  f"output_dir={out}", *overrides])
         init_one_process()
-        model_cfg = model_config(cfg)
+        model_cfg = resolve_model_config(cfg.model)
         plan = make_plan(cfg, architecture(cfg))
         make_engine = engine_factory(cfg.engine, model_cfg, cfg.model.preset, engine_kv_blocks(cfg))
-        from megatron_trace.rl import checkpoint
-
         cuda = torch.cuda.is_available()
 
         def peak_bytes():  # on a GPU the caching allocator's peak, else the process's peak RSS
             return torch.cuda.max_memory_allocated() if cuda else _status_kib("VmHWM") * 1024
 
-        save, peaks = checkpoint.save_checkpoint, []
+        save, peaks = train_module.save_checkpoint, []
 
         def save_after_peak(*args, **kwargs):  # the write stages tensors in host memory: not the GPU plan's
             peaks.append(peak_bytes())
             return save(*args, **kwargs)
-        checkpoint.save_checkpoint = save_after_peak
+        train_module.save_checkpoint = save_after_peak
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated() if cuda else _status_kib("VmRSS") * 1024
         try:
-            train(cfg, make_engine, model_cfg, progress=False)
+            train_module.train(cfg, make_engine, model_cfg, progress=False)
         finally:
-            checkpoint.save_checkpoint = save
+            train_module.save_checkpoint = save
         with_checkpoint = peak_bytes()
     measured = max(peaks) - base
     planned = plan.trainer_peak + plan.engine_total

@@ -31,7 +31,7 @@ def trace_rl(*args: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--modes", default="bf16,fp4,fp4-qat,trace")
+    ap.add_argument("--modes", default="bf16,fp4-rollout,fp4-qat,trace")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--runs", default="runs/rl_modes")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
@@ -42,7 +42,7 @@ def main() -> None:
     results = {}
     for mode in args.modes.split(","):
         trace_rl("train", "--set", "sft.steps=0", "--set", f"model.megatron={start}", "--set", f"rl.steps={args.steps}",
-                 "--set", f"rl.precision={mode}", "--set", "checkpoint.resume=false", "--set",
+                 "--set", f"rl.mode={mode}", "--set", "checkpoint.resume=false", "--set",
                  f"output_dir={runs / mode}")
         results[mode] = [json.loads(line) for line in (runs / mode / "metrics.jsonl").read_text().splitlines()]
     date = datetime.date.today().isoformat()
@@ -50,7 +50,7 @@ def main() -> None:
     plot_report(results, stem.with_suffix(".png"), f"embedded default, {args.steps} GRPO steps per mode (CPU)")
     stem.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
     k = max(1, args.steps // 4)
-    lines = [f"# RL on the embedded default per precision mode — {date}, CPU ({os.cpu_count()} cores)", "",
+    lines = [f"# RL on the embedded default per run mode — {date}, CPU ({os.cpu_count()} cores)", "",
              f"`python bench/rl_modes.py --steps {args.steps} --modes {args.modes}`: one SFT warm-up (1000 steps), "
              f"then {args.steps} GRPO steps per mode from it (same prompts and sampling seeds).", "",
              f"| mode | reward, first {k} steps | reward, last {k} steps | mean k3_kl | mean flip rate | "

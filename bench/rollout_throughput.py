@@ -277,8 +277,9 @@ def main() -> None:
 
     from megatron_trace.model_config import PRESETS
     from sglang_rollout.engine import EngineConfig, TraceEngine
+    from sglang_rollout.engine.cuda_graphs import DecodeGraph
     from sglang_rollout.engine.kv_cache import PagedKVCache
-    from sglang_rollout.engine.model import DecodeGraph, Segment
+    from sglang_rollout.engine.model import Segment
 
     cfg = PRESETS[args.model]
     if args.layers:

@@ -1,4 +1,5 @@
-"""Training step time of a Qwen3-MoE-shaped Megatron model in bf16, fp4 (QAT) and trace modes.
+"""Training step time of a Qwen3-MoE-shaped Megatron model per trainer precision: bf16, fp4-rne (QAT)
+and fp4-guided (QAT following guidance; the trace run mode's trainer).
 
 One process, one device. The model has the preset's full width and `--layers` layers; a step
 is forward + backward of one packed micro-batch of `--tokens` tokens (sequences of
@@ -52,14 +53,14 @@ def own_guidance(model, ids, pos, psp, cfg):
     site rows in the canonical order of MicroBatchGuidance, plus the routed experts.
     Returns (MicroBatchGuidance, {(layer, site): (codes uint8 [R, K], scale bytes [R, K/16])})."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
-    from trace_kernels.fp4 import pack_bits, unpack_codes
 
     from megatron_trace.guidance.rows import RowGuidance
     from megatron_trace.megatron import qat
     from megatron_trace.megatron.context import MicroBatchGuidance
     from megatron_trace.megatron.model import set_precision
+    from trace_kernels.fp4 import pack_bits, unpack_codes
 
-    set_precision(model, "fp4")
+    set_precision(model, "fp4-rne")
     rows: dict = {}
     qat.observers.append(lambda site, x, q, g: rows.setdefault((site.layer, site.name), []).append(q))
     routers = [layer.mlp.router.router_replay for layer in model.decoder.layers]
@@ -87,18 +88,17 @@ def own_guidance(model, ids, pos, psp, cfg):
                 canon = torch.empty(n * cfg.top_k, dtype=torch.long, device=tok.device)
                 canon[tok * cfg.top_k + slot] = torch.arange(len(tok), device=tok.device)
                 codes, scales, g = codes[canon], scales[canon], g[canon]
-            sites[(li, name)] = RowGuidance(g.reshape(-1, 1), scales.view(torch.uint8).contiguous(),
-                                            pack_bits(codes & 1)).with_row_ids()
+            sites[(li, name)] = RowGuidance(g=g.reshape(-1, 1), scales=scales.view(torch.uint8).contiguous(),
+                                            bits=pack_bits(codes & 1)).with_row_ids()
             captured[(li, name)] = (codes, scales.view(torch.uint8))
     return MicroBatchGuidance(n, sites, experts), captured
 
 
 def reproduces(model, ids, pos, psp, guidance, captured) -> bool:
     """Whether a trace-mode forward rounds every site's rows to the captured codes."""
-    from trace_kernels.fp4 import unpack_codes
-
     from megatron_trace.megatron import qat
     from megatron_trace.megatron.model import set_precision
+    from trace_kernels.fp4 import unpack_codes
 
     bad = []
 
@@ -109,7 +109,7 @@ def reproduces(model, ids, pos, psp, guidance, captured) -> bool:
         if not (bool(same_code.all()) and torch.equal(q.block_scales.view(torch.uint8), scales[g.row_ids])):
             bad.append((site.layer, site.name))
 
-    set_precision(model, "trace")
+    set_precision(model, "fp4-guided")
     qat.observers.append(check)
     try:
         with torch.no_grad():
@@ -138,7 +138,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--modes", default="bf16,fp4,trace")
+    ap.add_argument("--modes", default="bf16,fp4-rne,fp4-guided", help="trainer precisions")
     ap.add_argument("--micro-batches", default="1",
                     help="comma list: forward+backward passes per optimizer step (weights quantized once per step)")
     ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one step per mode")
@@ -183,7 +183,7 @@ def main() -> None:
         with cached_weights():
             for _ in range(micro_batches):
                 loss = model(ids, pos, None, labels=labels, packed_seq_params=psp,
-                             guidance=guidance if mode == "trace" else None).float().mean()
+                             guidance=guidance if mode == "fp4-guided" else None).float().mean()
                 loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -219,10 +219,11 @@ def main() -> None:
     ratios = []
     for mb in sorted({r["micro_batches"] for r in rows}):
         by = {r["mode"]: r["step_s"] for r in rows if r["micro_batches"] == mb}
-        if "fp4" in by and "bf16" in by:
-            ratios.append(f"{mb} micro-batch(es): fp4 / bf16 = {by['fp4'] / by['bf16']:.3f} (goal <= 1.25)")
-        if "trace" in by and "fp4" in by:
-            ratios.append(f"{mb} micro-batch(es): trace / fp4 = {by['trace'] / by['fp4']:.3f} (goal <= 1.10)")
+        if "fp4-rne" in by and "bf16" in by:
+            ratios.append(f"{mb} micro-batch(es): fp4-rne / bf16 = {by['fp4-rne'] / by['bf16']:.3f} (goal <= 1.25)")
+        if "fp4-guided" in by and "fp4-rne" in by:
+            ratios.append(f"{mb} micro-batch(es): fp4-guided / fp4-rne = {by['fp4-guided'] / by['fp4-rne']:.3f} "
+                          "(goal <= 1.10)")
     print("\n".join(ratios))
     if args.record:
         RESULTS.mkdir(parents=True, exist_ok=True)

@@ -19,21 +19,21 @@ def load_backend(path: str):
         raise SystemExit(f"--engine {path!r}: cannot import it ({e})") from None
 
 
-def make_backend(path: str, cfg, **config):
-    """An engine of the backend class at `path` for model config `cfg`, configured by its module's
-    EngineConfig(**config)."""
+def make_backend(path: str, model_cfg, **engine_options):
+    """An engine of the backend class at `path` for `model_cfg` (a ModelConfig), configured by
+    its module's EngineConfig(**engine_options)."""
     engine_cls = load_backend(path)
     config_cls = importlib.import_module(path.partition(":")[0]).EngineConfig
-    return engine_cls(cfg, config_cls(**config))
+    return engine_cls(model_cfg, config_cls(**engine_options))
 
 
-def engine_factory(path: str, cfg, model_id: str, num_blocks: int = 4096):
+def engine_factory(path: str, model_cfg, model_id: str, num_blocks: int = 4096):
     """make_engine(precision, guide, coding) for the backend class at `path`, with a KV cache of
     `num_blocks` blocks."""
     load_backend(path)  # fail now, not at the first rollout
     device = "cuda" if torch.cuda.is_available() else "cpu"
 
     def make_engine(precision, guide, coding):
-        return make_backend(path, cfg, precision=precision, guide=guide, coding=coding, device=device,
+        return make_backend(path, model_cfg, precision=precision, guide=guide, coding=coding, device=device,
                             model_id=model_id, num_blocks=num_blocks)
     return make_engine

@@ -1,6 +1,7 @@
 """`trace-rl`: the command line. `train` (the embedded default), `mismatch` (the headline
 experiment), `audit` (every site's precision in trainer, engine and exported checkpoints), `plan`
-(per-GPU memory and traffic of a run) and `slurm` (its sbatch script).
+(per-GPU memory and traffic of a run), `slurm` (its sbatch script) and `config` (the resolved
+configuration, or the schema's reference).
 
 The rollout backend is named by dotted path (`--engine module:Class`), so this package does not
 import the rollout side (the layering is kernels <- megatron_trace <- sglang_rollout).
@@ -17,12 +18,12 @@ import torch
 
 from .backend import DEFAULT_ENGINE, engine_factory
 from .checkpoint.cli import add_audit_parser, audit_main
+from .config import as_dict, load_config, reference_markdown
 from .megatron.spawn import init_one_process
+from .modes import RunMode
 
 
 def _config(args):
-    from .rl.train import load_config
-
     try:
         return load_config(args.config, (args.set or []) + (["rl.steps=0"] if args.command == "sft" else []))
     except ValueError as e:
@@ -32,14 +33,15 @@ def _config(args):
 def train_main(args: argparse.Namespace) -> list[dict]:
     import os
 
+    from .rl.factories import resolve_model_config
     from .rl.plan import engine_kv_blocks
     from .rl.slurm import torch_env_from_slurm
-    from .rl.train import model_config, train
+    from .rl.train import train
 
     os.environ.update(torch_env_from_slurm(dict(os.environ)))  # an srun task: torch.distributed's variables
     cfg = _config(args)
     try:
-        model_cfg = model_config(cfg)
+        model_cfg = resolve_model_config(cfg.model)
         if cfg.dist.engine_ranks:
             history = _lost_peer_exits(_train_disaggregated, cfg, model_cfg)
         else:
@@ -165,6 +167,16 @@ def slurm_main(args: argparse.Namespace) -> None:
         print(script, end="")
 
 
+def config_main(args: argparse.Namespace) -> None:
+    """Print the configuration a run with these arguments would use, or the schema's reference."""
+    if args.reference:
+        print(reference_markdown(), end="")
+        return
+    import yaml
+
+    print(yaml.safe_dump(as_dict(_config(args)), sort_keys=False), end="")
+
+
 DEFAULT_RUN = Path("runs/default")  # where `trace-rl train` (make demo) leaves the embedded default
 
 
@@ -174,7 +186,7 @@ def _mismatch_model(args):
     from .megatron.model import build_model
     from .megatron.weights import load_full_state_dict
     from .model_config import PRESETS
-    from .rl.checkpoint import latest_checkpoint
+    from .rl.run_checkpoint import latest_checkpoint
 
     megatron, what = args.megatron, None
     if not (args.model or args.hf or megatron):  # the embedded default: trained if it has been, else random
@@ -187,7 +199,7 @@ def _mismatch_model(args):
         from .checkpoint.hf import HFCheckpoint
 
         ckpt = HFCheckpoint(args.hf)
-        cfg, what = ckpt.cfg, f"HF checkpoint {args.hf}"
+        cfg, what = ckpt.model_cfg, f"HF checkpoint {args.hf}"
     elif megatron:
         cfg, what = read_config(megatron), what or f"Megatron checkpoint {megatron}"
     elif args.model in PRESETS:
@@ -206,14 +218,14 @@ def _mismatch_model(args):
 
 
 def mismatch_main(args: argparse.Namespace) -> dict:
-    from .rl.mismatch import MODES, run_mismatch
+    from .rl.mismatch import run_mismatch
     from .rl.tasks import ArithmeticTask
     from .rollout import SamplingParams
 
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
-    if bad:
-        raise SystemExit(f"--modes: unknown {bad}; choose from {','.join(MODES)}")
+    try:
+        modes = [RunMode(m.strip()) for m in args.modes.split(",") if m.strip()]
+    except ValueError as e:
+        raise SystemExit(f"--modes: {e}") from None
     try:
         cfg, trainer, state_dict, what = _mismatch_model(args)
     except (ValueError, FileNotFoundError) as e:
@@ -255,7 +267,7 @@ def main(argv: list[str] | None = None) -> None:
     src.add_argument("--hf", default=None, help="an HF Qwen3-MoE checkpoint directory")
     mm.add_argument("--prompt-source", default="task", choices=["task", "random"],
                     help="arithmetic-task prompts (when the vocabulary covers them) or random tokens")
-    mm.add_argument("--modes", default="bf16,fp4,fp4-qat,trace")
+    mm.add_argument("--modes", default=",".join(m.value for m in RunMode), help="run modes to compare")
     mm.add_argument("--guide", default="all", help="trace mode's layer policy: all, deep:K, layers:i,j, none")
     mm.add_argument("--coding", default="dense", choices=["dense", "sparse"])
     mm.add_argument("--seed", type=int, default=0, help="weights, prompts and sampling")
@@ -280,6 +292,10 @@ def main(argv: list[str] | None = None) -> None:
     pl.add_argument("--json", default=None, help="write the plan(s) here")
     sl.add_argument("--out", default=None, help="write the script here (default: print it)")
     sl.add_argument("--force", action="store_true", help="render even when the plan does not fit")
+    cf = sub.add_parser("config", help="the resolved configuration as YAML (defaults, --config, --set)")
+    cf.add_argument("--config", default=None, help="YAML file {section: {key: value}}")
+    cf.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override one config key")
+    cf.add_argument("--reference", action="store_true", help="print the schema's reference (docs/configuration.md)")
     add_audit_parser(sub)
     args = ap.parse_args(argv)
     torch.manual_seed(getattr(args, "seed", 0))
@@ -293,6 +309,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(plan_main(args))
     elif args.command == "slurm":
         slurm_main(args)
+    elif args.command == "config":
+        config_main(args)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-# Full-state-dict names of the weights at FP4 sites (DESIGN.md section 3); the rest stay BF16.
+# Full-state-dict names of the weights at FP4 sites (docs/design.md section 3); the rest stay BF16.
 FP4_WEIGHT_SITES = {"linear_qkv.weight": "qkv", "linear_proj.weight": "proj", "linear_fc1.weight": "fc1",
                     "linear_fc2.weight": "fc2"}  # suffix -> guidance site (guidance.record.SITES)
 FP4_WEIGHT_SUFFIXES = tuple(FP4_WEIGHT_SITES)
@@ -23,7 +23,7 @@ def fp4_site_of(name: str) -> tuple[int, str] | None:
     return None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """Architecture of a Qwen3-MoE-style model (field names follow the HF config's meaning)."""
 
@@ -62,19 +62,19 @@ class ModelConfig:
         return self.num_layers * per_layer + self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
 
 
-def full_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+def full_weight_shapes(model_cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every weight's full Megatron name (megatron/weights.py) and shape, in a fixed order."""
-    h, d, nq, ng, f = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, \
-        cfg.moe_intermediate_size
-    shapes = {"embedding.word_embeddings.weight": (cfg.vocab_size, h), "decoder.final_layernorm.weight": (h,),
-              "output_layer.weight": (cfg.vocab_size, h)}
-    for L in range(cfg.num_layers):
+    h, d, nq, ng, f = model_cfg.hidden_size, model_cfg.head_dim, model_cfg.num_attention_heads, model_cfg.num_key_value_heads, \
+        model_cfg.moe_intermediate_size
+    shapes = {"embedding.word_embeddings.weight": (model_cfg.vocab_size, h), "decoder.final_layernorm.weight": (h,),
+              "output_layer.weight": (model_cfg.vocab_size, h)}
+    for L in range(model_cfg.num_layers):
         p = f"decoder.layers.{L}."
         shapes |= {p + "input_layernorm.weight": (h,), p + "pre_mlp_layernorm.weight": (h,),
                    p + "self_attention.linear_qkv.weight": ((nq + 2 * ng) * d, h),
                    p + "self_attention.q_layernorm.weight": (d,), p + "self_attention.k_layernorm.weight": (d,),
-                   p + "self_attention.linear_proj.weight": (h, nq * d), p + "mlp.router.weight": (cfg.num_experts, h)}
-        for e in range(cfg.num_experts):
+                   p + "self_attention.linear_proj.weight": (h, nq * d), p + "mlp.router.weight": (model_cfg.num_experts, h)}
+        for e in range(model_cfg.num_experts):
             shapes[p + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = (2 * f, h)
             shapes[p + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = (h, f)
     return shapes

@@ -12,9 +12,10 @@ from typing import Protocol
 import torch
 
 from .guidance import GuidanceBatch
+from .modes import EnginePrecision
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SamplingParams:
     """temperature: 0 means greedy. top_p: nucleus mass in (0, 1]. top_k: 0 means off.
     max_new_tokens: response length limit. stop_token_ids: generation ends after one of them.
@@ -47,7 +48,7 @@ class GroupRequest:
     n: int = 1
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SampleResult:
     """One generated sample.
 
@@ -77,8 +78,11 @@ class RolloutOutput:
 
 
 class RolloutBackend(Protocol):
-    """A rollout engine as the RL loop drives it."""
+    """A rollout engine as the RL loop drives it (tests/sglang_rollout/test_backend_contract.py
+    is the contract every backend passes). `precision`: what it runs (the weight sync packs FP4
+    sites for an FP4 engine); `weight_version`: of the weights it holds (-1: none yet)."""
 
+    precision: EnginePrecision
     weight_version: int
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:

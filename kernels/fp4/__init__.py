@@ -1,4 +1,4 @@
-"""The FP4 numerics shared bit for bit by trainer and engine (DESIGN.md section 2).
+"""The FP4 numerics shared bit for bit by trainer and engine (docs/design.md section 2).
 
 Layers, bottom up: `formats` (element and scale codecs), `packing`, `reference` (torch
 specification), `triton_fp4` (GPU kernels equal to the reference), `qtensor`, `api`. The decode

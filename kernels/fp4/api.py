@@ -77,7 +77,7 @@ def quantize(
     backend: str = "auto",
     check_finite: bool = True,
 ) -> QTensor:
-    """Quantize `x` to FP4 along its last dimension (DESIGN.md section 2).
+    """Quantize `x` to FP4 along its last dimension (docs/design.md section 2).
 
     Args:
         x: float32/bfloat16/float16 [..., K], K a multiple of the block size (16 nvfp4,
@@ -268,7 +268,7 @@ def quantize_guided(
 
     The global and block scales are taken as given (never recomputed); each element gets the
     E2M1 code nearest to x / (s * g) whose mantissa bit is the engine's; the sign is x's;
-    magnitudes saturate at 6 (DESIGN.md 4.3).
+    magnitudes saturate at 6 (docs/design.md 4.3).
 
     Args:
         x: float32/bfloat16/float16 [..., K], K a multiple of 16.

@@ -1,4 +1,4 @@
-"""FP4 formats and their element and scale codecs (DESIGN.md section 2).
+"""FP4 formats and their element and scale codecs (docs/design.md section 2).
 
 Shape legend used across `trace_kernels.fp4`:
     M  rows (all leading dimensions of a tensor flattened)

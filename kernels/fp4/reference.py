@@ -1,11 +1,15 @@
-"""Torch reference of the FP4 numerics (DESIGN.md section 2); runs on any device.
+"""Torch reference of the FP4 numerics (docs/design.md section 2); runs on any device.
 
 This is the specification in code: the Triton kernels in `triton_fp4.py` must equal it bit
 for bit. Every step is one IEEE-exact FP32 operation in a fixed order (no reciprocals, no
 fused multiply-adds), so the result does not depend on the device.
 
-Shapes: x_MK rows of the input, g_M1 per-row (or 0-d per-tensor) global scales,
-s_MB block scales, codes_MK unpacked codes.
+Shape suffixes: a name ends in the letters of its dimensions (sglang_rollout/engine/model.py
+uses the same convention for the model's tensors).
+    M  rows          K  elements per row (the reduction dimension, in blocks)
+    B  blocks per row (K / 16 for NVFP4, K / 32 for MXFP4)      1  a kept dimension of size one
+x_MK rows of the input, g_M1 per-row (or 0-d per-tensor) global scales, s_MB block scales,
+codes_MK unpacked codes.
 """
 
 from __future__ import annotations
@@ -152,7 +156,7 @@ def round_scaled_to_e2m1(
 
 
 def round_guided_to_e2m1(v: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-    """Guided rounding (DESIGN.md 4.3): the E2M1 code nearest to v whose mantissa bit is `bits`.
+    """Guided rounding (docs/design.md 4.3): the E2M1 code nearest to v whose mantissa bit is `bits`.
 
     With lo the largest magnitude code not above |v|: if lo's mantissa bit (lo & 1) matches,
     lo; otherwise its upper neighbour when |v| lies strictly above lo's magnitude (or lo is

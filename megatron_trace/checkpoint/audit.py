@@ -30,37 +30,37 @@ def _kv(layer: int) -> str:
     return f"model.layers.{layer}.self_attn.kv_cache"
 
 
-def linear_modules(name: str, cfg: ModelConfig) -> list[str]:
+def linear_modules(name: str, model_cfg: ModelConfig) -> list[str]:
     """HF linear modules that Megatron weight `name` feeds (empty for norms and embeddings)."""
-    return [h.removesuffix(".weight") for h, _ in hf_parts(name, cfg) if h.endswith(_LINEAR_SUFFIXES)]
+    return [h.removesuffix(".weight") for h, _ in hf_parts(name, model_cfg) if h.endswith(_LINEAR_SUFFIXES)]
 
 
-def table_from_weights(cfg: ModelConfig, is_fp4: Callable[[str], bool], kv_fp4: bool) -> Table:
+def table_from_weights(model_cfg: ModelConfig, is_fp4: Callable[[str], bool], kv_fp4: bool) -> Table:
     """A table from a predicate over full Megatron weight names (the engine's view)."""
-    table = {m: "fp4" if is_fp4(name) else "bf16" for name in full_weight_shapes(cfg)
-             for m in linear_modules(name, cfg)}
-    return table | {_kv(L): "fp4" if kv_fp4 else "bf16" for L in range(cfg.num_layers)}
+    table = {m: "fp4" if is_fp4(name) else "bf16" for name in full_weight_shapes(model_cfg)
+             for m in linear_modules(name, model_cfg)}
+    return table | {_kv(L): "fp4" if kv_fp4 else "bf16" for L in range(model_cfg.num_layers)}
 
 
-def trainer_table(model, cfg: ModelConfig) -> Table:
+def trainer_table(model, model_cfg: ModelConfig) -> Table:
     """The table of a one-process Megatron model (megatron.model.fp4_sites): a module is fp4 when
     every site touching it (its weight's and its input's) runs an FP4 precision."""
     from ..megatron.model import fp4_sites  # megatron-core only when auditing a trainer
 
-    table = table_from_weights(cfg, lambda name: False, False)
+    table = table_from_weights(model_cfg, lambda name: False, False)
     votes: dict[str, set[bool]] = {}
     for site in fp4_sites(model):
-        fp4 = site.precision.value != "bf16"
+        fp4 = site.precision.quantizes
         L = site.layer
         if site.name in ("k", "v"):
             modules = [_kv(L)]
         elif site.name in ("qkv", "proj"):
             suffix = "linear_qkv.weight" if site.name == "qkv" else "linear_proj.weight"
-            modules = linear_modules(f"decoder.layers.{L}.self_attention.{suffix}", cfg)
+            modules = linear_modules(f"decoder.layers.{L}.self_attention.{suffix}", model_cfg)
         else:  # fc1 / fc2 of one expert, of all experts (grouped), or the fc1 input of every expert
-            experts = range(cfg.num_experts) if site.expert is None else [site.expert]
+            experts = range(model_cfg.num_experts) if site.expert is None else [site.expert]
             modules = [m for e in experts for m in linear_modules(
-                f"decoder.layers.{L}.mlp.experts.local_experts.{e}.linear_{site.name}.weight", cfg)]
+                f"decoder.layers.{L}.mlp.experts.local_experts.{e}.linear_{site.name}.weight", model_cfg)]
         for m in modules:
             votes.setdefault(m, set()).add(fp4)
     for m, v in votes.items():
@@ -82,7 +82,7 @@ def _matches(pattern: str, module: str) -> list[str]:
     return rules
 
 
-def checkpoint_table(path: str | os.PathLike, cfg: ModelConfig) -> tuple[Table, list[str]]:
+def checkpoint_table(path: str | os.PathLike, model_cfg: ModelConfig) -> tuple[Table, list[str]]:
     """The table of an exported checkpoint from its tensors and config.json, and the problems
     found within it (a quantized module its exclusion list catches, a BF16 linear it does not)."""
     ckpt = SafetensorsDir(path)
@@ -90,12 +90,12 @@ def checkpoint_table(path: str | os.PathLike, cfg: ModelConfig) -> tuple[Table, 
     ignore = qcfg.get("exclude_modules") or qcfg.get("ignore") or []
     kv = qcfg.get("kv_cache_quant_algo") or qcfg.get("kv_cache_scheme")
     table = {}
-    for name in full_weight_shapes(cfg):
-        for m in linear_modules(name, cfg):
+    for name in full_weight_shapes(model_cfg):
+        for m in linear_modules(name, model_cfg):
             packed = f"{m}.weight_packed" in ckpt or f"{m}.weight_scale" in ckpt
             table[m] = "fp4" if packed else "bf16" if f"{m}.weight" in ckpt else "missing"
     kv_fp4 = kv == "NVFP4" or (isinstance(kv, dict) and kv.get("num_bits") == 4)
-    table |= {_kv(L): "fp4" if kv_fp4 else "bf16" for L in range(cfg.num_layers)}
+    table |= {_kv(L): "fp4" if kv_fp4 else "bf16" for L in range(model_cfg.num_layers)}
     problems = []
     for m, precision in table.items():
         if m.endswith("kv_cache"):
@@ -122,14 +122,14 @@ def compare(tables: dict[str, Table]) -> list[str]:
     return out
 
 
-def audit(cfg: ModelConfig, trainer_model, engine_table: Table,
+def audit(model_cfg: ModelConfig, trainer_model, engine_table: Table,
           exports: list[str | os.PathLike] = ()) -> tuple[dict[str, Table], list[str]]:
     """Every side's table ("trainer", "engine", "export" or "export0", "export1", ...) and every
     problem: disagreements between sides, then each export's internal problems."""
-    tables = {"trainer": trainer_table(trainer_model, cfg), "engine": engine_table}
+    tables = {"trainer": trainer_table(trainer_model, model_cfg), "engine": engine_table}
     problems = []
     for i, path in enumerate(exports):
-        table, found = checkpoint_table(path, cfg)
+        table, found = checkpoint_table(path, model_cfg)
         tables["export" if len(exports) == 1 else f"export{i}"] = table
         problems += [f"{path}: {p}" for p in found]
     return tables, compare(tables) + problems

@@ -25,6 +25,7 @@ import torch
 
 from ..backend import DEFAULT_ENGINE, make_backend
 from ..model_config import PRESETS, ModelConfig, fp4_site_of
+from ..modes import EnginePrecision, TrainerPrecision
 from .fp4_export import FORMATS, KV_CACHE, export_fp4, input_amax_json, load_input_amax
 
 _UNITS = {"KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "B": 1}
@@ -87,14 +88,14 @@ def _source(args) -> tuple[ModelConfig, dict, Callable[[], Iterator[tuple[str, t
         from .hf import HFCheckpoint
 
         ckpt = HFCheckpoint(args.hf)
-        return ckpt.cfg, ckpt.hf_config, ckpt.items
+        return ckpt.model_cfg, ckpt.hf_config, ckpt.items
     from .convert import megatron_configs, megatron_tensors
 
     cfg, hf = megatron_configs(args.megatron)
     return cfg, hf, lambda: megatron_tensors(args.megatron)
 
 
-def read_calibration(path: str, cfg: ModelConfig) -> list[list[int]]:
+def read_calibration(path: str, model_cfg: ModelConfig) -> list[list[int]]:
     """Token-id sequences from JSONL lines {"input_ids": [...]}. ValueError naming a bad line."""
     seqs = []
     for i, line in enumerate(Path(path).read_text().splitlines(), 1):
@@ -104,29 +105,29 @@ def read_calibration(path: str, cfg: ModelConfig) -> list[list[int]]:
             ids = json.loads(line)["input_ids"]
         except (json.JSONDecodeError, KeyError, TypeError):
             raise ValueError(f"{path}:{i}: expected a JSON object with input_ids") from None
-        if not ids or not all(isinstance(t, int) and 0 <= t < cfg.vocab_size for t in ids):
-            raise ValueError(f"{path}:{i}: input_ids must be a non-empty list of ids in [0, {cfg.vocab_size})")
-        if len(ids) > cfg.max_position_embeddings:
-            raise ValueError(f"{path}:{i}: {len(ids)} tokens exceed max_position_embeddings={cfg.max_position_embeddings}")
+        if not ids or not all(isinstance(t, int) and 0 <= t < model_cfg.vocab_size for t in ids):
+            raise ValueError(f"{path}:{i}: input_ids must be a non-empty list of ids in [0, {model_cfg.vocab_size})")
+        if len(ids) > model_cfg.max_position_embeddings:
+            raise ValueError(f"{path}:{i}: {len(ids)} tokens exceed max_position_embeddings={model_cfg.max_position_embeddings}")
         seqs.append(ids)
     if not seqs:
         raise ValueError(f"{path}: no calibration sequences")
     return seqs
 
 
-def calibrate(args, cfg: ModelConfig, tensors) -> dict[tuple[int, str], float]:
+def calibrate(args, model_cfg: ModelConfig, tensors) -> dict[tuple[int, str], float]:
     """{(layer, site): amax} of the FP4 sites' inputs, as the engine's FP4 forward sees them."""
     if args.input_amax:
         return load_input_amax(args.input_amax)
     if args.calib:
-        seqs = read_calibration(args.calib, cfg)
+        seqs = read_calibration(args.calib, model_cfg)
     else:
         print(f"warning: calibrating input scales on {args.calib_random} random-token sequences; pass --calib "
               "with representative token ids for a served model", file=sys.stderr)
         rng = random.Random(0)
-        seqs = [[rng.randrange(cfg.vocab_size) for _ in range(args.calib_len)] for _ in range(args.calib_random)]
+        seqs = [[rng.randrange(model_cfg.vocab_size) for _ in range(args.calib_len)] for _ in range(args.calib_random)]
     longest = max(map(len, seqs))
-    engine = make_backend(args.engine, cfg, precision="fp4", device=args.device, block_size=16,
+    engine = make_backend(args.engine, model_cfg, precision=EnginePrecision.FP4, device=args.device, block_size=16,
                           num_blocks=math.ceil(longest / 16), max_batch_tokens=longest, model_id="calibration")
     engine.update_weights(dict(tensors()), 0)
     return engine.activation_amax(seqs)
@@ -207,7 +208,7 @@ def audit_main(args: argparse.Namespace) -> list[str]:
     if args.hf:
         from .hf import HFCheckpoint
 
-        cfg = HFCheckpoint(args.hf).cfg
+        cfg = HFCheckpoint(args.hf).model_cfg
     elif args.megatron:
         from .convert import megatron_configs
 
@@ -242,7 +243,8 @@ def add_audit_parser(sub) -> None:
     src.add_argument("--hf", help="HF checkpoint directory (its config.json)")
     src.add_argument("--megatron", help="Megatron checkpoint directory")
     au.add_argument("--export", action="append", help="an exported FP4 checkpoint to include (repeatable)")
-    au.add_argument("--trainer-precision", default="fp4", choices=["bf16", "fp4", "trace"])
-    au.add_argument("--engine-precision", default="fp4", choices=["bf16", "fp4"])
+    au.add_argument("--trainer-precision", default=TrainerPrecision.FP4_RNE.value,
+                    choices=[p.value for p in TrainerPrecision])
+    au.add_argument("--engine-precision", default=EnginePrecision.FP4.value, choices=[p.value for p in EnginePrecision])
     au.add_argument("--engine", default=DEFAULT_ENGINE)
     au.add_argument("--verbose", action="store_true", help="print every site, not only the summary")

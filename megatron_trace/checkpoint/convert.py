@@ -38,13 +38,13 @@ def layout_world(tp: int = 1, ep: int = 1, pp: int = 1, etp: int = 1) -> dict:
     return {"tp": tp, "ep": ep, "pp": pp, "etp": etp, "dp": math.lcm(tp, ep * etp) // tp}
 
 
-def check_layout(cfg: ModelConfig, layout: dict) -> None:
+def check_layout(model_cfg: ModelConfig, layout: dict) -> None:
     """ValueError naming the parallel size that does not divide the model dimension it splits."""
-    for size, dim, what in ((layout["tp"], cfg.num_attention_heads, "num_attention_heads"),
-                            (layout["tp"], cfg.num_key_value_heads, "num_key_value_heads"),
-                            (layout["ep"], cfg.num_experts, "num_experts"),
-                            (layout["pp"], cfg.num_layers, "num_layers"),
-                            (layout["etp"], cfg.moe_intermediate_size // 16, "moe_intermediate_size / 16")):
+    for size, dim, what in ((layout["tp"], model_cfg.num_attention_heads, "num_attention_heads"),
+                            (layout["tp"], model_cfg.num_key_value_heads, "num_key_value_heads"),
+                            (layout["ep"], model_cfg.num_experts, "num_experts"),
+                            (layout["pp"], model_cfg.num_layers, "num_layers"),
+                            (layout["etp"], model_cfg.moe_intermediate_size // 16, "moe_intermediate_size / 16")):
         if dim % size:
             raise ValueError(f"layout {layout}: {what}={dim} is not divisible by {size}")
 
@@ -54,9 +54,9 @@ def _convert_rank(rank: int, hf_dir: str, out: str) -> None:
     from ..megatron.weights import load_full_state_dict
 
     ckpt = HFCheckpoint(hf_dir)
-    model = build_model(ckpt.cfg, "bf16")
+    model = build_model(ckpt.model_cfg, "bf16")
     load_full_state_dict(model, ckpt)
-    dist.save_model(model, ckpt.cfg, out, extra_files={HF_CONFIG: ckpt.hf_config})
+    dist.save_model(model, ckpt.model_cfg, out, extra_files={HF_CONFIG: ckpt.hf_config})
 
 
 def hf_to_megatron(hf_dir: str | os.PathLike, out: str | os.PathLike, tp: int = 1, ep: int = 1, pp: int = 1,
@@ -68,7 +68,7 @@ def hf_to_megatron(hf_dir: str | os.PathLike, out: str | os.PathLike, tp: int = 
 
     ckpt = HFCheckpoint(hf_dir)  # headers only: fails fast, naming the problem
     layout = layout_world(tp, ep, pp, etp)
-    check_layout(ckpt.cfg, layout)
+    check_layout(ckpt.model_cfg, layout)
     if Path(out).exists():
         raise FileExistsError(f"output {out} already exists")
     spawn(_convert_rank, layout, hf_dir=str(hf_dir), out=str(out))

@@ -71,7 +71,7 @@ def _results_queue_in_process() -> None:
         filesystem_async._results_queue = queue.Queue()
 
 
-def save_model(model: torch.nn.Module, cfg: ModelConfig, directory: str | os.PathLike,
+def save_model(model: torch.nn.Module, model_cfg: ModelConfig, directory: str | os.PathLike,
                extra_files: dict[str, dict] | None = None) -> None:
     """Save this rank's part of `model` (built from `cfg`) to `directory`; call on every rank.
     `extra_files` (name -> JSON-able dict) are written beside it by rank 0, before the rename.
@@ -88,7 +88,7 @@ def save_model(model: torch.nn.Module, cfg: ModelConfig, directory: str | os.Pat
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedBase
 
-    _check_config(cfg, model, "the config to save")
+    _check_config(model_cfg, model, "the config to save")
     directory = Path(directory)
     # rank 0 decides for all, so that no rank waits at a barrier another rank has left
     decision = [None, None]
@@ -110,7 +110,7 @@ def save_model(model: torch.nn.Module, cfg: ModelConfig, directory: str | os.Pat
     _results_queue_in_process()
     dist_checkpointing.save(sharded, str(tmp))
     if torch.distributed.get_rank() == 0:
-        for name, content in {CONFIG_FILE: dataclasses.asdict(cfg), **(extra_files or {})}.items():
+        for name, content in {CONFIG_FILE: dataclasses.asdict(model_cfg), **(extra_files or {})}.items():
             (tmp / name).write_text(json.dumps(content, indent=1) + "\n")
     torch.distributed.barrier()  # every rank's files are written
     if torch.distributed.get_rank() == 0:
@@ -154,7 +154,7 @@ def _require(directory: str | os.PathLike, name: str) -> Path:
     return path
 
 
-def _check_config(cfg: ModelConfig, model: torch.nn.Module, what: str) -> None:
+def _check_config(model_cfg: ModelConfig, model: torch.nn.Module, what: str) -> None:
     """ValueError naming the first ModelConfig field in which `cfg` differs from the model."""
     c = model.config
     seen = dict(vocab_size=model.vocab_size, hidden_size=c.hidden_size, num_layers=c.num_layers,
@@ -164,8 +164,8 @@ def _check_config(cfg: ModelConfig, model: torch.nn.Module, what: str) -> None:
                 max_position_embeddings=model.max_sequence_length,
                 tie_word_embeddings=model.share_embeddings_and_output_weights)
     for field in dataclasses.fields(ModelConfig):
-        if getattr(cfg, field.name) != seen[field.name]:
-            raise ValueError(f"{what} has {field.name}={getattr(cfg, field.name)!r}, "
+        if getattr(model_cfg, field.name) != seen[field.name]:
+            raise ValueError(f"{what} has {field.name}={getattr(model_cfg, field.name)!r}, "
                              f"the model {seen[field.name]!r}")
 
 

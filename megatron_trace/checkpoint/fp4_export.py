@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
+
 from trace_kernels.fp4 import quantize
 
 from ..model_config import ModelConfig, fp4_site_of, full_weight_shapes
@@ -42,10 +43,10 @@ E2M1_MAX, E4M3_MAX = 6.0, 448.0
 LINEAR_SITES = ("qkv", "proj", "fc1", "fc2")
 
 
-def excluded_modules(cfg: ModelConfig) -> list[str]:
+def excluded_modules(model_cfg: ModelConfig) -> list[str]:
     """Exact names of the HF modules that stay in high precision."""
-    names = ["model.embed_tokens", "model.norm"] + ([] if cfg.tie_word_embeddings else ["lm_head"])
-    for L in range(cfg.num_layers):
+    names = ["model.embed_tokens", "model.norm"] + ([] if model_cfg.tie_word_embeddings else ["lm_head"])
+    for L in range(model_cfg.num_layers):
         h = f"model.layers.{L}."
         names += [h + "input_layernorm", h + "post_attention_layernorm", h + "self_attn.q_norm",
                   h + "self_attn.k_norm", h + "mlp.gate"]
@@ -56,9 +57,9 @@ def _weight_args() -> dict:
     return {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True}
 
 
-def quantization_config(fmt: str, cfg: ModelConfig, kv_cache: str = "fp4") -> dict:
+def quantization_config(fmt: str, model_cfg: ModelConfig, kv_cache: str = "fp4") -> dict:
     """The `quantization_config` entry of config.json for `fmt`."""
-    ignore = excluded_modules(cfg)
+    ignore = excluded_modules(model_cfg)
     if fmt == "modelopt":
         return {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
                 "kv_cache_quant_algo": "NVFP4" if kv_cache == "fp4" else None,
@@ -93,11 +94,11 @@ def fp4_linear_tensors(fmt: str, codes: torch.Tensor, block_scales: torch.Tensor
             "input_global_scale": (1 / s_in).reshape(1)}
 
 
-def input_scales(input_amax: dict[tuple[int, str], float], cfg: ModelConfig) -> dict[tuple[int, str], float]:
+def input_scales(input_amax: dict[tuple[int, str], float], model_cfg: ModelConfig) -> dict[tuple[int, str], float]:
     """Static input scales amax / (6 * 448) per (layer, linear site). Raises ValueError naming the
     first missing (layer, site)."""
     out = {}
-    for L in range(cfg.num_layers):
+    for L in range(model_cfg.num_layers):
         for site in LINEAR_SITES:
             if (L, site) not in input_amax:
                 raise ValueError(f"no calibrated input amax for layer {L} site {site!r}")
@@ -124,7 +125,7 @@ def load_input_amax(path: str | os.PathLike) -> dict[tuple[int, str], float]:
     return out
 
 
-def export_fp4(tensors: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig, hf_cfg: dict, out: str | os.PathLike,
+def export_fp4(tensors: Iterable[tuple[str, torch.Tensor]], model_cfg: ModelConfig, hf_cfg: dict, out: str | os.PathLike,
                fmt: str, input_amax: dict[tuple[int, str], float], kv_cache: str = "fp4",
                max_shard_bytes: int = 2 << 30, overwrite: bool = False, extra_files: dict | None = None) -> Path:
     """Write the FP4 checkpoint of a model streamed as full Megatron (name, tensor) pairs.
@@ -142,9 +143,9 @@ def export_fp4(tensors: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig, hf
     """
     if kv_cache not in KV_CACHE:
         raise ValueError(f"kv_cache must be one of {KV_CACHE}, got {kv_cache!r}")
-    qcfg = quantization_config(fmt, cfg, kv_cache)
-    scales = input_scales(input_amax, cfg)
-    shapes, dtype = full_weight_shapes(cfg), hf_dtype(hf_cfg)
+    qcfg = quantization_config(fmt, model_cfg, kv_cache)
+    scales = input_scales(input_amax, model_cfg)
+    shapes, dtype = full_weight_shapes(model_cfg), hf_dtype(hf_cfg)
     seen: set[str] = set()
     with ShardedWriter(out, max_shard_bytes, overwrite) as writer:
         for name, t in tqdm(tensors, total=len(shapes), desc=f"export {fmt}", unit="tensor"):
@@ -155,13 +156,13 @@ def export_fp4(tensors: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig, hf
             seen.add(name)
             site = fp4_site_of(name)
             if site is None:
-                if name == "output_layer.weight" and cfg.tie_word_embeddings:
+                if name == "output_layer.weight" and model_cfg.tie_word_embeddings:
                     continue
-                for hf_name, part in to_hf(name, t.to(dtype), cfg):
+                for hf_name, part in to_hf(name, t.to(dtype), model_cfg):
                     writer.add(hf_name, part)
                 continue
             q = quantize(t, "nvfp4")
-            for hf_name, rows in hf_parts(name, cfg):
+            for hf_name, rows in hf_parts(name, model_cfg):
                 module = hf_name.removesuffix(".weight")
                 codes, block_scales = (q.codes, q.block_scales) if rows is None else (q.codes[rows], q.block_scales[rows])
                 for suffix, tensor in fp4_linear_tensors(fmt, codes, block_scales, q.global_scale, scales[site]).items():

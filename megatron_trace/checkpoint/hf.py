@@ -42,8 +42,8 @@ class HFCheckpoint(Mapping):
     def __init__(self, path: str | os.PathLike):
         self.dir = SafetensorsDir(path)
         self.hf_config = self.dir.json("config.json")
-        self.cfg = config_from_hf(self.hf_config)
-        want = hf_shapes(self.cfg)
+        self.model_cfg = config_from_hf(self.hf_config)
+        want = hf_shapes(self.model_cfg)
         missing = sorted(set(want) - set(self.dir.names))
         unknown = sorted(set(self.dir.names) - set(want))
         if missing:
@@ -55,11 +55,11 @@ class HFCheckpoint(Mapping):
             if self.dir.shapes[name] != shape:
                 raise ValueError(f"{path}: {name} has shape {self.dir.shapes[name]} but config.json "
                                  f"({_fields(name)}) implies {shape}")
-        self._names = list(full_weight_shapes(self.cfg))
+        self._names = list(full_weight_shapes(self.model_cfg))
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        parts = [self.dir.get(hf_name) for hf_name, _ in hf_parts(name, self.cfg)]
-        return to_megatron(name, parts, self.cfg)
+        parts = [self.dir.get(hf_name) for hf_name, _ in hf_parts(name, self.model_cfg)]
+        return to_megatron(name, parts, self.model_cfg)
 
     def __contains__(self, name: object) -> bool:  # without reading the tensor
         return name in self._names

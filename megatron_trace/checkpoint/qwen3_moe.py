@@ -54,13 +54,13 @@ def config_from_hf(hf: dict) -> ModelConfig:
                           for f, k in _HF_FIELDS.items()})
 
 
-def hf_config(cfg: ModelConfig) -> dict:
+def hf_config(model_cfg: ModelConfig) -> dict:
     """An HF config.json for a model that has none (trained from a preset)."""
     out = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "torch_dtype": "bfloat16",
            "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0, "norm_topk_prob": True,
-           "decoder_sparse_step": 1, "mlp_only_layers": [], "intermediate_size": 4 * cfg.hidden_size,
+           "decoder_sparse_step": 1, "mlp_only_layers": [], "intermediate_size": 4 * model_cfg.hidden_size,
            "use_sliding_window": False, "initializer_range": 0.02, "use_cache": True}
-    return out | {k: getattr(cfg, f) for f, k in _HF_FIELDS.items()}
+    return out | {k: getattr(model_cfg, f) for f, k in _HF_FIELDS.items()}
 
 
 def hf_dtype(hf: dict) -> torch.dtype:
@@ -73,13 +73,13 @@ def hf_dtype(hf: dict) -> torch.dtype:
     return dtype
 
 
-def hf_parts(name: str, cfg: ModelConfig) -> list[tuple[str, torch.Tensor | None]]:
+def hf_parts(name: str, model_cfg: ModelConfig) -> list[tuple[str, torch.Tensor | None]]:
     """The HF tensors that Megatron tensor `name` is made of, as (HF name, row indices into `name`
     as int64 [rows], or None for the whole tensor)."""
-    nq, ng, d, f = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.moe_intermediate_size
+    nq, ng, d, f = model_cfg.num_attention_heads, model_cfg.num_key_value_heads, model_cfg.head_dim, model_cfg.moe_intermediate_size
     fixed = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
              "decoder.final_layernorm.weight": "model.norm.weight",
-             "output_layer.weight": "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"}
+             "output_layer.weight": "model.embed_tokens.weight" if model_cfg.tie_word_embeddings else "lm_head.weight"}
     if name in fixed:
         return [(fixed[name], None)]
     parts = name.split(".")
@@ -109,18 +109,18 @@ def hf_parts(name: str, cfg: ModelConfig) -> list[tuple[str, torch.Tensor | None
     return [(h + renames[rest], None)]
 
 
-def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+def hf_shapes(model_cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every HF tensor's name and shape under `cfg`."""
     out = {}
-    for name, shape in full_weight_shapes(cfg).items():
-        for hf_name, rows in hf_parts(name, cfg):
+    for name, shape in full_weight_shapes(model_cfg).items():
+        for hf_name, rows in hf_parts(name, model_cfg):
             out[hf_name] = shape if rows is None else (len(rows), *shape[1:])
     return out
 
 
-def to_megatron(name: str, parts: list[torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+def to_megatron(name: str, parts: list[torch.Tensor], model_cfg: ModelConfig) -> torch.Tensor:
     """Megatron tensor `name` from its HF parts (in the order of `hf_parts`)."""
-    spec = hf_parts(name, cfg)
+    spec = hf_parts(name, model_cfg)
     if spec[0][1] is None:
         return parts[0]
     out = parts[0].new_empty(sum(len(rows) for _, rows in spec), *parts[0].shape[1:])
@@ -129,22 +129,22 @@ def to_megatron(name: str, parts: list[torch.Tensor], cfg: ModelConfig) -> torch
     return out
 
 
-def to_hf(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> list[tuple[str, torch.Tensor]]:
+def to_hf(name: str, tensor: torch.Tensor, model_cfg: ModelConfig) -> list[tuple[str, torch.Tensor]]:
     """The HF tensors of Megatron tensor `name` (rows selected along dim 0; any tensor with the
     Megatron tensor's rows, e.g. packed FP4 codes or block scales, splits the same way)."""
-    return [(hf_name, tensor if rows is None else tensor[rows]) for hf_name, rows in hf_parts(name, cfg)]
+    return [(hf_name, tensor if rows is None else tensor[rows]) for hf_name, rows in hf_parts(name, model_cfg)]
 
 
-def hf_to_megatron(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def hf_to_megatron(hf: dict[str, torch.Tensor], model_cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """HF Qwen3-MoE state dict (on-disk layout) -> full Megatron state dict."""
-    return {name: to_megatron(name, [hf[h] for h, _ in hf_parts(name, cfg)], cfg) for name in full_weight_shapes(cfg)}
+    return {name: to_megatron(name, [hf[h] for h, _ in hf_parts(name, model_cfg)], model_cfg) for name in full_weight_shapes(model_cfg)}
 
 
-def megatron_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def megatron_to_hf(sd: dict[str, torch.Tensor], model_cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Inverse of `hf_to_megatron` (a tied output layer is not written)."""
     out = {}
-    for name in full_weight_shapes(cfg):
-        if name == "output_layer.weight" and cfg.tie_word_embeddings:
+    for name in full_weight_shapes(model_cfg):
+        if name == "output_layer.weight" and model_cfg.tie_word_embeddings:
             continue
-        out |= dict(to_hf(name, sd[name], cfg))
+        out |= dict(to_hf(name, sd[name], model_cfg))
     return out

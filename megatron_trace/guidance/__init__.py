@@ -1,4 +1,4 @@
-"""TRACE guidance (DESIGN.md section 4): capture on the engine, reconstruction on the trainer,
+"""TRACE guidance (docs/design.md section 4): capture on the engine, reconstruction on the trainer,
 the compact cache's record and batch formats, layer policies and flip-rate metrics."""
 
 from .batch import GroupGuidance, GuidanceBatch, SampleGuidance

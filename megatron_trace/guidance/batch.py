@@ -35,7 +35,7 @@ def _check_experts(experts: dict[int, torch.Tensor], tokens: int, owner: str) ->
                                       f"[{tokens}, top_k], got {ids.dtype} {tuple(ids.shape)}")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class GroupGuidance:
     """A GRPO group's prompt: its length, per-site prompt records and routed experts."""
 
@@ -45,7 +45,7 @@ class GroupGuidance:
     routed_experts: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> int [prompt_len, top_k]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SampleGuidance:
     """One sample's response guidance and routed experts; its prompt lives in its group."""
 

@@ -1,7 +1,7 @@
 """Capture (engine side) and reconstruction (trainer side) of one site's guidance.
 
 The engine quantizes a site's input rows with per-row NVFP4 scales; `capture` turns its
-pre-quantization rows and their QTensor into a record (DESIGN.md 4.1, 4.4). The trainer's
+pre-quantization rows and their QTensor into a record (docs/design.md 4.1, 4.4). The trainer's
 `guided_inputs` turns a record plus its own rows back into the (g, block scales, mantissa
 bits) that `trace_kernels.fp4.quantize_guided` takes. For sparse records the trainer
 recomputes what was not shipped: block scales from its own block amax under the engine's g,
@@ -11,6 +11,7 @@ and mantissa bits from its own round-to-nearest codes under those scales.
 from __future__ import annotations
 
 import torch
+
 from trace_kernels.fp4 import QTensor, mantissa_bits, pack_bits, unpack_codes
 from trace_kernels.fp4.formats import E2M1_ROUNDING_BOUNDARIES
 from trace_kernels.fp4.reference import (
@@ -25,7 +26,7 @@ from .record import Coding, GuidanceRecord, RecordHeader
 from .rows import RowGuidance
 
 BF16_ULP = 2.0**-8  # relative spacing of bfloat16 values (8 significant bits)
-DEFAULT_TAU = 2.0  # element margin in BF16 ulps of the element's magnitude (notes/guidance-calibration.md)
+DEFAULT_TAU = 2.0  # element margin in BF16 ulps of the element's magnitude (docs/notes/guidance-calibration.md)
 DEFAULT_SCALE_TAU = 1.0  # block-scale margin in BF16 ulps of the pre-rounding scale (bench/guidance_bytes.py)
 MAGNITUDE_FLOOR = 0.25  # margins of tiny elements are measured against this magnitude
 

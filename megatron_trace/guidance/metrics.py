@@ -1,4 +1,4 @@
-"""Flip rates (DESIGN.md 4.5) and the calibration of the sparse margin tau."""
+"""Flip rates (docs/design.md 4.5) and the calibration of the sparse margin tau."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
+
 from trace_kernels.fp4 import QTensor, unpack_codes
 from trace_kernels.fp4.reference import nvfp4_scaled_values, round_scaled_to_e2m1
 

@@ -43,7 +43,7 @@ def payload_keys(coding: Coding, scale_coding: str | None) -> tuple[str, ...]:
     return ("g", *scales, "elem_pos", "elem_bits")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RecordHeader:
     """What a record belongs to. Every field is checked before the record is applied."""
 

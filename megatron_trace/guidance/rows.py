@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+
 from trace_kernels.fp4 import pack_bits, unpack_bits
 from trace_kernels.fp4.reference import (
     nvfp4_block_amax,
@@ -33,7 +34,7 @@ def _unpacked_mask(positions: torch.Tensor, numel: int) -> torch.Tensor:
     return mask
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RowGuidance:
     """Guidance for R rows of K elements (row-scaled NVFP4, blocks of 16).
 
@@ -77,7 +78,7 @@ class RowGuidance:
         rows, cols = h.rows, h.cols
         g = p["g"].reshape(rows, 1).float()
         if h.coding is Coding.DENSE:
-            return cls(g, p["scales"].reshape(rows, cols // 16), p["bits"].reshape(rows, cols // 8))
+            return cls(g=g, scales=p["scales"].reshape(rows, cols // 16), bits=p["bits"].reshape(rows, cols // 8))
         n_blocks = rows * cols // 16
         if h.scale_coding == "lsb":
             scales = unpack_bits(p["scale_bits"])[:n_blocks].reshape(rows, cols // 16)
@@ -92,8 +93,8 @@ class RowGuidance:
         bits = torch.zeros(rows * cols, dtype=torch.uint8)
         bits[pos] = unpack_bits(p["elem_bits"])[: h.n_elems]
         known = _unpacked_mask(pos, rows * cols).to(torch.uint8)
-        return cls(g, scales, pack_bits(bits.reshape(rows, cols)), scale_lsb, scale_known,
-                   pack_bits(known.reshape(rows, cols)))
+        return cls(g=g, scales=scales, bits=pack_bits(bits.reshape(rows, cols)), scale_lsb=scale_lsb, scale_known=scale_known,
+                   bit_known=pack_bits(known.reshape(rows, cols)))
 
     @classmethod
     def cat(cls, parts: list[RowGuidance]) -> RowGuidance:
@@ -110,8 +111,8 @@ class RowGuidance:
             ts = [getattr(p, name) for p in parts]
             return None if ts[0] is None else torch.cat(ts)
 
-        return cls(cat_field("g"), cat_field("scales"), cat_field("bits"), first.scale_lsb,
-                   cat_field("scale_known"), cat_field("bit_known"), cat_field("row_ids"))
+        return cls(g=cat_field("g"), scales=cat_field("scales"), bits=cat_field("bits"), scale_lsb=first.scale_lsb,
+                   scale_known=cat_field("scale_known"), bit_known=cat_field("bit_known"), row_ids=cat_field("row_ids"))
 
     def with_row_ids(self) -> RowGuidance:
         """The same rows, numbered 0..R-1."""
@@ -191,4 +192,4 @@ class RowGuidance:
         bits = parts.pop(0)
         bit_known = parts.pop(0) if has_bit_known else None
         row_ids = parts.pop(0).contiguous().view(torch.int64).reshape(-1) if has_ids else None
-        return cls(g, scales, bits, scale_lsb, scale_known, bit_known, row_ids)
+        return cls(g=g, scales=scales, bits=bits, scale_lsb=scale_lsb, scale_known=scale_known, bit_known=bit_known, row_ids=row_ids)

@@ -4,7 +4,7 @@ Test-harness / CPU-launch-path only: the patches replace parts of ``torch.cuda``
 megatron-core for the whole process.  megatron-core itself is not modified on disk.  On a machine
 with CUDA, :func:`apply_cpu_patches` does nothing.
 
-See ../shared/notes/megatron-core-on-cpu.md for the background (patch names P1..P7 follow it).
+See docs/notes/megatron-core-on-cpu.md for the background (patch names P1..P7 follow it).
 P3 is fixed in 0.19; P5 (norms under sequence parallelism) is not a CPU matter and is solved
 in the model itself (`spec.TraceRMSNorm`), so it is not patched here.
 

@@ -1,7 +1,7 @@
 """Qwen3-MoE-style GPT models in Megatron-core with TRACE's FP4 sites.
 
 `ModelConfig` (model_config.py) holds the architecture; `build_model` builds this rank's pipeline stage under the current Megatron parallel state;
-`set_precision` switches every FP4 site between bf16, fp4 and trace; `TraceGPTModel.forward`
+`set_precision` switches every FP4 site between the trainer precisions (modes.TrainerPrecision); `TraceGPTModel.forward`
 takes the micro-batch's guidance; `token_logprobs` gives per-token log-probabilities.
 """
 
@@ -15,16 +15,17 @@ from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ..model_config import ModelConfig
+from ..modes import TrainerPrecision
 from . import context
 from .attention import FP4CoreAttention
 from .experts import TraceGroupedMLP
 from .linear import _FP4LinearMixin
 from .moe import TraceMoELayer
-from .qat import FP4Site, Precision, Shard
+from .qat import FP4Site, Shard
 from .spec import trace_block_spec
 
 
-def transformer_config(cfg: ModelConfig, *, dispatcher: str = "alltoall", recompute: str | None = None,
+def transformer_config(model_cfg: ModelConfig, *, dispatcher: str = "alltoall", recompute: str | None = None,
                        params_dtype: torch.dtype = torch.bfloat16, **overrides) -> TransformerConfig:
     """Megatron TransformerConfig for `cfg` under the current parallel state.
 
@@ -32,8 +33,8 @@ def transformer_config(cfg: ModelConfig, *, dispatcher: str = "alltoall", recomp
     (the MoE layers). Sequence parallelism is on whenever tensor parallelism is.
     """
     tp = ps.get_tensor_model_parallel_world_size()
-    if cfg.num_key_value_heads % tp:
-        raise ValueError(f"tensor parallel size {tp} must divide num_key_value_heads={cfg.num_key_value_heads}")
+    if model_cfg.num_key_value_heads % tp:
+        raise ValueError(f"tensor parallel size {tp} must divide num_key_value_heads={model_cfg.num_key_value_heads}")
     rc = {}
     if recompute == "full":
         rc = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
@@ -42,13 +43,13 @@ def transformer_config(cfg: ModelConfig, *, dispatcher: str = "alltoall", recomp
     elif recompute is not None:
         raise ValueError(f"recompute must be None, 'full' or 'selective', got {recompute!r}")
     kw = dict(
-        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
-        num_query_groups=cfg.num_key_value_heads, kv_channels=cfg.head_dim,
-        ffn_hidden_size=cfg.moe_intermediate_size, moe_ffn_hidden_size=cfg.moe_intermediate_size,
-        num_moe_experts=cfg.num_experts, moe_router_topk=cfg.top_k, moe_router_pre_softmax=False,
+        num_layers=model_cfg.num_layers, hidden_size=model_cfg.hidden_size, num_attention_heads=model_cfg.num_attention_heads,
+        num_query_groups=model_cfg.num_key_value_heads, kv_channels=model_cfg.head_dim,
+        ffn_hidden_size=model_cfg.moe_intermediate_size, moe_ffn_hidden_size=model_cfg.moe_intermediate_size,
+        num_moe_experts=model_cfg.num_experts, moe_router_topk=model_cfg.top_k, moe_router_pre_softmax=False,
         moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_token_dispatcher_type=dispatcher,
         moe_enable_routing_replay=True, moe_router_dtype="fp32",
-        normalization="RMSNorm", layernorm_epsilon=cfg.rms_norm_eps, qk_layernorm=True,
+        normalization="RMSNorm", layernorm_epsilon=model_cfg.rms_norm_eps, qk_layernorm=True,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=False,
         hidden_dropout=0.0, attention_dropout=0.0, bf16=params_dtype == torch.bfloat16, params_dtype=params_dtype,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
@@ -78,24 +79,24 @@ class TraceGPTModel(GPTModel):
         return out
 
 
-def build_model(cfg: ModelConfig, precision: Precision | str = Precision.BF16, *, grouped_gemm: bool = False,
+def build_model(model_cfg: ModelConfig, precision: TrainerPrecision | str = TrainerPrecision.BF16, *, grouped_gemm: bool = False,
                 **config_overrides) -> TraceGPTModel:
     """This rank's pipeline stage of the model, under the current Megatron parallel state.
 
     Args:
-        cfg: architecture. precision: "bf16", "fp4" or "trace".
+        cfg: architecture. precision: a TrainerPrecision ("bf16", "fp4-rne" or "fp4-guided").
         grouped_gemm: run the experts as grouped GEMMs (`torch._grouped_mm`) instead of in turn.
         config_overrides: passed to `transformer_config` (dispatcher, recompute, params_dtype,
             or TransformerConfig fields).
     Returns:
         TraceGPTModel with every FP4 site attached (see `attach_sites`).
     """
-    tcfg = transformer_config(cfg, **config_overrides)
+    tcfg = transformer_config(model_cfg, **config_overrides)
     model = TraceGPTModel(
-        config=tcfg, transformer_layer_spec=trace_block_spec(tcfg, grouped_gemm), vocab_size=cfg.vocab_size,
-        max_sequence_length=cfg.max_position_embeddings, pre_process=ps.is_pipeline_first_stage(),
-        post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=cfg.tie_word_embeddings,
-        position_embedding_type="rope", rotary_base=int(cfg.rope_theta), parallel_output=True,
+        config=tcfg, transformer_layer_spec=trace_block_spec(tcfg, grouped_gemm), vocab_size=model_cfg.vocab_size,
+        max_sequence_length=model_cfg.max_position_embeddings, pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=model_cfg.tie_word_embeddings,
+        position_embedding_type="rope", rotary_base=int(model_cfg.rope_theta), parallel_output=True,
     )
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
@@ -117,19 +118,19 @@ def attach_sites(model: torch.nn.Module) -> None:
     for layer in model.decoder.layers:
         li = layer.layer_number - 1
         attn, moe = layer.self_attention, layer.mlp
-        attn.linear_qkv.fp4_site = FP4Site("qkv", li, weight_group=tp_group, tokens=seq)
-        attn.linear_proj.fp4_site = FP4Site("proj", li, weight_group=tp_group, row_group=tp_group, cols=tp)
-        attn.core_attention.k_site = FP4Site("k", li, heads=tp)
-        attn.core_attention.v_site = FP4Site("v", li, heads=tp)
+        attn.linear_qkv.fp4_site = FP4Site(name="qkv", layer=li, weight_group=tp_group, tokens=seq)
+        attn.linear_proj.fp4_site = FP4Site(name="proj", layer=li, weight_group=tp_group, row_group=tp_group, cols=tp)
+        attn.core_attention.k_site = FP4Site(name="k", layer=li, heads=tp)
+        attn.core_attention.v_site = FP4Site(name="v", layer=li, heads=tp)
         moe.tokens = seq
-        moe.fc1_input = FP4Site("fc1", li, tokens=seq)
+        moe.fc1_input = FP4Site(name="fc1", layer=li, tokens=seq)
         for e, expert in enumerate(moe.experts.local_experts):
-            expert.linear_fc1.fp4_site = FP4Site("fc1", li, weight_group=etp_group, expert=e, quantizes_input=False)
-            expert.linear_fc2.fp4_site = FP4Site("fc2", li, weight_group=etp_group, row_group=etp_group,
+            expert.linear_fc1.fp4_site = FP4Site(name="fc1", layer=li, weight_group=etp_group, expert=e, quantizes_input=False)
+            expert.linear_fc2.fp4_site = FP4Site(name="fc2", layer=li, weight_group=etp_group, row_group=etp_group,
                                                  cols=etp, expert=e)
         if isinstance(moe.experts, TraceGroupedMLP):
-            moe.experts.fc1_site = FP4Site("fc1", li, weight_group=etp_group, all_experts=True, quantizes_input=False)
-            moe.experts.fc2_site = FP4Site("fc2", li, weight_group=etp_group, row_group=etp_group, cols=etp,
+            moe.experts.fc1_site = FP4Site(name="fc1", layer=li, weight_group=etp_group, all_experts=True, quantizes_input=False)
+            moe.experts.fc2_site = FP4Site(name="fc2", layer=li, weight_group=etp_group, row_group=etp_group, cols=etp,
                                            all_experts=True)
     missing = [name for name, m in model.named_modules()
                if (isinstance(m, _FP4LinearMixin) and m.fp4_site is None)
@@ -153,9 +154,9 @@ def fp4_sites(model: torch.nn.Module) -> list[FP4Site]:
     return sites
 
 
-def set_precision(model: torch.nn.Module, precision: Precision | str) -> None:
+def set_precision(model: torch.nn.Module, precision: TrainerPrecision | str) -> None:
     """Switch every FP4 site (and the MoE layers' guidance dispatch) to `precision`."""
-    precision = Precision(precision)
+    precision = TrainerPrecision(precision)
     for site in fp4_sites(model):
         site.precision = precision
     for m in model.modules():

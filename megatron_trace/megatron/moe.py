@@ -30,8 +30,9 @@ from megatron.core.transformer.moe.token_dispatcher import (
 
 from ..guidance.codec import GuidanceFormatError
 from ..guidance.rows import RowGuidance
+from ..modes import TrainerPrecision
 from . import context, qat
-from .qat import FP4Site, Precision, Shard
+from .qat import FP4Site, Shard
 
 _KIND_BITS = 4  # RowGuidance.kind flags
 
@@ -49,7 +50,7 @@ class TraceMoELayer(MoELayer):
     expert sites. `precision`, `tokens` (the sequence-parallel token shard) and `fc1_input`
     (the fc1 input site) are set by `attach_sites`."""
 
-    precision: Precision = Precision.BF16
+    precision: TrainerPrecision = TrainerPrecision.BF16
     tokens: Shard | None = None
     fc1_input: FP4Site | None = None
 
@@ -99,7 +100,7 @@ class TraceMoELayer(MoELayer):
         """(payload uint8 [num_local, P] or None, fc2 kind code) for this rank's tokens."""
         mb = context.active()
         # guided fc2 needs its rows; so do observers (flip counts) of an FP4 forward
-        if self.precision is not Precision.TRACE and not (qat.observers and self.precision is Precision.FP4):
+        if self.precision is not TrainerPrecision.FP4_GUIDED and not (qat.observers and self.precision.quantizes):
             return None, 0
         fc2 = None if mb is None else mb.site(self.layer, "fc2")
         code = torch.tensor([_kind_code(fc2)], dtype=torch.int64)

@@ -1,4 +1,4 @@
-"""FP4 fake quantization at one site of the trainer (DESIGN.md sections 2, 3 and 4.3).
+"""FP4 fake quantization at one site of the trainer (docs/design.md sections 2, 3 and 4.3).
 
 An `FP4Site` is attached to every module that quantizes (the QKV and output projections,
 each expert's fc1 and fc2, core attention's K and V). It knows what its rows are in the
@@ -18,11 +18,11 @@ zero gradient where an element was clipped (`trace_kernels.fp4.fake_quantize`).
 from __future__ import annotations
 
 import contextlib
-import enum
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
 from trace_kernels.fp4 import (
     QTensor,
     dequantize,
@@ -35,16 +35,8 @@ from trace_kernels.fp4.api import ste_mask
 
 from ..guidance.codec import GuidanceFormatError
 from ..guidance.rows import RowGuidance
+from ..modes import TrainerPrecision
 from . import context
-
-
-class Precision(str, enum.Enum):
-    """bf16: no FP4. fp4: QAT with round-to-nearest. trace: QAT following the engine's guidance
-    where the micro-batch carries it (round-to-nearest elsewhere)."""
-
-    BF16 = "bf16"
-    FP4 = "fp4"
-    TRACE = "trace"
 
 
 def all_reduce_max(t: torch.Tensor, group) -> torch.Tensor:
@@ -168,7 +160,7 @@ class Shard:
         return self.rank * n, (self.rank + 1) * n
 
 
-@dataclass
+@dataclass(kw_only=True)
 class FP4Site:
     """One FP4 site of one layer.
 
@@ -186,7 +178,7 @@ class FP4Site:
 
     name: str
     layer: int
-    precision: Precision = Precision.BF16
+    precision: TrainerPrecision = TrainerPrecision.BF16
     weight_group: object = None
     row_group: object = None
     tokens: Shard | None = None
@@ -198,7 +190,7 @@ class FP4Site:
 
     @property
     def active(self) -> bool:
-        return self.precision is not Precision.BF16
+        return self.precision.quantizes
 
     def quantize_weight(self, w: torch.Tensor) -> torch.Tensor:
         """Fake quant of this rank's weight shard [N, K] (global scale of the whole tensor)."""
@@ -227,7 +219,7 @@ class FP4Site:
         if not self.active or not self.quantizes_input or x.numel() == 0:
             return x
         x_RK = x.reshape(-1, x.shape[-1])
-        guidance = self.guidance_rows(x_RK) if self.precision is Precision.TRACE else None
+        guidance = self.guidance_rows(x_RK) if self.precision is TrainerPrecision.FP4_GUIDED else None
         if observers:
             _observe(self, x_RK, guidance, self.row_group)
         return fake_quant_rows(x_RK, guidance, self.row_group).reshape(x.shape)

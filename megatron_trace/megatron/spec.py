@@ -2,7 +2,7 @@
 
 Local backend only (Transformer Engine is not required): GQA self-attention with QK RMSNorm
 and RoPE, a top-k softmax router, routed experts without shared experts. The QKV and output
-projections, each expert's fc1/fc2 and core attention's K/V are the FP4 sites of DESIGN.md
+projections, each expert's fc1/fc2 and core attention's K/V are the FP4 sites of docs/design.md
 section 3; norms, router, embeddings and the output head stay in high precision.
 """
 

@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..config import RLSection
 from ..guidance import GuidanceBatch, LayerPolicy
+from ..modes import EnginePrecision, RunMode
 from ..rollout import SamplingParams
 from .mismatch import FlipCounter
-from .step import (
-    StepConfig,
-    distributed_trainer,
-    response_logprobs,
-    rollout,
-    sync_weights,
-)
+from .ranks import distributed_trainer
+from .rollout_batch import rollout
+from .step import response_logprobs
+from .weight_sync import sync_weights
 
 
 def bytes_per_token_by_layer(guidance: GuidanceBatch, num_layers: int) -> dict[int, float]:
@@ -33,22 +32,24 @@ def bytes_per_token_by_layer(guidance: GuidanceBatch, num_layers: int) -> dict[i
     return {layer: b / tokens for layer, b in per_layer.items()}
 
 
-def resolve_budget(policy: str, trainer, make_engine, prompts: list[tuple[int, ...]], step_cfg: StepConfig,
-                   coding: str, sampling: SamplingParams, num_layers: int):
-    """("layers:i,j" or "none", {layer: flip rate}, {layer: bytes per token}) for `policy`, on
-    any trainer layout (every trainer rank counts its own rows; the counts are summed)."""
-    cfg = dataclasses.replace(step_cfg, precision="fp4-qat", dynamic_sampling=False)
-    engine = make_engine("fp4", "all", "dense")
+def resolve_budget(rl: RLSection, trainer, make_engine, prompts: list[tuple[int, ...]], sampling: SamplingParams,
+                   num_layers: int):
+    """("layers:i,j" or "none", {layer: flip rate}, {layer: bytes per token}) for rl.guide's
+    budget in rl.coding, on any trainer layout (every trainer rank counts its own rows; the
+    counts are summed)."""
+    policy, coding = rl.guide, rl.coding
+    measure = dataclasses.replace(rl, mode=RunMode.FP4_QAT, dynamic_sampling=False)
+    engine = make_engine(EnginePrecision.FP4, "all", "dense")
     sync_weights(trainer, engine, 0)
-    batch = rollout(engine, prompts, lambda prompt, response: 0.0, cfg, sampling, -1)
+    batch = rollout(engine, prompts, lambda prompt, response: 0.0, rl.group_size, sampling, -1)
     counter = FlipCounter()
-    response_logprobs(trainer, batch, cfg, observer=counter)
+    response_logprobs(trainer, batch, measure, observer=counter)
     flips = counter.rates(num_layers if distributed_trainer() else None)["flip_rate_by_layer"]
     guidance = batch.out.guidance
     if coding != "dense":  # what the run's coding costs
-        engine = make_engine("fp4", "all", coding)
+        engine = make_engine(EnginePrecision.FP4, "all", coding)
         sync_weights(trainer, engine, 0)
-        guidance = rollout(engine, prompts, lambda prompt, response: 0.0, cfg, sampling, -1).out.guidance
+        guidance = rollout(engine, prompts, lambda prompt, response: 0.0, rl.group_size, sampling, -1).out.guidance
     cost = bytes_per_token_by_layer(guidance, num_layers)
     layers = LayerPolicy.parse(policy).select(num_layers, flips, cost)
     return ("layers:" + ",".join(map(str, layers)) if layers else "none"), flips, cost

@@ -16,19 +16,13 @@ Trainer layouts: any TP / EP / PP / DP (the step runs Megatron's pipeline schedu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
 from ..guidance import GuidanceBatch
+from ..modes import EnginePrecision
 from ..rollout import GroupRequest, RolloutOutput, SamplingParams
 from .bridge import Bridge
-
-
-@dataclass(frozen=True)
-class _RemoteConfig:
-    precision: str
 
 
 def dp_share(num_groups: int, dp_rank: int, dp_size: int) -> range:
@@ -42,10 +36,10 @@ def dp_share(num_groups: int, dp_rank: int, dp_size: int) -> range:
 class RemoteEngine:
     """The RolloutBackend the trainer ranks call (see module docstring)."""
 
-    def __init__(self, bridge: Bridge, precision: str, guide: str, coding: str):
+    def __init__(self, bridge: Bridge, precision: EnginePrecision | str, guide: str, coding: str):
         from megatron.core import parallel_state as ps
 
-        self.bridge, self.config, self.weight_version = bridge, _RemoteConfig(precision), -1
+        self.bridge, self.precision, self.weight_version = bridge, EnginePrecision(precision), -1
         if dist.get_rank() == 0:  # every engine (re)builds its engine for these settings
             for e in bridge.roles.engines:
                 bridge.send(("configure", precision, guide, coding), e)

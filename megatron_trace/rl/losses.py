@@ -7,9 +7,13 @@ Shapes: T tokens of a micro-batch (response tokens only, packed), N samples; `sa
 
 from __future__ import annotations
 
+import typing
+from typing import Literal
+
 import torch
 
-CORRECTIONS = ("none", "tis", "mis")
+Correction = Literal["none", "tis", "mis"]
+CORRECTIONS = typing.get_args(Correction)
 
 
 def grpo_advantages(rewards: torch.Tensor, group_size: int, *, eps: float = 1e-6,
@@ -79,7 +83,8 @@ def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Te
                   "clipped_tokens": n_clipped, "kept_tokens": float(kept.sum())}
 
 
-KL_KINDS = ("k1", "k2", "k3")
+KLKind = Literal["k1", "k2", "k3"]
+KL_KINDS = typing.get_args(KLKind)
 
 
 def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, kind: str = "k3") -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Train-rollout mismatch metrics (DESIGN.md 4.5), with verl's and slime's names.
+"""Train-rollout mismatch metrics (docs/design.md 4.5), with verl's and slime's names.
 
 With r = logp_train - logp_rollout per sampled token (the rollout is the sampling policy):
     k3_kl     mean(exp(r) - r - 1)            KL(rollout || train), k3 estimator (verl)

@@ -1,10 +1,5 @@
-"""The mismatch experiment: one rollout and one training forward per precision mode.
-
-Modes (engine / trainer):
-    bf16     BF16 engine   / BF16 trainer
-    fp4      FP4 engine    / BF16 trainer (no QAT)
-    fp4-qat  FP4 engine    / FP4 QAT trainer, round to nearest
-    trace    FP4 engine    / FP4 QAT trainer following the engine's guidance
+"""The mismatch experiment: one rollout and one training forward per run mode (modes.RunMode:
+bf16, fp4-rollout, fp4-qat, trace; each pairs an engine and a trainer precision).
 Every mode replays the engine's routing (rollout routing replay), so the numbers isolate the
 rounding. Flip rates compare, at every FP4 site of every layer, the trainer's codes with the
 engine's (from dense guidance captured for all layers): an element counts as flipped when its
@@ -18,17 +13,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
 from trace_kernels.fp4 import quantize, unpack_bits, unpack_codes
 
 from ..megatron import context, qat
 from ..megatron.context import MicroBatchGuidance
 from ..megatron.model import pack_sequences, set_precision, token_logprobs
+from ..modes import EnginePrecision, RunMode
 from ..rollout import GroupRequest, SamplingParams
 from .metrics import mismatch_metrics
-
-MODES = ("bf16", "fp4", "fp4-qat", "trace")
-ENGINE_PRECISION = {"bf16": "bf16", "fp4": "fp4", "fp4-qat": "fp4", "trace": "fp4"}
-TRAINER_PRECISION = {"bf16": "bf16", "fp4": "bf16", "fp4-qat": "fp4", "trace": "trace"}
 
 
 @dataclass
@@ -98,10 +91,10 @@ class FlipCounter:
         return None if rows is None else rows.to(x.device)
 
 
-def run_mismatch(trainer, make_engine, state_dict, prompts: list[tuple[int, ...]], *, modes=MODES,
+def run_mismatch(trainer, make_engine, state_dict, prompts: list[tuple[int, ...]], *, modes=tuple(RunMode),
                  guide: str = "all", coding: str = "dense", samples_per_prompt: int = 2,
                  sampling: SamplingParams = SamplingParams(max_new_tokens=16)) -> dict[str, dict]:
-    """{mode: metrics} for each mode (see module docstring).
+    """{mode: metrics} for each mode (RunMode or its name; see the module docstring).
 
     Args:
         trainer: a one-process TraceGPTModel holding `state_dict`'s weights.
@@ -113,15 +106,13 @@ def run_mismatch(trainer, make_engine, state_dict, prompts: list[tuple[int, ...]
         per mode: mismatch_metrics' keys plus flip_rate, residual_flip_rate (trace only),
         flip_rate_by_layer and guidance_bits_per_element (trace only).
     """
-    bad = [m for m in modes if m not in MODES]
-    if bad:
-        raise ValueError(f"unknown mismatch modes {bad}; choose from {MODES}")
+    modes = [RunMode(m) for m in modes]  # ValueError naming an unknown one
     requests = [GroupRequest(f"p{i}", tuple(p), samples_per_prompt) for i, p in enumerate(prompts)]
     dev = next(trainer.parameters()).device
     results = {}
     for mode in modes:
-        fp4 = ENGINE_PRECISION[mode] == "fp4"
-        engine = make_engine(ENGINE_PRECISION[mode], "all" if fp4 else "none", "dense")
+        fp4 = mode.engine_precision is EnginePrecision.FP4
+        engine = make_engine(mode.engine_precision, "all" if fp4 else "none", "dense")
         engine.update_weights(state_dict, 0)
         out = engine.generate(requests, sampling)
         errors = [s.error for s in out.samples if s.error]
@@ -130,10 +121,10 @@ def run_mismatch(trainer, make_engine, state_dict, prompts: list[tuple[int, ...]
         ids = [s.sample_id for s in out.samples]
         reference = MicroBatchGuidance.from_batch(out.guidance, ids)
         applied, bits = None, None
-        if mode == "trace":
+        if mode.applies_guidance:
             batch = out.guidance
             if (guide, coding) != ("all", "dense"):  # the same samples again, recorded as configured
-                engine = make_engine("fp4", guide, coding)
+                engine = make_engine(EnginePrecision.FP4, guide, coding)
                 engine.update_weights(state_dict, 0)
                 batch = engine.generate(requests, sampling).guidance
             applied = MicroBatchGuidance.from_batch(batch, ids)
@@ -144,8 +135,8 @@ def run_mismatch(trainer, make_engine, state_dict, prompts: list[tuple[int, ...]
         counter = FlipCounter(reference)
         seqs = [torch.tensor(list(requests[int(s.group_id[1:])].prompt_ids) + s.tokens) for s in out.samples]
         tokens, positions, psp = pack_sequences(seqs, dev)
-        set_precision(trainer, TRAINER_PRECISION[mode])
-        if fp4 and TRAINER_PRECISION[mode] != "bf16":
+        set_precision(trainer, mode.trainer_precision)
+        if fp4 and mode.trainer_precision.quantizes:
             qat.observers.append(counter)
         try:
             with torch.no_grad():
@@ -162,10 +153,10 @@ def run_mismatch(trainer, make_engine, state_dict, prompts: list[tuple[int, ...]
         rates = counter.rates()
         if rates:
             m["flip_rate"], m["flip_rate_by_layer"] = rates["flip_rate"], rates["flip_rate_by_layer"]
-            if mode == "trace":
+            if mode.applies_guidance:
                 m["residual_flip_rate"] = rates["residual_flip_rate"]
         if bits is not None:
             m["guidance_bits_per_element"] = bits
-        results[mode] = m
+        results[mode.value] = m
     return results
 

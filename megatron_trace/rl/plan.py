@@ -29,81 +29,12 @@ import math
 from dataclasses import dataclass
 
 from ..guidance import LayerPolicy
-from ..model_config import ModelConfig
+from ..modes import EnginePrecision, RunMode
+from .architecture import PLAN_ONLY, Architecture
+from .factories import resolve_model_config
 
 GiB = 1024**3
 USABLE = 0.92  # of GPU memory: what the CUDA context, NCCL buffers and fragmentation leave
-
-
-@dataclass(frozen=True)
-class Architecture:
-    """What the plan needs of a model: Qwen3-MoE from its ModelConfig, or a plan-only one."""
-
-    name: str
-    vocab: int
-    hidden: int
-    layers: int
-    attn_params: int  # per layer, all attention linears (FP4 sites)
-    attn_out_width: int  # the attention output projection's input width (its FP4 site)
-    q_heads: int
-    kv_heads: int  # KV heads per token (rows of the k and v sites), TP shards them
-    kv_width: int  # KV-cache elements per token per layer, K and V together
-    norm_params: int  # per layer, norms (BF16)
-    experts: int
-    moe_ffn: int
-    top_k: int
-    shared_ffn: int = 0  # shared experts' intermediate size (0: none)
-    dense_layers: int = 0  # leading layers with a dense FFN instead of experts
-    dense_ffn: int = 0
-    tie_embeddings: bool = False
-    implemented: str = ""  # empty: trainable here; else why it is plan-only
-
-    @classmethod
-    def from_model_config(cls, name: str, c: ModelConfig) -> Architecture:
-        d, nq, ng = c.head_dim, c.num_attention_heads, c.num_key_value_heads
-        return cls(name, c.vocab_size, c.hidden_size, c.num_layers, c.hidden_size * d * (nq + 2 * ng) + nq * d * c.hidden_size,
-                   nq * d, nq, ng, 2 * ng * d, 2 * c.hidden_size + 2 * d, c.num_experts, c.moe_intermediate_size,
-                   c.top_k, tie_embeddings=c.tie_word_embeddings)
-
-    @property
-    def moe_layers(self) -> int:
-        return self.layers - self.dense_layers
-
-    def ffn_params(self, layer: int) -> tuple[int, int]:
-        """(expert-parallel params, tensor-parallel params) of one layer's FFN (FP4 sites)."""
-        if layer < self.dense_layers:
-            return 0, 3 * self.hidden * self.dense_ffn
-        return self.experts * 3 * self.hidden * self.moe_ffn, 3 * self.hidden * self.shared_ffn
-
-    @property
-    def fp4_params(self) -> int:
-        """Parameters at FP4 sites: every attention and FFN linear."""
-        return sum(self.attn_params + sum(self.ffn_params(L)) for L in range(self.layers))
-
-    @property
-    def num_params(self) -> int:
-        per_layer = sum(self.attn_params + self.norm_params + sum(self.ffn_params(L)) for L in range(self.layers))
-        router = self.moe_layers * self.experts * self.hidden
-        return per_layer + router + self.vocab * self.hidden * (1 if self.tie_embeddings else 2) + self.hidden
-
-
-def _mla(vocab, hidden, layers, heads, q_lora, kv_lora, nope, rope, v_dim) -> dict:
-    """Multi-head latent attention's parameter and cache counts (DeepSeek-V2/V3)."""
-    attn = (hidden * q_lora + q_lora * heads * (nope + rope) + hidden * (kv_lora + rope)
-            + kv_lora * heads * (nope + v_dim) + heads * v_dim * hidden)
-    return dict(vocab=vocab, hidden=hidden, layers=layers, attn_params=attn, attn_out_width=heads * v_dim,
-                q_heads=heads, kv_heads=1, kv_width=kv_lora + rope, norm_params=2 * hidden + q_lora + kv_lora)
-
-
-# Plan-only architectures. DeepSeek-V3 (HF config.json of deepseek-ai/DeepSeek-V3): 61 layers, the
-# first 3 dense (FFN 18432), 256 routed experts of 2048 plus 1 shared, top-8, MLA (128 heads,
-# q_lora 1536, kv_lora 512, qk 128 + rope 64, v 128), vocab 129280; the MTP module is left out.
-PLAN_ONLY = {
-    "deepseek-v3": Architecture(
-        name="deepseek-v3", **_mla(129280, 7168, 61, 128, 1536, 512, 128, 64, 128), experts=256, moe_ffn=2048,
-        top_k=8, shared_ffn=2048, dense_layers=3, dense_ffn=18432,
-        implemented="multi-head latent attention, shared experts and dense leading layers are not built yet"),
-}
 
 
 # -- the run's shape -------------------------------------------------------------------------
@@ -138,7 +69,7 @@ def layout_errors(arch: Architecture, lay: Layout, trainer_gpus: int) -> list[st
     return errs
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Plan:
     """Bytes per GPU by item (trainer and engine), bytes per step, and what does not fit."""
 
@@ -211,9 +142,9 @@ def engine_kv_blocks(cfg, engine_tp: int | None = None) -> int:
     return kv_blocks(math.ceil(rl.prompts_per_step / instances), rl.group_size, rl.max_prompt_tokens, rl.max_new_tokens)
 
 
-def _guided_layers(policy: str, arch: Architecture, precision: str) -> int:
+def _guided_layers(policy: str, arch: Architecture, mode: RunMode) -> int:
     """Layers whose guidance the trainer receives (a budget: as many as its bytes allow)."""
-    if precision != "trace":
+    if not mode.applies_guidance:
         return 0
     pol = LayerPolicy.parse(policy)
     if pol.kind == "budget":
@@ -261,7 +192,7 @@ def make_plan(cfg, arch: Architecture, layout: Layout | None = None) -> Plan:
     rank_tokens = math.ceil(rl.prompts_per_step * rl.group_size / dp) * (rl.max_prompt_tokens + rl.max_new_tokens)
     T = rank_tokens if not rl.max_tokens_per_microbatch else min(
         rank_tokens, max(rl.max_tokens_per_microbatch, rl.max_prompt_tokens + rl.max_new_tokens))
-    guided = _guided_layers(rl.guide, arch, rl.precision)
+    guided = _guided_layers(rl.guide, arch, rl.mode)
     norms_stage = stage_layers * arch.norm_params + h  # Megatron keeps norm weights in float32
     trainer = {
         "parameters (BF16, norms FP32)": 2 * params + 2 * norms_stage,
@@ -269,7 +200,7 @@ def make_plan(cfg, arch: Architecture, layout: Layout | None = None) -> Plan:
         "FP32 masters + AdamW moments": 12 * params,
         "optimizer step: FP32 gradient copies": 4 * params,
     }
-    if rl.precision in ("fp4-qat", "trace"):
+    if rl.mode.trainer_precision.quantizes:
         trainer["QAT weight copies + STE masks"] = 3 * fp4
     if rl.kl_coef:
         trainer["KL reference weights (BF16)"] = 2 * params
@@ -285,9 +216,9 @@ def make_plan(cfg, arch: Architecture, layout: Layout | None = None) -> Plan:
     instances = 1 if colocated else max(1, engine_gpus // etp)
     fp4_all = arch.fp4_params
     other = arch.num_params - fp4_all
-    fp4_engine = rl.precision != "bf16"
+    fp4_engine = rl.mode.engine_precision is EnginePrecision.FP4
     kv_tokens = engine_kv_blocks(cfg) * KV_BLOCK
-    recorded = guided if rl.precision == "trace" else (L if rl.precision == "fp4-qat" and rl.measure_flips else 0)
+    recorded = guided if rl.mode.applies_guidance else (L if rl.mode is RunMode.FP4_QAT and rl.measure_flips else 0)
     engine = _engine_bytes(arch, fp4_engine, etp, kv_tokens)
     packed = fp4_all * (0.5 + 1 / 16) + 2 * other if fp4_engine else 2 * arch.num_params
     step_tokens = rl.prompts_per_step * rl.max_prompt_tokens + rl.prompts_per_step * rl.group_size * rl.max_new_tokens
@@ -323,7 +254,7 @@ def make_plan(cfg, arch: Architecture, layout: Layout | None = None) -> Plan:
                             "rank 0; sharded sync is not built yet)" if what == "trainer node" else ""))
     if arch.implemented:
         problems.append(f"{arch.name} is plan-only: {arch.implemented}")
-    return Plan(arch, lay, trainer_gpus, engine_gpus, trainer, engine, traffic, host, limits, problems)
+    return Plan(arch=arch, layout=lay, trainer_gpus=trainer_gpus, engine_gpus=engine_gpus, trainer=trainer, engine=engine, traffic=traffic, host=host, limits=limits, problems=problems)
 
 
 def _engine_bytes(arch: Architecture, fp4: bool, engine_tp: int, kv_tokens: int) -> dict[str, float]:
@@ -378,9 +309,8 @@ def architecture(cfg) -> Architecture:
     """The run's model for planning: a plan-only preset, or the one training would build."""
     if cfg.model.preset in PLAN_ONLY and not (cfg.model.hf or cfg.model.megatron):
         return PLAN_ONLY[cfg.model.preset]
-    from .train import model_config
-
-    return Architecture.from_model_config(cfg.model.hf or cfg.model.megatron or cfg.model.preset, model_config(cfg))
+    return Architecture.from_model_config(cfg.model.hf or cfg.model.megatron or cfg.model.preset,
+                                          resolve_model_config(cfg.model))
 
 
 def format_plan(plan: Plan) -> str:

@@ -1,9 +1,45 @@
-"""The PNG report: reward and train-rollout mismatch per step, and flip rates by layer, for one
-run or several (one line / bar group per precision mode)."""
+"""What a run writes for people: metrics.jsonl and TensorBoard scalars (`MetricsLog`), and the
+PNG report of reward and train-rollout mismatch per step and flip rates by layer, for one run or
+several (one line / bar group per run mode)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+
+
+class MetricsLog:
+    """metrics.jsonl (one JSON object per RL step) and TensorBoard scalars under out_dir/tb. A
+    resumed run keeps the rows before `first_step` and recomputes the rest."""
+
+    def __init__(self, out_dir: Path, first_step: int):
+        from torch.utils.tensorboard import SummaryWriter  # slow to import: only where a run logs
+
+        self.path = out_dir / "metrics.jsonl"
+        rows = [line for line in self.path.read_text().splitlines() if line.strip()] if self.path.exists() else []
+        kept = [r for r in rows if json.loads(r)["step"] < first_step]
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(r + "\n" for r in kept))
+        tmp.replace(self.path)
+        self.history = [json.loads(r) for r in kept]
+        self.tb = SummaryWriter(str(out_dir / "tb"), purge_step=first_step)
+
+    def write(self, m: dict) -> None:
+        """Append one step's metrics (numbers, and {layer: number} dicts) to both logs."""
+        line = json.dumps(m)
+        self.history.append(json.loads(line))  # as a resumed run reads it back (layer keys as strings)
+        with self.path.open("a") as f:
+            f.write(line + "\n")
+        for k, v in m.items():
+            if isinstance(v, (int, float)) and k != "step":
+                self.tb.add_scalar(k, v, m["step"])
+            elif isinstance(v, dict):  # per layer
+                for layer, x in v.items():
+                    self.tb.add_scalar(f"{k}/{layer}", x, m["step"])
+        self.tb.flush()
+
+    def close(self) -> None:
+        self.tb.close()
 
 
 def plot_report(runs: dict[str, list[dict]] | list[dict], path: str | Path, title: str = "") -> Path:

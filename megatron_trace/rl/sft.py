@@ -11,9 +11,10 @@ from ..megatron.model import (
     set_precision,
 )
 from ..megatron.schedule import run_microbatch
+from ..modes import TrainerPrecision
 
 
-def sft_step(trainer, optimizer, examples: list[tuple[list[int], list[bool]]], precision: str = "bf16") -> float:
+def sft_step(trainer, optimizer, examples: list[tuple[list[int], list[bool]]], precision: TrainerPrecision | str = TrainerPrecision.BF16) -> float:
     """One optimizer step on packed examples ((tokens, loss mask) pairs); returns the mean loss
     over masked tokens. The mask marks tokens to predict (a token's log-prob sits one before)."""
     dev = next(trainer.parameters()).device

@@ -5,13 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_trace.guidance import Coding, LayerPolicy
+from megatron_trace.modes import EnginePrecision
 
-PRECISIONS = ("bf16", "fp4")
 
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EngineConfig:
-    """precision: "bf16", or "fp4" (W4A4 + FP4 KV cache, DESIGN.md section 3).
+    """precision: an EnginePrecision, "bf16" or "fp4" (W4A4 + FP4 KV cache, docs/design.md section 3).
     block_size: tokens per KV-cache block. num_blocks: KV-cache blocks (the token capacity is
     block_size * num_blocks). max_batch_tokens: new tokens per forward (prefill chunks + decodes).
     guide: layer policy of the guidance records ("none", "all", "deep:K", "layers:..."; routed
@@ -26,7 +25,7 @@ class EngineConfig:
     results (its tokens stay on the device), so the host's bookkeeping runs while the GPU
     computes; the same outputs as without."""
 
-    precision: str = "fp4"
+    precision: EnginePrecision = EnginePrecision.FP4
     block_size: int = 16
     num_blocks: int = 512
     max_batch_tokens: int = 2048
@@ -41,8 +40,10 @@ class EngineConfig:
     overlap: bool = True
 
     def __post_init__(self) -> None:
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"EngineConfig.precision must be one of {PRECISIONS}, got {self.precision!r}")
+        try:
+            object.__setattr__(self, "precision", EnginePrecision(self.precision))
+        except ValueError as e:
+            raise ValueError(f"EngineConfig.precision: {e}") from None
         if self.cuda_graph_max_batch < 0:
             raise ValueError(f"EngineConfig.cuda_graph_max_batch must be >= 0, got {self.cuda_graph_max_batch}")
         for name in ("block_size", "num_blocks", "max_batch_tokens"):
@@ -52,5 +53,5 @@ class EngineConfig:
         Coding(self.coding)
         if self.kernels not in ("auto", "torch", "triton"):
             raise ValueError(f"EngineConfig.kernels must be 'auto', 'torch' or 'triton', got {self.kernels!r}")
-        if self.guide != "none" and self.precision != "fp4":
+        if self.guide != "none" and self.precision is not EnginePrecision.FP4:
             raise ValueError("EngineConfig.guide needs precision='fp4': guidance records FP4 rounding")

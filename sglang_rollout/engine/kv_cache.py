@@ -1,7 +1,7 @@
 """Paged KV cache: fixed-size blocks of token slots, shared between sequences by reference count.
 
 fp4: K and V of each (token, KV head) row are stored as packed E2M1 codes, E4M3 block scales and
-one FP32 global scale (DESIGN.md section 3), in parallel tensors indexed by the same slot.
+one FP32 global scale (docs/design.md section 3), in parallel tensors indexed by the same slot.
 bf16: plain BF16 rows. Shapes (per layer): codes [slots, kv_heads, d/2], scales [slots, kv_heads,
 d/16], g [slots, kv_heads, 1]; slot = block * block_size + offset.
 """
@@ -9,6 +9,7 @@ d/16], g [slots, kv_heads, 1]; slot = block * block_size + offset.
 from __future__ import annotations
 
 import torch
+
 from trace_kernels.fp4 import QTensor, quantize
 from trace_kernels.fp4.paged_attention import read_cache_rows
 

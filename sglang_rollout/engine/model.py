@@ -1,24 +1,33 @@
 """One forward of the Qwen3-MoE model over a batch of segments (prefill chunks and decodes).
 
-Shapes: N new tokens packed over all segments, H hidden, d head dim, k top-k. The arithmetic
-follows the trainer's (megatron_trace.megatron): fused QKV with query groups interleaved, QK
-RMSNorm then RoPE (non-interleaved halves), fp32 router with softmax over the top-k logits, the
-gate weight on each expert's fc2 output, BF16 residual stream. In fp4 precision every FP4 site
-quantizes its input rows with one global scale per row (K and V per (token, KV head), as
-stored in the paged cache) and runs on the dequantized values (Hopper has no FP4 tensor cores);
-weights stay packed and are dequantized for the matmul.
+The arithmetic follows the trainer's (megatron_trace.megatron): fused QKV with query groups
+interleaved, QK RMSNorm then RoPE (non-interleaved halves), fp32 router with softmax over the
+top-k logits, the gate weight on each expert's fc2 output, BF16 residual stream. In fp4
+precision every FP4 site quantizes its input rows with one global scale per row (K and V per
+(token, KV head), as stored in the paged cache) and runs on the dequantized values (Hopper has
+no FP4 tensor cores); weights stay packed and are dequantized for the matmul.
 
 When asked, the pre-quantization rows of the FP4 sites are returned in guidance order, so the
 engine can record how it rounded (megatron_trace.guidance.capture).
+
+Shape suffixes (as in trace_kernels.fp4.reference): a name ends in the letters of its
+dimensions, e.g. x_NH is [N, H].
+    N  new tokens of the forward (every segment's, packed)    B  segments (sequences)
+    H  hidden size        V  vocabulary
+    Q  query heads        G  KV heads (query groups)           D  head dim
+    C  channels per query group in the fused QKV view: Q/G queries, then K, then V
+    E  experts            K  routed experts per token (top-k)  F  2 x expert intermediate size (gate | up)
+    R  rows of an FP4 site: N (qkv, proj, fc1), N * G (k, v), N * K (fc2, in expert order here)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
+
+from megatron_trace.model_config import ModelConfig
 from trace_kernels.fp4 import QTensor, fake_quantize_rows, mantissa_bits
 from trace_kernels.fp4.linear import (
     expert_tiles,
@@ -35,8 +44,6 @@ from trace_kernels.fused_inputs import (
 )
 from trace_kernels.moe_routing import combine_experts, expert_order, route
 from trace_kernels.norm_rope import qk_norm_rope, qk_norm_rope_into_cache, rms_norm
-
-from megatron_trace.model_config import ModelConfig
 
 from .kv_cache import PagedKVCache
 from .weights import EngineWeights
@@ -93,14 +100,14 @@ class ModelRunner:
     decode-sized FP4 GEMMs, which run trace_kernels.fp4.cuda_decode's CUDA C++ kernels where
     they apply (Hopper; head dim 128; K a multiple of 128)."""
 
-    def __init__(self, cfg: ModelConfig, weights: EngineWeights, cache: PagedKVCache, fp4: bool,
+    def __init__(self, model_cfg: ModelConfig, weights: EngineWeights, cache: PagedKVCache, fp4: bool,
                  kernels: str = "auto"):
-        self.cfg, self.w, self.cache, self.fp4 = cfg, weights, cache, fp4
+        self.model_cfg, self.w, self.cache, self.fp4 = model_cfg, weights, cache, fp4
         if kernels not in ("auto", "torch", "triton"):
             raise ValueError(f"kernels must be 'auto', 'torch' or 'triton', got {kernels!r}")
         self.backend = kernels
-        d = cfg.head_dim
-        self.inv_freq = (1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))).to(weights.device)
+        d = model_cfg.head_dim
+        self.inv_freq = (1.0 / (model_cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))).to(weights.device)
 
     def _site(self, rows, layer, name, x, codes=False):
         """Fake-quantize an FP4 site's input rows (fp4) and, when the layer is captured, keep the
@@ -120,7 +127,7 @@ class ModelRunner:
         with a `product` (`_linear`'s) x is first made x + product, the residual stream after a
         block. In one kernel on the GPU in fp4 (not where captured rows must be the unquantized
         ones)."""
-        eps = self.cfg.rms_norm_eps
+        eps = self.model_cfg.rms_norm_eps
         if self.fp4 and (rows is None or codes):
             capture = rows is not None
             if product is None:
@@ -185,59 +192,63 @@ class ModelRunner:
     def forward_batch(self, batch, capture_layers=frozenset(), all_logits: bool = False, codes: bool = False):
         """`forward` on prebuilt index tensors (`_Batch` or the static buffers of a `DecodeGraph`).
         Decode-only batches run without host synchronisation, so they can be graph-captured."""
-        cfg, w = self.cfg, self.w
+        cfg, w = self.model_cfg, self.w
         nq, ng, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         ids, pos = batch.ids, batch.pos
         n = ids.numel()
         captured, routed = {}, {}
-        x = w.dense("embedding.word_embeddings.weight")[ids]
-        cos, sin = self._rope_tables(pos, x.dtype)
+        x_NH = w.dense("embedding.word_embeddings.weight")[ids]
+        cos, sin = self._rope_tables(pos, x_NH.dtype)
         for L in range(cfg.num_layers):
             p = f"decoder.layers.{L}."
             rows = captured if L in capture_layers else None
-            qkv_in, _, _ = self._norm_site(rows, L, "qkv", x, w.dense(p + "input_layernorm.weight"), codes)
+            qkv_in, _, _ = self._norm_site(rows, L, "qkv", x_NH, w.dense(p + "input_layernorm.weight"), codes)
             qkv = self._linear(qkv_in, p + "self_attention.linear_qkv.weight")
-            qkv = qkv.view(*qkv.shape[:-1], ng, nq // ng + 2, d)
+            qkv_NGCD = qkv.view(*qkv.shape[:-1], ng, nq // ng + 2, d)  # [S, ...] partials on the GPU
             qk_norm = (w.dense(p + "self_attention.q_layernorm.weight"), w.dense(p + "self_attention.k_layernorm.weight"),
                        cfg.rms_norm_eps, cos, sin)
             if rows is not None:  # captured: with codes, the rounding the cache itself holds
-                qkv = sum_parts(qkv)
-                q, kk = qk_norm_rope(qkv, *qk_norm, backend=self.backend)
-                v = qkv[:, :, -1]
-                kq, vq = (PagedKVCache.quantize_rows(kk), PagedKVCache.quantize_rows(v)) if self.fp4 else (kk, v)
-                rows[(L, "k")], rows[(L, "v")] = ((_dense_capture(kq, d), _dense_capture(vq, d)) if codes and self.fp4
-                                                  else (kk.reshape(-1, d), v.reshape(-1, d)))
-                self.cache.write(L, batch.slots, kq, vq)
+                qkv_NGCD = sum_parts(qkv_NGCD)
+                q_NQD, k_NGD = qk_norm_rope(qkv_NGCD, *qk_norm, backend=self.backend)
+                v_NGD = qkv_NGCD[:, :, -1]
+                if self.fp4:
+                    k_q, v_q = PagedKVCache.quantize_rows(k_NGD), PagedKVCache.quantize_rows(v_NGD)
+                else:
+                    k_q, v_q = k_NGD, v_NGD
+                rows[(L, "k")], rows[(L, "v")] = ((_dense_capture(k_q, d), _dense_capture(v_q, d)) if codes and self.fp4
+                                                  else (k_NGD.reshape(-1, d), v_NGD.reshape(-1, d)))
+                self.cache.write(L, batch.slots, k_q, v_q)
             else:  # K and V go into the cache from the norm + RoPE kernel
-                q = qk_norm_rope_into_cache(qkv, *qk_norm, self.cache.k[L], self.cache.v[L], batch.slots,
-                                            backend=self.backend)
-            ctx = self._attention(L, batch, q)
-            ctx = ctx.reshape(n, nq * d)
+                q_NQD = qk_norm_rope_into_cache(qkv_NGCD, *qk_norm, self.cache.k[L], self.cache.v[L], batch.slots,
+                                                backend=self.backend)
+            ctx_NQD = self._attention(L, batch, q_NQD)
+            ctx = ctx_NQD.reshape(n, nq * d)
             proj = self._linear(self._site(rows, L, "proj", ctx, codes), p + "self_attention.linear_proj.weight")
-            x = self._moe(L, p, x, proj, rows, routed, codes)
-        x = rms_norm(x, w.dense("decoder.final_layernorm.weight"), cfg.rms_norm_eps, backend=self.backend)
+            x_NH = self._moe(L, p, x_NH, proj, rows, routed, codes)
+        x_NH = rms_norm(x_NH, w.dense("decoder.final_layernorm.weight"), cfg.rms_norm_eps, backend=self.backend)
         if not all_logits and batch.last is not None:
-            x = x[batch.last]
-        return (x @ w.dense("output_layer.weight").T).float(), captured, routed
+            x_NH = x_NH[batch.last]  # [B, H]: each segment's last token
+        return (x_NH @ w.dense("output_layer.weight").T).float(), captured, routed
 
-    def _attention(self, L, batch, q):
-        """Attend over each sequence's cache (the segments' own K/V already written)."""
-        n, nq, d = q.shape
-        if batch.decode_only and self.backend != "torch" and (self.backend == "triton" or q.is_cuda):
+    def _attention(self, L, batch, q_NQD):
+        """Attend over each sequence's cache (the segments' own K/V already written): [N, Q, D]."""
+        n, nq, d = q_NQD.shape
+        if batch.decode_only and self.backend != "torch" and (self.backend == "triton" or q_NQD.is_cuda):
             # "auto" on a GPU: the CUDA C++ kernel where it applies (FP4 cache, Hopper, head dim 128), else Triton
-            return paged_decode_attention(q, self.cache.k[L], self.cache.v[L], batch.tables, batch.lens,
+            return paged_decode_attention(q_NQD, self.cache.k[L], self.cache.v[L], batch.tables, batch.lens,
                                           self.cache.block_size, backend="auto" if self.backend == "auto" else "triton")
-        ctx = torch.empty(n, nq, d, dtype=q.dtype, device=q.device)
+        ctx_NQD = torch.empty(n, nq, d, dtype=q_NQD.dtype, device=q_NQD.device)
         offset = 0
         for seg in batch.segments:
             m = len(seg.token_ids)
             keys, values = self.cache.read(L, self.cache.slots(seg.block_table, 0, seg.start + m))
-            ctx[offset:offset + m] = self._attend(q[offset:offset + m], keys, values, seg.start)
+            ctx_NQD[offset:offset + m] = self._attend(q_NQD[offset:offset + m], keys, values, seg.start)
             offset += m
-        return ctx
+        return ctx_NQD
 
     def _attend(self, q, keys, values, start):
-        """Queries at positions start.. over the cached keys 0..start+m-1, causal, GQA."""
+        """Queries [m, Q, D] at positions start.. over the cached keys and values [start + m, G, D]
+        (positions 0..start+m-1), causal, GQA."""
         m, nq, _ = q.shape
         allowed = torch.arange(keys.shape[0], device=q.device)[None] <= (start + torch.arange(m, device=q.device))[:, None]
         out = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
@@ -258,142 +269,33 @@ class ModelRunner:
             return torch._grouped_mm(x, w.transpose(1, 2), offs=counts.cumsum(0).to(torch.int32))
         return torch.cat([chunk @ w[e].T for e, chunk in enumerate(x.split(counts.tolist()))])
 
-    def _moe(self, L, p, x, proj, rows, routed, codes=False):
+    def _moe(self, L, p, x_NH, proj, rows, routed, codes=False):
         """y + the MoE block of y's norm, y = x + proj (the attention block's output, `_linear`'s
         product): top-k routing, then every (token, slot) row through its expert as two grouped
         GEMMs (rows sorted by expert, tokens ascending within an expert)."""
-        cfg, w = self.cfg, self.w
-        n, k = x.shape[0], cfg.top_k
-        h_in, h, x = self._norm_site(rows, L, "fc1", x, w.dense(p + "pre_mlp_layernorm.weight"), codes, product=proj)
-        top, gate = route(h, w.dense(p + "mlp.router.weight"), k, backend=self.backend)
-        routed[L] = top
-        tok, slot, pos, counts = expert_order(top, cfg.num_experts, backend=self.backend)
-        tiles = expert_tiles(counts, n * k) if self.fp4 and h.is_cuda and self.backend != "torch" and n else None
-        gate_up = self._experts(h_in, L, "fc1", counts, tiles, x_rows=tok)  # rows in expert order
+        cfg, w = self.model_cfg, self.w
+        n, k = x_NH.shape[0], cfg.top_k
+        h_in, h_NH, x_NH = self._norm_site(rows, L, "fc1", x_NH, w.dense(p + "pre_mlp_layernorm.weight"), codes,
+                                           product=proj)
+        experts_NK, gate_NK = route(h_NH, w.dense(p + "mlp.router.weight"), k, backend=self.backend)
+        routed[L] = experts_NK
+        # each row R of the expert order: its token, its slot among the token's K, where it sits; rows per expert
+        tok_R, slot_R, pos_R, counts_E = expert_order(experts_NK, cfg.num_experts, backend=self.backend)
+        tiles = expert_tiles(counts_E, n * k) if self.fp4 and h_NH.is_cuda and self.backend != "torch" and n else None
+        gate_up_RF = self._experts(h_in, L, "fc1", counts_E, tiles, x_rows=tok_R)
         fc2 = {} if rows is not None else None
-        act_in = self._swiglu_site(fc2, L, gate_up, codes)
+        act_in = self._swiglu_site(fc2, L, gate_up_RF, codes)
         if rows is not None:  # captured rows in token order, as the trainer's records are
             def token_order(t):
                 out = t.new_empty((n, k) + t.shape[1:])
-                out[tok, slot] = t
+                out[tok_R, slot_R] = t
                 return out.reshape((n * k,) + t.shape[1:])
             rows[(L, "fc2")] = map_rows(token_order, fc2[(L, "fc2")])
-        y = self._experts(act_in, L, "fc2", counts, tiles)
-        return combine_experts(y.to(h.dtype), gate, tok, slot, pos, residual=x, backend=self.backend)
+        y_RH = self._experts(act_in, L, "fc2", counts_E, tiles)
+        return combine_experts(y_RH.to(h_NH.dtype), gate_NK, tok_R, slot_R, pos_R, residual=x_NH, backend=self.backend)
 
 
-def rows_per_token(cfg: ModelConfig, site: str) -> int:
+def rows_per_token(model_cfg: ModelConfig, site: str) -> int:
     """Captured rows per token of an FP4 site: one per KV head for k / v, one per routed expert
     for fc2, else one."""
-    return {"k": cfg.num_key_value_heads, "v": cfg.num_key_value_heads, "fc2": cfg.top_k}.get(site, 1)
-
-
-class StepInputs:
-    """The host side of a decode graph's inputs: token ids, positions, cache slots, block tables
-    [B, max_blocks] and lengths, filled in place for each step (pinned on CUDA, for asynchronous
-    copies). A row's block table is rewritten only from where it changed: a sequence that keeps
-    its row between steps only appends a block every block_size tokens, and converting whole
-    Python lists every step cost more host time than the step's GPU work at large batches.
-
-    Contract: a segment's `block_table` list only grows in place while the same sequence decodes
-    (the engine's tables do: blocks are appended, never replaced); a new list object is a new
-    sequence and rewrites its row.
-    """
-
-    def __init__(self, batch_size: int, max_blocks: int, scratch_block: int, block_size: int, pin: bool):
-        # one buffer, so that a step's inputs reach the GPU in one copy (five took up to 0.19 ms
-        # of host time a step: bench/results/decode_pass7_2026-12-01_h200.log)
-        int32s = batch_size * (max_blocks + 1)
-        self.buffer = torch.zeros(3 * batch_size + (int32s + 1) // 2, dtype=torch.long, pin_memory=pin)
-        self.tensors = self.views(self.buffer, batch_size, max_blocks)
-        self.arrays = {name: t.numpy() for name, t in self.tensors.items()}
-        self.arrays["tables"].fill(scratch_block)
-        self.batch_size, self.max_blocks, self.scratch, self.block_size = batch_size, max_blocks, scratch_block, block_size
-        self._rows: list[tuple[list[int] | None, int]] = [(None, 0)] * batch_size  # (table written, its length)
-
-    @staticmethod
-    def views(buffer: torch.Tensor, batch_size: int, max_blocks: int) -> dict[str, torch.Tensor]:
-        """The inputs as views of one int64 buffer (host or device): ids, pos, slots int64 [B],
-        then tables int32 [B, max_blocks] and lens int32 [B]."""
-        b = batch_size
-        int32s = buffer[3 * b:].view(torch.int32)
-        return {"ids": buffer[:b], "pos": buffer[b:2 * b], "slots": buffer[2 * b:3 * b],
-                "tables": int32s[:b * max_blocks].view(b, max_blocks), "lens": int32s[b * max_blocks:b * (max_blocks + 1)]}
-
-    def fill(self, segments: list[Segment]) -> None:
-        """Write one decode step of these sequences (padding rows: token 0 at position 0 of the
-        scratch block)."""
-        n, bs, tables = len(segments), self.block_size, self.arrays["tables"]
-        if n > self.batch_size or any(len(s.token_ids) != 1 or len(s.block_table) > self.max_blocks for s in segments):
-            raise ValueError(f"a decode graph for {self.batch_size} sequences of up to {self.max_blocks} blocks "
-                             "cannot run this batch")
-        for i in range(self.batch_size):
-            table = segments[i].block_table if i < n else None
-            old, written = self._rows[i]
-            if table is not None and table is old and len(table) >= written:
-                tables[i, written:len(table)] = table[written:]
-            else:
-                tables[i, :written] = self.scratch
-                if table is not None:
-                    tables[i, :len(table)] = table
-            self._rows[i] = (table, 0 if table is None else len(table))
-        pos, ids = self.arrays["pos"], self.arrays["ids"]
-        pos[:n] = [s.start for s in segments]
-        pos[n:] = 0
-        ids[:n] = [s.token_ids[0] for s in segments]
-        ids[n:] = 0
-        self.arrays["slots"][:] = tables[np.arange(self.batch_size), pos // bs].astype(np.int64) * bs + pos % bs
-        self.arrays["lens"][:] = pos + 1
-
-
-class DecodeGraph:
-    """One decode step for a fixed batch size, captured as a CUDA graph.
-
-    Token ids, positions, cache slots, block tables [B, max_blocks] and lengths live in static
-    buffers that `run` fills before each replay (from `StepInputs`); the outputs (logits,
-    captured site rows of `capture_layers`, routed experts) are the graph's static outputs,
-    overwritten by the next replay. Warm-up and capture write K/V only into `scratch_block`, a
-    cache block reserved for it, and so do the padding rows of a smaller batch. `pool`: a graph
-    memory pool shared with the other batch sizes' graphs (they never replay at the same time).
-    `codes`: as `forward`.
-    """
-
-    def __init__(self, runner: ModelRunner, batch_size: int, max_blocks: int, scratch_block: int,
-                 capture_layers=frozenset(), pool=None, codes: bool = False):
-        dev = runner.w.device
-        bs = runner.cache.block_size
-        self.runner, self.batch_size, self.max_blocks, self.scratch = runner, batch_size, max_blocks, scratch_block
-        self.inputs = StepInputs(batch_size, max_blocks, scratch_block, bs, pin=True)
-        self.inputs.fill([])  # every row padding: the scratch block
-        self.buffer = self.inputs.buffer.to(dev)
-        for name, t in StepInputs.views(self.buffer, batch_size, max_blocks).items():  # what the graph reads
-            setattr(self, name, t)
-        self.decode_only, self.last = True, None
-        self._copied = torch.cuda.Event()  # recorded once the last copies have read the host buffers
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # compile the Triton kernels and warm the allocator
-            for _ in range(2):
-                runner.forward_batch(self, capture_layers, codes=codes)
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.logits, self.captured, self.routed = runner.forward_batch(self, capture_layers, codes=codes)
-
-    def run(self, segments: list[Segment], ids: torch.Tensor | None = None):
-        """`ModelRunner.forward` of one decode step of these sequences (`ids` as there):
-        (logits [n, V], captured rows, routed experts), views of the static outputs; fewer than
-        batch_size sequences are padded with the scratch block."""
-        n, cfg = len(segments), self.runner.cfg
-        self._copied.synchronize()  # the previous step's copies have read the host buffers
-        self.inputs.fill(segments)
-        self.buffer.copy_(self.inputs.buffer, non_blocking=True)
-        self._copied.record()
-        if ids is not None:
-            if ids.shape != (n,):
-                raise ValueError(f"DecodeGraph.run: ids {tuple(ids.shape)} for {n} sequences")
-            self.ids[:n].copy_(ids)
-        self.graph.replay()
-        captured = {(layer, site): map_rows(lambda t, r=n * rows_per_token(cfg, site): t[:r], rows)
-                    for (layer, site), rows in self.captured.items()}
-        return self.logits[:n], captured, {layer: t[:n] for layer, t in self.routed.items()}
+    return {"k": model_cfg.num_key_value_heads, "v": model_cfg.num_key_value_heads, "fc2": model_cfg.top_k}.get(site, 1)

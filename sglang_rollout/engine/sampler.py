@@ -13,10 +13,10 @@ from __future__ import annotations
 import zlib
 
 import torch
-from trace_kernels.fp4.rng import seed_key
-from trace_kernels.sampling import gumbel_argmax
 
 from megatron_trace.rollout import SamplingParams
+from trace_kernels.fp4.rng import seed_key
+from trace_kernels.sampling import gumbel_argmax
 
 
 def sample_key(seed: int, sample_id: str) -> int:

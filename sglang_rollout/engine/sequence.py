@@ -1,9 +1,13 @@
-"""A sequence being generated: its tokens, KV blocks, random stream and recorded rows."""
+"""A sequence being generated (its tokens, KV blocks, random stream and recorded rows), and the
+prompt job that a GRPO group's samples fork from."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+
+import numpy as np
+import torch
 
 
 class Status(enum.Enum):
@@ -12,10 +16,15 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+# A captured site's rows for one forward's share of a sequence: rows [r, K] as a numpy view, or
+# (mantissa bits [r, K/8], scale bytes [r, K/16], g [r]) from the fused quantize kernel.
+Rows = np.ndarray | tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+@dataclass(kw_only=True)
 class Sequence:
-    """prompt tokens are shared by the samples of a group: the group's prompt sequence is
-    prefilled once and each sample forks from it (sharing its full KV blocks)."""
+    """A prompt or a sample. A group's prompt is a sequence of its own, prefilled once; each
+    sample forks from it (sharing its full KV blocks) and then decodes."""
 
     seq_id: str
     group_id: str
@@ -27,11 +36,9 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     key: int = 0  # its random stream (sampler.sample_key)
     finish_reason: str | None = None
-    # per forward, in token order: {(layer, site): this sequence's captured rows [r, K] (or their
-    # (bits, scales, g))}
-    rows: list = field(default_factory=list)
-    experts: list = field(default_factory=list)  # routed expert chunks [r, layers, top_k], in token order
-    job: object = None  # the prompt job a sample forked from
+    rows: list[dict[tuple[int, str], Rows]] = field(default_factory=list)  # per forward, in token order
+    experts: list[torch.Tensor] = field(default_factory=list)  # routed expert chunks [r, layers, top_k]
+    job: PromptJob | None = None  # the prompt job a sample forked from
 
     @property
     def num_tokens(self) -> int:
@@ -40,3 +47,24 @@ class Sequence:
     @property
     def response(self) -> list[int]:
         return self.tokens[self.prompt_len:]
+
+
+@dataclass(kw_only=True)
+class PromptJob:
+    """A prompt to prefill and the samples that fork from it. `blocks` is its worst case: the
+    prompt's blocks during prefill plus each sample's own blocks at full length (the scheduler
+    admits jobs only while the worst cases of all admitted jobs fit the cache, so a running
+    sequence never finds the cache full). `records_prompt`: this job's prompt guidance is the
+    group's (with unshared prompts, the first job's)."""
+
+    prompt: Sequence
+    children: list[Sequence]
+    records_prompt: bool
+    blocks: int
+    unfinished: int = -1  # samples not finished yet
+
+    def __post_init__(self) -> None:
+        if self.unfinished < 0:
+            self.unfinished = len(self.children)
+        for child in self.children:
+            child.job = self

@@ -13,13 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from trace_kernels.fp4 import Format, QTensor, dequantize, quantize
 
 from megatron_trace.model_config import (
     FP4_WEIGHT_SUFFIXES,
     ModelConfig,
     full_weight_shapes,
 )
+from trace_kernels.fp4 import Format, QTensor, dequantize, quantize
 
 FP4_SUFFIXES = FP4_WEIGHT_SUFFIXES
 ROUTER_SUFFIX = "mlp.router.weight"
@@ -28,15 +28,15 @@ ROUTER_SUFFIX = "mlp.router.weight"
 class EngineWeights:
     """Name -> BF16 tensor or packed FP4 QTensor, checked against the model's shapes."""
 
-    def __init__(self, cfg: ModelConfig, fp4: bool, device: str):
-        self.cfg, self.fp4, self.device = cfg, fp4, torch.device(device)
-        self.shapes = full_weight_shapes(cfg)
+    def __init__(self, model_cfg: ModelConfig, fp4: bool, device: str):
+        self.model_cfg, self.fp4, self.device = model_cfg, fp4, torch.device(device)
+        self.shapes = full_weight_shapes(model_cfg)
         self.tensors: dict[str, torch.Tensor | QTensor] = {}
         self.stacked: dict[tuple[int, str], torch.Tensor | StackedFP4] = {}  # (layer, "fc1"/"fc2") -> all experts
-        for L in range(cfg.num_layers):
+        for L in range(model_cfg.num_layers):
             for site, linear in (("fc1", "linear_fc1.weight"), ("fc2", "linear_fc2.weight")):
-                names = [f"decoder.layers.{L}.mlp.experts.local_experts.{e}.{linear}" for e in range(cfg.num_experts)]
-                stack = self._empty((cfg.num_experts, *self.shapes[names[0]]), self.is_fp4(names[0]))
+                names = [f"decoder.layers.{L}.mlp.experts.local_experts.{e}.{linear}" for e in range(model_cfg.num_experts)]
+                stack = self._empty((model_cfg.num_experts, *self.shapes[names[0]]), self.is_fp4(names[0]))
                 self.stacked[(L, site)] = stack
                 for e, name in enumerate(names):
                     self.tensors[name] = _index(stack, e)

@@ -5,6 +5,8 @@ TRITON_INTERPRET=1 on the CPU (CI) and on a GPU."""
 import pytest
 import torch
 import torch.nn.functional as F
+
+from tests.support.fp4 import assert_bitwise_equal, heavy_tailed, triton_device
 from trace_kernels.fp4 import fake_quantize_rows
 from trace_kernels.fused_inputs import (
     add_rms_norm_fake_quantize_rows,
@@ -12,8 +14,6 @@ from trace_kernels.fused_inputs import (
     silu_mul,
     silu_mul_fake_quantize_rows,
 )
-
-from .helpers import assert_bitwise_equal, heavy_tailed, triton_device
 
 
 def _assert_torch_rounding(got, want, exact):

@@ -4,6 +4,8 @@ F.rms_norm and rotary code: under TRITON_INTERPRET=1 on the CPU (CI) and on a GP
 import pytest
 import torch
 import torch.nn.functional as F
+
+from tests.support.fp4 import heavy_tailed, triton_device
 from trace_kernels.fp4 import quantize_rows_into
 from trace_kernels.norm_rope import (
     qk_norm_rope,
@@ -11,8 +13,6 @@ from trace_kernels.norm_rope import (
     rms_norm,
     rope,
 )
-
-from .helpers import heavy_tailed, triton_device
 
 
 def _assert_torch_rounding(got, want):

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from megatron_trace.config import load_config
 from megatron_trace.rl.slurm import expand_hostlist, torch_env_from_slurm
-from megatron_trace.rl.train import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 FAKE = Path(__file__).resolve().parent / "fake_slurm"

@@ -27,9 +27,8 @@ from megatron_trace.checkpoint.qwen3_moe import hf_parts
 from megatron_trace.megatron.spawn import spawn
 from megatron_trace.model_config import fp4_site_of
 from sglang_rollout.engine import EngineConfig, TraceEngine
-
-from ..hf_models import CFG, save_hf_tiny
-from ..megatron_trace import scenarios as sc
+from tests.support import scenarios as sc
+from tests.support.hf_models import CFG, save_hf_tiny
 
 PAR = {"tp": 2, "ep": 2, "pp": 2}
 
@@ -140,6 +139,7 @@ def test_compressed_tensors_decompression_reproduces_our_weights(exports):
     bit (in the BF16 it decompresses to), and both equal a float64 decode via ml_dtypes."""
     from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
     from compressed_tensors.quantization import QuantizationConfig
+
     from trace_kernels.fp4 import Format, QTensor, dequantize
 
     cfg = json.loads((exports["compressed-tensors"] / "config.json").read_text())["quantization_config"]
@@ -175,15 +175,15 @@ def test_export_configs(exports):
     assert scale == torch.tensor(amax[(1, "fc2")], dtype=torch.float32) / (6 * 448)
 
 
-def _run_audit(rank, *, exports, trainer_precision="fp4", engine_precision="fp4", bf16_site=None):
+def _run_audit(rank, *, exports, trainer_precision="fp4-rne", engine_precision="fp4", bf16_site=None):
     from megatron_trace.checkpoint.audit import audit
     from megatron_trace.megatron.model import build_model, fp4_sites
-    from megatron_trace.megatron.qat import Precision
+    from megatron_trace.modes import TrainerPrecision
 
     model = build_model(CFG, trainer_precision)
     for site in fp4_sites(model):
         if bf16_site and (site.layer, site.name, site.expert) == bf16_site:
-            site.precision = Precision.BF16
+            site.precision = TrainerPrecision.BF16
     engine = TraceEngine(CFG, EngineConfig(precision=engine_precision, num_blocks=1))
     return audit(CFG, model, engine.quantization_table(), exports)
 

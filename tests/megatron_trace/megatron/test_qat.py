@@ -1,0 +1,58 @@
+"""One FP4 site's weight quantization: the per-step cache against the direct path."""
+
+import torch
+
+from megatron_trace.megatron.qat import FP4Site, cached_weights
+from megatron_trace.modes import TrainerPrecision
+from trace_kernels.fp4 import dequantize, quantize
+
+
+def _weights(seed=0, shapes=((64, 48), (64, 48), (64, 48))):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter((torch.randn(*s, generator=g) * torch.exp(torch.randn(1, s[1], generator=g))).bfloat16())
+            for s in shapes]
+
+
+def test_weight_fake_quant_is_the_spec_and_its_cache_changes_nothing():
+    site = FP4Site(name="qkv", layer=0, precision=TrainerPrecision.FP4_RNE)
+    (w,) = _weights(shapes=((64, 48),))
+    direct = site.quantize_weight(w)
+    assert torch.equal(direct, dequantize(quantize(w.detach()), torch.bfloat16))  # one g over the tensor
+    upstream = torch.randn(64, 48).bfloat16()
+    (direct * upstream).sum().backward()
+    g_direct, w.grad = w.grad.clone(), None
+    with cached_weights():
+        for _ in range(2):  # two micro-batches: quantized once, gradients accumulate
+            cached = site.quantize_weight(w)
+            assert torch.equal(cached, direct)
+            (cached * upstream).sum().backward()
+    assert torch.equal(w.grad, 2 * g_direct)
+
+
+def test_expert_weights_get_one_global_scale_each_cached_or_not():
+    site = FP4Site(name="fc2", layer=0, precision=TrainerPrecision.FP4_RNE, all_experts=True)
+    ws = _weights(seed=1)
+    direct = site.quantize_expert_weights(ws)
+    for i, w in enumerate(ws):
+        assert torch.equal(direct[i], dequantize(quantize(w.detach()), torch.bfloat16))
+    upstream = torch.randn(direct.shape).bfloat16()
+    (direct * upstream).sum().backward()
+    grads = [w.grad.clone() for w in ws]
+    for w in ws:
+        w.grad = None
+    with cached_weights():
+        cached = site.quantize_expert_weights(ws)
+        assert torch.equal(cached, direct)
+        (cached * upstream).sum().backward()
+        assert all(torch.equal(w.grad, g) for w, g in zip(ws, grads))
+        with torch.no_grad():
+            ws[1].mul_(2)  # an in-place update inside the scope is seen
+        again = site.quantize_expert_weights(ws)
+        assert torch.equal(again[1], dequantize(quantize(ws[1].detach()), torch.bfloat16))
+        assert not torch.equal(again[1], cached[1])
+
+
+def test_bf16_sites_leave_weights_alone():
+    site = FP4Site(name="proj", layer=0)
+    (w,) = _weights(shapes=((32, 32),))
+    assert site.quantize_weight(w) is w

@@ -1,0 +1,160 @@
+"""One colocated RL step per precision mode, with the real engine and Megatron trainer."""
+
+import math
+
+import torch
+
+from megatron_trace.megatron.spawn import spawn
+from megatron_trace.model_config import PRESETS
+from tests.support import scenarios as sc
+
+
+def reward_low_ids(prompt, response):
+    return sum(t < 128 for t in response) / max(len(response), 1)
+
+
+def run_steps(rank, *, precision, correction):
+    from megatron_trace.config import RLSection
+    from megatron_trace.megatron.model import build_model
+    from megatron_trace.model_config import PRESETS
+    from megatron_trace.rl.losses import grpo_advantages
+    from megatron_trace.rl.rollout_batch import rollout
+    from megatron_trace.rl.step import response_logprobs, train_on
+    from megatron_trace.rl.weight_sync import sync_weights
+    from megatron_trace.rollout import SamplingParams
+    from sglang_rollout.engine import EngineConfig, TraceEngine
+
+    cfg = PRESETS["tiny"]
+    trainer = build_model(cfg, "bf16", grouped_gemm=True)
+    engine = TraceEngine(cfg, EngineConfig(precision="bf16" if precision == "bf16" else "fp4",
+                                           guide="all" if precision == "trace" else "none"))
+    sync_weights(trainer, engine, 0)
+    rl = RLSection(mode=precision, group_size=4, correction=correction)
+    optimizer = torch.optim.SGD(trainer.parameters(), lr=0.05)
+    prompts = [(1, 2, 3, 4), (9, 8, 7)]
+    batch = rollout(engine, prompts, reward_low_ids, rl.group_size, SamplingParams(max_new_tokens=8, seed=1), 0)
+    adv = grpo_advantages(batch.rewards, 4)
+
+    def objective():  # token-mean of A * log p over the batch: what the step ascends
+        with torch.no_grad():
+            logp, sample_of, _ = response_logprobs(trainer, batch, rl)
+        return float((adv[sample_of.cpu()] * logp.cpu()).mean())
+
+    before = objective()
+    metrics = train_on(trainer, optimizer, batch, rl)
+    after = objective()
+    sync_weights(trainer, engine, 1)
+    again = engine.generate([], SamplingParams())  # engine still healthy after the update
+    return {"before": before, "after": after, "metrics": metrics, "version": engine.weight_version,
+            "empty": len(again.samples)}
+
+
+def test_a_step_in_each_precision_mode_ascends_the_policy_objective():
+    for precision, correction in (("bf16", "none"), ("fp4-qat", "tis"), ("trace", "mis")):
+        r = spawn(run_steps, {}, precision=precision, correction=correction)[0]
+        m = r["metrics"]
+        assert all(math.isfinite(v) for v in (m["loss"], m["reward"], m["k3_kl"])), (precision, m)
+        assert r["after"] > r["before"], (precision, r["before"], r["after"])
+        assert r["version"] == 1 and r["empty"] == 0 and m["guidance_bytes_per_token"] > 0
+        if precision == "trace":  # the trainer's first forward follows the engine's codes exactly
+            assert m["k3_kl"] < 1e-9 and m["kept_frac"] == 1.0
+
+
+def run_dynamic_and_kl(rank):
+    from megatron_trace.config import RLSection
+    from megatron_trace.megatron.model import build_model
+    from megatron_trace.megatron.weights import load_full_state_dict
+    from megatron_trace.model_config import PRESETS
+    from megatron_trace.rl.step import rl_step
+    from megatron_trace.rl.weight_sync import sync_weights
+    from megatron_trace.rollout import SamplingParams
+    from sglang_rollout.engine import EngineConfig, TraceEngine
+
+    cfg = PRESETS["tiny"]
+    trainer = build_model(cfg, "bf16", grouped_gemm=True)
+    reference = build_model(cfg, "bf16", grouped_gemm=True)
+    load_full_state_dict(reference, {k: v for k, v in trainer.state_dict().items() if not k.endswith("_extra_state")})
+    engine = TraceEngine(cfg, EngineConfig(precision="bf16"))
+    sync_weights(trainer, engine, 0)
+    optimizer = torch.optim.SGD(trainer.parameters(), lr=0.05)
+    sampling = SamplingParams(max_new_tokens=8, seed=1)
+
+    def reward(prompt, response):  # prompts starting with 1 always score 0: no signal in their group
+        return 0.0 if prompt[0] == 1 else reward_low_ids(prompt, response)
+
+    asked = []
+
+    def more_prompts(n):
+        asked.append(n)
+        return [(1, 5), (7, 7, 7)][:n]
+
+    dyn = RLSection(mode="bf16", dynamic_sampling=True, max_rounds=3, kl_coef=0.1)
+    first = rl_step(trainer, optimizer, engine, [(1, 2, 3, 4), (9, 8, 7)], reward, dyn, sampling, 0,
+                    more_prompts=more_prompts, reference=reference)
+    second = rl_step(trainer, optimizer, engine, [(6, 5), (9, 9)], reward, dyn, sampling, 1,
+                     more_prompts=more_prompts, reference=reference)
+    none = rl_step(trainer, optimizer, engine, [(1, 2), (1, 3)], reward, dyn, sampling, 2, reference=reference)
+    return first, second, none, asked
+
+
+def test_dynamic_sampling_refills_informative_groups_and_the_kl_penalty_starts_at_zero():
+    first, second, none, asked = spawn(run_dynamic_and_kl, {})[0]
+    # round 1 leaves one informative group of two; round 2 brings (7, 7, 7)'s group
+    assert first["rollout_rounds"] == 2 and first["trained_groups"] == 2 and asked[0] == 2
+    assert first["kl_ref"] == 0.0  # the policy still equals its reference
+    assert second["rollout_rounds"] == 1 and second["trained_groups"] == 2
+    assert second["kl_ref"] > 0 and math.isfinite(second["loss"])
+    assert none["skipped"] == 1.0 and none["trained_groups"] == 0 and none["reward"] == 0.0  # no refill source
+
+
+def run_microbatched_update(rank, *, sd, max_tokens, correction, threshold):
+    """The full weights after one GRPO update of the data-parallel share of a fixed rollout,
+    with the trainer's micro-batches capped at `max_tokens` (0: one micro-batch per rank)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_trace.config import RLSection
+    from megatron_trace.megatron.model import build_model
+    from megatron_trace.megatron.weights import (
+        gather_full_state_dict,
+        load_full_state_dict,
+    )
+    from megatron_trace.model_config import PRESETS
+    from megatron_trace.rl.disaggregated import ReducingOptimizer, dp_share
+    from megatron_trace.rl.rollout_batch import rollout
+    from megatron_trace.rl.step import train_on
+    from megatron_trace.rollout import SamplingParams
+    from sglang_rollout.engine import EngineConfig, TraceEngine
+
+    cfg = PRESETS["tiny"]
+    trainer = build_model(cfg, "bf16", params_dtype=torch.float32, grouped_gemm=True)
+    load_full_state_dict(trainer, sd)
+    engine = TraceEngine(cfg, EngineConfig(precision="fp4", guide="all"))
+    engine.update_weights(sd, 0)
+    rl = RLSection(mode="trace", group_size=3, correction=correction, correction_threshold=threshold,
+                          max_tokens_per_microbatch=max_tokens)
+    batch = rollout(engine, [(1, 2, 3, 4), (9, 8, 7), (5, 6), (7, 7, 7), (3, 3)], reward_low_ids, rl.group_size,
+                    SamplingParams(max_new_tokens=8, seed=2), 0)
+    mine = batch.select(list(dp_share(batch.num_groups, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())))
+    optimizer = ReducingOptimizer(torch.optim.SGD(trainer.parameters(), lr=0.5), trainer)
+    metrics = train_on(trainer, optimizer, mine, rl)
+    return gather_full_state_dict(trainer), metrics
+
+
+def test_microbatches_accumulate_to_the_one_batch_update():
+    """Micro-batches of at most 12 tokens (one sample each; under EP2 x DP2 the rank with 2 groups
+    runs 3 fillers to match its peer's 9) give the update of one micro-batch, in one process, with two pipeline stages (1F1B,
+    varying lengths) and under EP2 x DP2; MIS rejects samples, so the token mean over the kept
+    tokens needs the rescale."""
+    sd = {k: v.float() for k, v in sc.random_full_state_dict(PRESETS["tiny"], seed=5).items()}
+    for layout in ({}, {"pp": 2}, {"ep": 2, "dp": 2}):
+        whole, m1 = spawn(run_microbatched_update, layout, sd=sd, max_tokens=0, correction="mis", threshold=1.02)[0]
+        split, m2 = spawn(run_microbatched_update, layout, sd=sd, max_tokens=12, correction="mis", threshold=1.02)[0]
+        assert m1["microbatches"] == 1 and m2["microbatches"] == (9 if layout.get("dp") else 15), layout
+        assert 0 < m1["kept_frac"] < 1 and m1["kept_frac"] == m2["kept_frac"], layout
+        for k in ("loss", "clip_frac", "k3_kl"):
+            assert abs(m1[k] - m2[k]) <= 1e-5 * (1 + abs(m1[k])), (layout, k, m1[k], m2[k])
+        moved = 0
+        for name, w in whole.items():
+            torch.testing.assert_close(split[name], w, rtol=1e-5, atol=1e-6, msg=f"{layout} {name}")
+            moved += int(not torch.equal(w, sd[name]))
+        assert moved > len(sd) // 2  # the update did something

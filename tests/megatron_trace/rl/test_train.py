@@ -1,0 +1,104 @@
+"""`trace-rl train` end to end: short runs in each mode, resume after a kill, a budget policy."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+
+from megatron_trace.megatron.spawn import spawn
+
+
+def run_train(rank, *, out_dir, mode, extra=()):
+    from megatron_trace.cli import main
+
+    main(["train", "--set", "sft.steps=20", "--set", "rl.steps=2", "--set", "rl.prompts_per_step=4",
+          "--set", f"rl.mode={mode}", "--set", f"output_dir={out_dir}",
+          *[a for kv in extra for a in ("--set", kv)]])
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp4-rollout", "fp4-qat", "trace"])
+def test_a_short_run_writes_its_metrics(tmp_path, mode):
+    spawn(run_train, {}, out_dir=str(tmp_path), mode=mode)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        assert 0 <= r["reward"] <= 1 and r["weight_sync_bytes"] > 0 and r["step_s"] > 0
+        assert r["response_tokens"] > 0 and r["rollout_tokens_per_s"] > 0
+        assert r["rollout_s"] + r["train_s"] + r["sync_s"] <= r["step_s"]
+    if mode == "trace":  # the guided trainer forward follows the engine
+        assert all(r["k3_kl"] < 1e-9 for r in rows)
+        assert all(r["residual_flip_rate"] == 0 and r["guidance_bytes_per_token"] > 0 for r in rows)
+    if mode in ("fp4-qat", "trace"):  # flips measured against the engine's dense records, per layer
+        assert all(0 < r["flip_rate"] < 0.2 and set(r["flip_rate_by_layer"]) == {"0", "1"} for r in rows)
+    if mode == "fp4-qat":  # recorded for the measurement only: nothing applied, only routing billed
+        assert all("residual_flip_rate" not in r and 0 < r["guidance_bytes_per_token"] < 40 for r in rows)
+    assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _train_cmd(out_dir, *extra):
+    return [sys.executable, "-m", "megatron_trace.cli", "train", "--set", "sft.steps=40", "--set", "rl.steps=4",
+            "--set", "task.digits=1",  # easy enough that every step has groups with a reward signal
+            "--set", "rl.prompts_per_step=4", "--set", "checkpoint.every=1", "--set", f"output_dir={out_dir}",
+            "--set", "rl.kl_coef=0.05", "--set", "rl.dynamic_sampling=true", *extra]
+
+
+def _untimed(row):
+    return {k: v for k, v in row.items() if not k.endswith("_s")}  # wall-clock times and rates differ
+
+
+def _rows(out_dir):
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_killed_run_resumes_as_it_would_have_continued(tmp_path):
+    """With the KL reference and dynamic sampling on, a run killed after its step-2 checkpoint
+    and started again gives exactly the metrics of an uninterrupted run."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
+    subprocess.run(_train_cmd(tmp_path / "whole"), env=env, check=True, capture_output=True)
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(_train_cmd(killed), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    latest = killed / "checkpoints" / "latest"
+    deadline = time.time() + 300
+    while not (latest.exists() and latest.read_text().strip() == "rl-000002") and proc.poll() is None:
+        assert time.time() < deadline, "the run never reached its step-2 checkpoint"
+        time.sleep(0.05)
+    children = psutil.Process(proc.pid).children(recursive=True)
+    proc.kill()  # SIGKILL: no cleanup of any kind
+    proc.wait()
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, f"the killed run left processes behind: {[p.cmdline() for p in alive]}"
+    resumed = subprocess.run(_train_cmd(killed), env=env, check=True, capture_output=True, text=True)
+    assert "resuming from" in resumed.stdout
+    want, got = _rows(tmp_path / "whole"), _rows(killed)
+    assert [r["step"] for r in got] == [0, 1, 2, 3]
+    assert all(r["trained_groups"] > 0 and r["kl_ref"] > 0 for r in got)  # the reference and DAPO filter ran
+    kept = sorted(p.name for p in (killed / "checkpoints").iterdir())
+    assert kept == ["latest", "reference", "rl-000003", "rl-000004"]  # the newest two, no partial saves
+    for w, g in zip(want, got, strict=True):
+        assert _untimed(g) == _untimed(w)
+    # TensorBoard has every step once, whatever was logged before the kill
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(killed / "tb"))
+    ea.Reload()
+    assert [e.step for e in ea.Scalars("reward")] == [0, 1, 2, 3]
+    # a changed setting that a resumed run cannot take is named
+    bad = subprocess.run(_train_cmd(killed, "--set", "rl.lr=0.1"), env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "config rl.lr was 0.0003, now 0.1" in bad.stderr
+
+
+def test_a_budget_policy_guides_the_layers_that_flip_most_within_its_bytes(tmp_path):
+    """budget:100 bytes per token fits one layer of the demo model's (~81 each, measured)."""
+    spawn(run_train, {}, out_dir=str(tmp_path), mode="trace", extra=["rl.guide=budget:100"])
+    rows = _rows(tmp_path)
+    state = torch.load(tmp_path / "checkpoints" / "rl-000002" / "state.pt", weights_only=False)["state"]
+    assert state["guide"] in ("layers:0", "layers:1")  # one layer, kept for a resumed run
+    guided = state["guide"].removeprefix("layers:")
+    for r in rows:
+        assert set(r["flip_rate_by_layer"]) == {guided} and r["residual_flip_rate"] == 0
+        assert r["guidance_bytes_per_token"] < 100 + 20  # one layer's records plus the routed experts

@@ -1,0 +1,106 @@
+"""The configuration schema: defaults that run, errors that name the key, the generated
+reference, and old checkpoints read in today's vocabulary."""
+
+import dataclasses
+import typing
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_trace import config
+from megatron_trace.cli import main
+from megatron_trace.config import RLSection, TrainConfig, flat_config, load_config, upgrade_flat_config
+from megatron_trace.modes import RunMode
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_defaults_yaml_and_overrides_combine(tmp_path):
+    cfg = load_config()
+    assert cfg == TrainConfig() and cfg.rl.mode is RunMode.TRACE and cfg.model.preset == "demo"
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text("rl:\n  steps: 3\n  correction: tis\n  mode: fp4-rollout\nsft:\n  lr: 0.01\nseed: 4\n")
+    cfg = load_config(str(yaml_file), ["rl.group_size=8", "task.ops=+-", "rl.dynamic_sampling=yes"])
+    assert (cfg.rl.steps, cfg.rl.correction, cfg.sft.lr, cfg.rl.group_size, cfg.task.ops, cfg.seed) == \
+        (3, "tis", 0.01, 8, "+-", 4)
+    assert cfg.rl.mode is RunMode.FP4_ROLLOUT and cfg.rl.dynamic_sampling is True
+    assert isinstance(cfg.sft.lr, float) and isinstance(cfg.rl.steps, int)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rl.stepz=3", "unknown key 'rl.stepz'"), ("rll.steps=3", "unknown section 'rll'"),
+    ("rl.steps=many", "rl.steps must be an int, got 'many'"), ("rl.steps=2.5", "rl.steps must be an int"),
+    ("rl.mode=fp8", "rl.mode: 'fp8' is not a valid RunMode"), ("rl.mode=fp4", "'fp4' is now fp4-rollout"),
+    ("rl.precision=trace", "rl.precision was renamed rl.mode"), ("rl.correction=clip", "rl.correction must be one of"),
+    ("rl.coding=sparse2", "rl.coding"), ("rl.dynamic_sampling=maybe", "rl.dynamic_sampling must be true or false"),
+    ("model.preset=huge", "model.preset"), ("rl.group_size=1", "rl.group_size must be >= 2"),
+    ("rl.guide=deep:x", "rl.guide: bad guidance layer policy"), ("cluster.engine_nodes=1", "cluster.engine_nodes"),
+    ("rl.steps", "section.key=value"), ("rl=3", "rl is a section"), ("colour=red", "unknown key 'colour'"),
+    ("engine=sglang_rollout.engine.TraceEngine", "engine must be a dotted path module:Class"),
+    ("model.hf=/nowhere", "model.hf must be an HF checkpoint directory"),
+])
+def test_a_bad_setting_is_an_error_that_names_it(override, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(None, [override])
+
+
+def test_yaml_values_of_the_wrong_type_are_refused_not_converted(tmp_path):
+    for text, message in (("rl:\n  temprature: 0.5\n", "unknown key 'rl.temprature'"),
+                          ("cluster:\n  time: 24:00:00\n", "cluster.time must be a string, got int 86400"),
+                          ("rl:\n  steps: true\n", "rl.steps must be an int, got True"),
+                          ("- a list\n", "must hold a mapping")):
+        path = tmp_path / "bad.yaml"
+        path.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            load_config(str(path))
+
+
+def test_sections_check_when_built_in_python_too():
+    assert RLSection(mode="fp4-qat", group_size=3).mode is RunMode.FP4_QAT
+    with pytest.raises(ValueError, match="rl.kl_coef must be >= 0"):
+        RLSection(kl_coef=-1.0)
+    with pytest.raises(TypeError):  # keyword-only: no positional misreading
+        RLSection(40)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        TrainConfig().rl.steps = 3
+
+
+def test_every_field_is_documented_and_typed():
+    for cls in (*config.SECTIONS.values(), TrainConfig):
+        docs, hints = config.field_docs(cls), typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name in config.SECTIONS:
+                continue
+            assert len(docs.get(f.name, "")) > 10, f"{cls.__name__}.{f.name} has no docstring"
+            assert hints[f.name] in (int, float, bool, str) or typing.get_origin(hints[f.name]) is typing.Literal \
+                or issubclass(hints[f.name], config.enum.Enum), f"{cls.__name__}.{f.name}: {hints[f.name]}"
+
+
+def test_the_reference_in_docs_is_the_schemas():
+    """docs/configuration.md is generated: `trace-rl config --reference > docs/configuration.md`."""
+    generated = config.reference_markdown()
+    assert (ROOT / "docs" / "configuration.md").read_text() == generated
+    for name, cls in config.SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            assert f"`{name}.{f.name}`" in generated
+
+
+def test_the_printed_config_loads_back_to_the_same_run(tmp_path, capsys):
+    main(["config", "--set", "rl.mode=fp4-qat", "--set", "cluster.partition=gpu"])
+    path = tmp_path / "printed.yaml"
+    path.write_text(capsys.readouterr().out)
+    assert load_config(str(path)) == load_config(None, ["rl.mode=fp4-qat", "cluster.partition=gpu"])
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "launch" / "configs").glob("*.yaml")), ids=lambda p: p.stem)
+def test_the_example_configs_load(path):
+    cfg = load_config(str(path))
+    assert yaml.safe_load(path.read_text())["model"]["preset"] == cfg.model.preset
+
+
+def test_a_checkpoint_written_before_the_renames_reads_in_todays_names():
+    old = {k: v for k, v in flat_config(TrainConfig()).items() if k not in ("rl.mode", "rl.correction_threshold")}
+    old["rl.precision"] = "fp4"
+    upgraded = upgrade_flat_config(old)
+    assert upgraded == flat_config(load_config(None, ["rl.mode=fp4-rollout"]))
