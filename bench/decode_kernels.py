@@ -89,8 +89,8 @@ def dense_cases(cfg, batch: int, gen):
         q = quantize(w)
         x = torch.randn(batch, k, generator=gen, device="cuda", dtype=torch.bfloat16)
         act = 2 * batch * (k + n)
-        cases.append((name, lambda backend="auto", x=x, q=q: fp4_linear(x, q, backend=backend), lambda x=x, w=w: x @ w.T,
-                      n * k * 0.5625 + act, n * k * 2 + act))
+        cases.append((name, lambda backend="auto", x=x, q=q: fp4_linear(x, q, backend=backend),
+                      lambda x=x, w=w: x @ w.T, n * k * 0.5625 + act, n * k * 2 + act))
     return cases
 
 
@@ -125,7 +125,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--bandwidth", type=float, default=COPY_BANDWIDTH)
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--only", default="", help="comma-separated kernels to time (fc1,fc2,qkv,proj,attention); all by default")
+    ap.add_argument("--only", default="",
+                    help="comma-separated kernels to time (fc1,fc2,qkv,proj,attention); all by default")
     ap.add_argument("--record", action="store_true")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -155,7 +156,8 @@ def main() -> None:
     attn_tiles = [dict(block_t=bt, num_warps=nw) for bt, nw in itertools.product((32, 64), (4, 8))] \
         if args.sweep else [dict(paged_attention.TILE)]
     default_gemm, default_attn = dict(linear.TILE), dict(paged_attention.TILE)
-    for name, fp4_fn, bf16_fn, fp4_bytes, bf16_bytes in gemm_cases(cfg, args.batch, gen) + dense_cases(cfg, args.batch, gen):
+    for name, fp4_fn, bf16_fn, fp4_bytes, bf16_bytes in (gemm_cases(cfg, args.batch, gen)
+                                                          + dense_cases(cfg, args.batch, gen)):
         if cuda_decode.supports_gemm(torch.empty(1, device="cuda"), 128, 128):
             dense = name in ("qkv", "proj")  # dense_linear: K split until this many programs a multiprocessor
             blocks_key = "dense_min_blocks" if dense else "gemm_min_blocks"
@@ -199,10 +201,12 @@ def main() -> None:
         lines = [f"# Decode kernels, {date}, {gpu}", "", f"`{meta['command']}`", "",
                  f"{args.model} shapes, batch {args.batch}, context {args.context}; floor at "
                  f"{args.bandwidth / 1e12:.2f} TB/s.", "",
-                 "| kernel | launch | FP4 ms | FP4 / floor | BF16 ms | BF16 / floor | BF16 / FP4 |", "|---|---|---|---|---|---|---|"]
+                 "| kernel | launch | FP4 ms | FP4 / floor | BF16 ms | BF16 / floor | BF16 / FP4 |",
+                 "|---|---|---|---|---|---|---|"]
         for r in rows:
             lines.append(f"| {r['kernel']} | {r['tile']} | {r['fp4_ms']:.3f} | {r['fp4_ms'] / r['fp4_floor_ms']:.2f} | "
-                         f"{r['bf16_ms']:.3f} | {r['bf16_ms'] / r['bf16_floor_ms']:.2f} | {r['bf16_ms'] / r['fp4_ms']:.2f} |")
+                         f"{r['bf16_ms']:.3f} | {r['bf16_ms'] / r['bf16_floor_ms']:.2f} | "
+                         f"{r['bf16_ms'] / r['fp4_ms']:.2f} |")
         stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 

@@ -82,9 +82,11 @@ def main(argv=None) -> dict:
     row = {"tool": "trace-export-fp4 --hf (modelopt)", "checkpoint_bytes": size, "output_bytes": out_bytes,
            "shard_bytes": args.shard_mb << 20, "peak_extra_rss_bytes": extra,
            "checkpoint_over_peak": size / extra, "date": datetime.date.today().isoformat(),
-           "machine": f"cpu ({os.cpu_count()} cores)", "command": "python bench/export_memory.py " + " ".join(argv or sys.argv[1:])}
+           "machine": f"cpu ({os.cpu_count()} cores)",
+           "command": "python bench/export_memory.py " + " ".join(argv or sys.argv[1:])}
     print(f"checkpoint {size / 2**20:.0f} MiB -> FP4 {out_bytes / 2**20:.0f} MiB with {args.shard_mb} MiB shards: "
-          f"peak RSS above baseline {extra / 2**20:.1f} MiB ({row['checkpoint_over_peak']:.1f}x smaller than the checkpoint)")
+          f"peak RSS above baseline {extra / 2**20:.1f} MiB "
+          f"({row['checkpoint_over_peak']:.1f}x smaller than the checkpoint)")
     if args.json:
         Path(args.json).write_text(json.dumps(row, indent=1) + "\n")
     return row

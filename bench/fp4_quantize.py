@@ -152,7 +152,8 @@ def table(rows: list[dict]) -> str:
     cols = ["shape", "fmt", "scale"]
     if any("guided_triton_us" in r for r in rows):
         cols += ["guided_triton_us", "guided_over_plain"]
-    for key in ("quantize_triton", "quantize_triton_checked", "quantize_torch_ref", "quantize_torchao", "dequantize_triton", "dequantize_torch_ref"):
+    for key in ("quantize_triton", "quantize_triton_checked", "quantize_torch_ref", "quantize_torchao",
+                "dequantize_triton", "dequantize_torch_ref"):
         if any(f"{key}_us" in r for r in rows):
             cols += [f"{key}_us", f"{key}_frac"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -172,12 +173,14 @@ def main() -> None:
     ap.add_argument("--record", action="store_true", help="write the table under bench/results/")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    name = (torch.cuda.get_device_name() if device == "cuda"
+            else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)")
     default = "1024x1024,4096x4096,8192x8192" if device == "cuda" else "256x1024,1024x1024,2048x2048"
     sizes = [tuple(int(v) for v in s.split("x")) for s in (args.sizes or default).split(",")]
 
     failures = self_check(device)
-    print(f"self-check on {name}: " + ("PASS (Triton == torch reference, bit for bit)" if not failures else f"FAIL {failures}"))
+    print(f"self-check on {name}: "
+          + ("PASS (Triton == torch reference, bit for bit)" if not failures else f"FAIL {failures}"))
     bw, rows = run(sizes, device)
     date = datetime.date.today().isoformat()
     header = (f"# FP4 quantize / dequantize throughput\n\n{date}, {name}, torch {torch.__version__}. "

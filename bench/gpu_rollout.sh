@@ -5,12 +5,12 @@
 #   bash bench/gpu_rollout.sh       # wheels (torchao, ...) in .whl/
 #   ROLLOUT_ARGS="..." picks the throughput cases; ROLLOUT_TIMEOUT (s) stops the bench in time to copy its results
 source bench/gpu_setup.sh
-python3 -m pytest -q -p no:cacheprovider -rfEs tests/kernels/test_fp4_linear_attention.py tests/kernels/test_fp4_gpu.py tests/kernels/test_cuda_decode.py tests/kernels/test_norm_rope.py tests/kernels/test_moe_routing.py tests/kernels/test_fused_inputs.py \
-  tests/sglang_rollout/test_engine_gpu.py tests/sglang_rollout/test_sampler.py > "$OUT/pytest_rollout_gpu.log" 2>&1; tail -n 3 "$OUT/pytest_rollout_gpu.log"
+python3 -m pytest -q -p no:cacheprovider -rfEs tests/kernels/fp4/test_linear_attention.py tests/kernels/fp4/test_gpu.py tests/kernels/fp4/test_cuda_decode.py tests/kernels/test_norm_rope.py tests/kernels/test_moe_routing.py tests/kernels/test_fused_inputs.py \
+  tests/sglang_rollout/engine/test_engine_gpu.py tests/sglang_rollout/engine/test_sampler.py tests/sglang_rollout/test_backend_contract.py > "$OUT/pytest_rollout_gpu.log" 2>&1; tail -n 3 "$OUT/pytest_rollout_gpu.log"
 python3 - <<'PY' 2>&1 | tee "$OUT/engine_cuda.log"
 import sys, torch
 sys.path.insert(0, ".")
-from tests.megatron_trace.scenarios import random_full_state_dict
+from tests.support.scenarios import random_full_state_dict
 from megatron_trace.model_config import PRESETS
 from megatron_trace.rollout import GroupRequest, SamplingParams
 from sglang_rollout.engine import EngineConfig, TraceEngine

@@ -33,7 +33,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def activations(rows: int, k_in: int, cols: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     a = (torch.randn(rows, k_in, generator=g) * torch.exp(0.8 * torch.randn(1, k_in, generator=g))).bfloat16()
-    w = (torch.randn(k_in, cols, generator=g) * torch.exp(0.5 * torch.randn(1, cols, generator=g)) / k_in**0.5).bfloat16()
+    w = (torch.randn(k_in, cols, generator=g) * torch.exp(0.5 * torch.randn(1, cols, generator=g))
+         / k_in**0.5).bfloat16()
     engine = (a.float() @ w.float()).bfloat16()
     h = k_in // 3
     trainer = ((a[:, :h].float() @ w[:h].float()).bfloat16().float() + (a[:, h:].float() @ w[h:].float())).bfloat16()
@@ -73,8 +74,9 @@ def main() -> None:
                      "kept_scales": rec.header.n_scales / (n / 16) if coding == "sparse" else 1.0})
     cal = calibrate_tau(x_e, x_t, q_e, target_escape_rate=1e-4)
     date = datetime.date.today().isoformat()
-    lines = [f"# Guidance bytes vs flips\n\n{date}, CPU (numerics only; no timing). Activations {args.rows}x{args.cols} "
-             f"BF16 from a 1024-deep matmul; trainer = the same matmul summed in two parts. "
+    lines = [f"# Guidance bytes vs flips\n\n{date}, CPU (numerics only; no timing). "
+             f"Activations {args.rows}x{args.cols} BF16 from a 1024-deep matmul; "
+             f"trainer = the same matmul summed in two parts. "
              f"Flip rate of the trainer's own RNE codes (own scales): {plain_flips:.4%}. "
              f"calibrate_tau(target 1e-4) -> tau {cal['tau']} (keeps {cal['kept_rate']:.2%}).\n",
              "Command: `python bench/guidance_bytes.py --record`\n",
@@ -88,7 +90,8 @@ def main() -> None:
     if args.record:
         RESULTS.mkdir(exist_ok=True)
         (RESULTS / f"guidance_bytes_{date}.md").write_text(text)
-        (RESULTS / f"guidance_bytes_{date}.json").write_text(json.dumps({"date": date, "calibration": cal, "rows": rows}, indent=1))
+        (RESULTS / f"guidance_bytes_{date}.json").write_text(
+            json.dumps({"date": date, "calibration": cal, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

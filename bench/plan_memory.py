@@ -106,7 +106,8 @@ def main() -> None:
             f"# trace-rl plan vs a measured run, {r['date']}, {r['machine']}\n\n    {r['command']}\n\n"
             f"| item (MiB) | planned |\n|---|---|\n{rows}\n\n"
             f"Planned peak (trainer peak + colocated engine): {r['planned_bytes'] / mib:.1f} MiB; measured peak "
-            f"({'torch.cuda.max_memory_allocated' if r['device'] != 'cpu' else 'RSS'}) above the baseline: {r['measured_bytes'] / mib:.1f} MiB; planned / measured "
+            f"({'torch.cuda.max_memory_allocated' if r['device'] != 'cpu' else 'RSS'}) above the baseline: "
+            f"{r['measured_bytes'] / mib:.1f} MiB; planned / measured "
             f"{r['ratio']:.3f}. Writing the end-of-run checkpoint (host memory on a GPU) raises the measured peak to "
             f"{r['measured_with_checkpoint_write_bytes'] / mib:.1f} MiB.\n")
 

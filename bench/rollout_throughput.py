@@ -147,7 +147,8 @@ def kernel_table(segments, step_fn, title: str, top: int = 24) -> str:
     rest = events[top:]
     if rest:
         ms = sum(e.self_device_time_total for e in rest)
-        lines.append(f"| ({len(rest)} other kernels) | {sum(e.count for e in rest)} | {ms / 1e3:.3f} | {ms / total:.1%} |")
+        lines.append(f"| ({len(rest)} other kernels) | {sum(e.count for e in rest)} | {ms / 1e3:.3f} | "
+                     f"{ms / total:.1%} |")
     return "\n".join(lines) + "\n"
 
 
@@ -225,14 +226,14 @@ def plot(rows, path: Path) -> None:
     rows = [r for r in rows if not r["mode"].startswith("generate")]
     contexts = sorted({r["context"] for r in rows})
     fig, axes = plt.subplots(1, len(contexts), figsize=(5.5 * len(contexts), 4.2), squeeze=False)
-    for ax, context in zip(axes[0], contexts):
+    for ax, context in zip(axes[0], contexts, strict=True):
         for precision, color in (("bf16", "tab:blue"), ("fp4", "tab:red")):
             mine = [r for r in rows if r["context"] == context and r["precision"] == precision and r["tokens_per_s"]]
             mode = "cuda_graph" if any(r["mode"] == "cuda_graph" for r in mine) else "eager"
             pts = sorted((r["batch"], r["tokens_per_s"], r["floor_tokens_per_s"]) for r in mine if r["mode"] == mode)
             if not pts:
                 continue
-            b, tps, floor = zip(*pts)
+            b, tps, floor = zip(*pts, strict=True)
             ax.plot(b, tps, "o-", color=color, label=f"{precision} ({mode})")
             ax.plot(b, floor, "--", color=color, alpha=0.6, label=f"{precision} bandwidth floor")
         ax.set(xscale="log", yscale="log", xlabel="batch (sequences)", ylabel="decode tokens/s",
@@ -300,7 +301,8 @@ def main() -> None:
         per_block = PagedKVCache(cfg.num_layers, 1, block, cfg.num_key_value_heads, cfg.head_dim,
                                  precision == "fp4", device).nbytes_per_token() * block
         free = torch.cuda.mem_get_info()[0] if cuda else 8 * 2**30
-        budget = (args.memory_gib * 2**30) if args.memory_gib else 0.6 * (free - engine_weight_bytes(cfg, precision == "fp4"))
+        budget = (args.memory_gib * 2**30) if args.memory_gib else \
+            0.6 * (free - engine_weight_bytes(cfg, precision == "fp4"))
         num_blocks = int(budget // per_block)
         engine = TraceEngine(cfg, EngineConfig(precision=precision, block_size=block, num_blocks=num_blocks,
                                                max_batch_tokens=max([2048] + batches + generate[:2]), device=device))
@@ -332,7 +334,8 @@ def main() -> None:
                     times = []
                     for i in tqdm(range(args.warmup + args.steps), desc=f"{precision} b{batch} c{context} {mode}",
                                   leave=False):
-                        segs = [Segment([tok], context + i, t) for tok, t in zip(token_ids(batch, i, cfg), tables)]
+                        segs = [Segment([tok], context + i, t)
+                                for tok, t in zip(token_ids(batch, i, cfg), tables, strict=True)]
                         if cuda:
                             torch.cuda.synchronize()
                         t0 = time.perf_counter()
@@ -343,7 +346,7 @@ def main() -> None:
                             times.append(time.perf_counter() - t0)
                     if args.profile and mode == "eager" and batch in args.profile_batches:
                         profiles.append(kernel_table([Segment([tok], context + args.warmup + args.steps, t)
-                                            for tok, t in zip(token_ids(batch, -1, cfg), tables)],
+                                            for tok, t in zip(token_ids(batch, -1, cfg), tables, strict=True)],
                                            step_fn, f"{precision} b{batch} c{context}"))
                         print(profiles[-1], flush=True)
                     replay_s = None
@@ -358,7 +361,8 @@ def main() -> None:
                     floor = r["floor_tokens_per_s"]
                     replay_note = "" if replay_s is None else f", replay alone {batch / replay_s:10.1f}"
                     print(f"{precision:5s} batch {batch:4d} context {context:5d} {mode:10s}: {batch / step:10.1f} "
-                          f"tokens/s{replay_note} (floor {floor:10.1f}; {floor / (batch / step):6.1f}x slower)", flush=True)
+                          f"tokens/s{replay_note} (floor {floor:10.1f}; {floor / (batch / step):6.1f}x slower)",
+                          flush=True)
                 for t in tables:
                     engine.cache.allocator.release(t)
                 if args.record:

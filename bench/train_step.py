@@ -71,7 +71,7 @@ def own_guidance(model, ids, pos, psp, cfg):
     qat.observers.clear()
     n = ids.shape[1]
     sites, experts, captured = {}, {}, {}
-    for layer, r in zip(model.decoder.layers, routers):
+    for layer, r in zip(model.decoder.layers, routers, strict=True):
         li = layer.layer_number - 1
         top = r.get_recorded_indices()
         experts[li] = top.long()

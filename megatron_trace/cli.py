@@ -46,7 +46,8 @@ def train_main(args: argparse.Namespace) -> list[dict]:
             history = _lost_peer_exits(_train_disaggregated, cfg, model_cfg)
         else:
             init_one_process()
-            history = train(cfg, engine_factory(cfg.engine, model_cfg, cfg.model.preset, engine_kv_blocks(cfg)), model_cfg)
+            history = train(cfg, engine_factory(cfg.engine, model_cfg, cfg.model.preset, engine_kv_blocks(cfg)),
+                            model_cfg)
     except (ValueError, FileNotFoundError) as e:  # bad config for this run, an unusable checkpoint
         raise SystemExit(f"error: {e}") from None
     if history:
@@ -245,9 +246,9 @@ def mismatch_main(args: argparse.Namespace) -> dict:
     results = run_mismatch(trainer, make_engine, state_dict, prompts, modes=modes, guide=args.guide,
                            coding=args.coding, samples_per_prompt=args.samples, sampling=sampling)
     cols = ["k3_kl", "train_rollout_logprob_abs_diff", "flip_rate", "residual_flip_rate", "guidance_bits_per_element"]
-    print(f"{'mode':8s} " + " ".join(f"{c:>31s}" for c in cols))
+    print(f"{'mode':11s} " + " ".join(f"{c:>31s}" for c in cols))
     for mode, m in results.items():
-        print(f"{mode:8s} " + " ".join(f"{m[c]:31.3g}" if c in m else f"{'-':>31s}" for c in cols))
+        print(f"{mode:11s} " + " ".join(f"{m[c]:31.3g}" if c in m else f"{'-':>31s}" for c in cols))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(args.json).with_suffix(".tmp")
@@ -263,7 +264,8 @@ def main(argv: list[str] | None = None) -> None:
     src = mm.add_mutually_exclusive_group()
     src.add_argument("--model", default=None, help="a model preset, random weights (seeded); default: the "
                      "embedded default's model, trained (runs/default) if make demo has run")
-    src.add_argument("--megatron", default=None, help="a Megatron checkpoint directory (e.g. a run's checkpoints/rl-000040/model)")
+    src.add_argument("--megatron", default=None,
+                     help="a Megatron checkpoint directory (e.g. a run's checkpoints/rl-000040/model)")
     src.add_argument("--hf", default=None, help="an HF Qwen3-MoE checkpoint directory")
     mm.add_argument("--prompt-source", default="task", choices=["task", "random"],
                     help="arithmetic-task prompts (when the vocabulary covers them) or random tokens")

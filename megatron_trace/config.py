@@ -18,6 +18,7 @@ import inspect
 import textwrap
 import typing
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 from typing import ClassVar, Literal
 
@@ -85,7 +86,8 @@ class TaskSection(Section):
     NAME: ClassVar[str] = "task"
 
     kind: Literal["arithmetic", "jsonl"] = "arithmetic"
-    """`arithmetic` (built in: sums, differences or products of random numbers) or `jsonl` (a file of {"prompt", "answer"})."""
+    """`arithmetic` (built in: sums, differences or products of random numbers) or `jsonl` (a file
+    of {"prompt", "answer"})."""
     digits: int = 2
     """arithmetic: digits per operand."""
     ops: str = "+"
@@ -93,7 +95,8 @@ class TaskSection(Section):
     path: str = ""
     """jsonl: the file of {"prompt": ..., "answer": ...} lines."""
     reward: str = "math"
-    """jsonl: `exact`, `math` (final boxed / #### / last number) or `package.module:function(prompt, response, answer)`."""
+    """jsonl: `exact`, `math` (final boxed / #### / last number) or
+    `package.module:function(prompt, response, answer)`."""
     tokenizer: str = "char"
     """jsonl: `char` (the built-in alphabet) or an HF tokenizer directory."""
 
@@ -147,9 +150,11 @@ class RLSection(Section):
     """Engine and trainer precision (`modes.RunMode`): `bf16`, `fp4-rollout` (FP4 engine, BF16
     trainer), `fp4-qat` (FP4 QAT, round to nearest), `trace` (FP4 QAT following the engine's guidance)."""
     guide: str = "all"
-    """trace: the layers whose rounding is guided: `all`, `deep:K`, `layers:i,j`, `budget:<bytes per token>` or `none`."""
+    """trace: the layers whose rounding is guided: `all`, `deep:K`, `layers:i,j`, `budget:<bytes per token>`
+    or `none`."""
     coding: Coding = Coding.DENSE
-    """trace: guidance coding, `dense` (every element's mantissa bit) or `sparse` (only elements near a rounding boundary)."""
+    """trace: guidance coding, `dense` (every element's mantissa bit) or `sparse` (only elements near a
+    rounding boundary)."""
     correction: Correction = "none"
     """Rollout correction, verl's meanings: `none`, `tis` (token truncated IS) or `mis` (sequence masked IS)."""
     correction_threshold: float = 2.0
@@ -434,7 +439,7 @@ def field_docs(cls) -> dict[str, str]:
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body
     docs = {}
-    for node, nxt in zip(body, body[1:]):
+    for node, nxt in pairwise(body):
         if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
             docs[node.target.id] = " ".join(nxt.value.value.split())
     return docs

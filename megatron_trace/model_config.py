@@ -1,7 +1,7 @@
 """Architecture of a Qwen3-MoE-style model, shared by the trainer and the engine.
 
-Presets: `tiny` (tests), `demo` (the embedded default), `small` (CPU memory checks), `qwen3-30b-a3b`, `qwen3-235b-a22b`. Field names
-follow the HF config's meaning; `checkpoint.qwen3_moe.config_from_hf` reads one.
+Presets: `tiny` (tests), `demo` (the embedded default), `small` (CPU memory checks), `qwen3-30b-a3b`,
+`qwen3-235b-a22b`. Field names follow the HF config's meaning; `checkpoint.qwen3_moe.config_from_hf` reads one.
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ class ModelConfig:
 
 def full_weight_shapes(model_cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every weight's full Megatron name (megatron/weights.py) and shape, in a fixed order."""
-    h, d, nq, ng, f = model_cfg.hidden_size, model_cfg.head_dim, model_cfg.num_attention_heads, model_cfg.num_key_value_heads, \
-        model_cfg.moe_intermediate_size
+    h, d, nq, ng, f = (model_cfg.hidden_size, model_cfg.head_dim, model_cfg.num_attention_heads,
+                       model_cfg.num_key_value_heads, model_cfg.moe_intermediate_size)
     shapes = {"embedding.word_embeddings.weight": (model_cfg.vocab_size, h), "decoder.final_layernorm.weight": (h,),
               "output_layer.weight": (model_cfg.vocab_size, h)}
     for L in range(model_cfg.num_layers):
@@ -73,7 +73,8 @@ def full_weight_shapes(model_cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes |= {p + "input_layernorm.weight": (h,), p + "pre_mlp_layernorm.weight": (h,),
                    p + "self_attention.linear_qkv.weight": ((nq + 2 * ng) * d, h),
                    p + "self_attention.q_layernorm.weight": (d,), p + "self_attention.k_layernorm.weight": (d,),
-                   p + "self_attention.linear_proj.weight": (h, nq * d), p + "mlp.router.weight": (model_cfg.num_experts, h)}
+                   p + "self_attention.linear_proj.weight": (h, nq * d),
+                   p + "mlp.router.weight": (model_cfg.num_experts, h)}
         for e in range(model_cfg.num_experts):
             shapes[p + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = (2 * f, h)
             shapes[p + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = (h, f)

@@ -32,7 +32,8 @@ def test_references_to_docs_name_files_and_sections_that_exist():
         # "docs/design.md section 3", "docs/design.md 4.3", "sections 2, 3 and 4.3", "4.2-4.3"
         for cited in re.findall(r"docs/design\.md,? (?:sections? )?([\d., and-]*\d)", text):
             for number in re.findall(r"\d+(?:\.\d+)?", cited):
-                assert number in sections, f"{path.relative_to(ROOT)} cites docs/design.md {number}, which has no such section"
+                assert number in sections, (f"{path.relative_to(ROOT)} cites docs/design.md {number}, "
+                                            "which has no such section")
         outside = re.search(r"\bDESIGN\.md|\.\./shared/", text)  # the project's folder beside the clone
         assert outside is None or path.name == "test_docs.py", f"{path.relative_to(ROOT)} points outside the repository"
     assert checked > 20

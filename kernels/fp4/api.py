@@ -239,7 +239,8 @@ def _check_guidance_shapes(x: torch.Tensor, global_scale, block_scales, mantissa
     for name, (t, dtype, shape) in want.items():
         if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != shape:
             got = (t.dtype, tuple(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"quantize_guided: {name} must be {dtype} {shape} for x of shape {tuple(x.shape)}, got {got}")
+            raise ValueError(f"quantize_guided: {name} must be {dtype} {shape} for x of shape {tuple(x.shape)}, "
+                             f"got {got}")
         if t.device != x.device:
             raise ValueError(f"quantize_guided: {name} is on {t.device}, x on {x.device}")
 

@@ -142,7 +142,8 @@ def _check_gemm(name: str, m: int, n: int, k: int, splits: int, residual: torch.
         raise ValueError(f"{name}: residual must be bfloat16 [{m}, {n}], got {residual.dtype} {tuple(residual.shape)}")
 
 
-def sum_splits(part: torch.Tensor, residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+def sum_splits(part: torch.Tensor, residual: torch.Tensor | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """bf16 [M, N]: a split-K GEMM's FP32 partial products part [S, M, N] added in split order
     (no atomics) and rounded to BF16 once, plus `residual` (bf16 [M, N], added in FP32 and
     rounded again: torch's BF16 add), in one kernel. out: where to write it (else new)."""

@@ -6,7 +6,8 @@ scales, dequantizes each [BLOCK_N, BLOCK_K] tile exactly as `dequantize` does ((
 rounded to BF16), and multiplies on the tensor cores with FP32 accumulation. On Hopper,
 decode-sized GEMMs run CUDA kernels instead (`cuda_decode.grouped_linear` for the experts,
 `cuda_decode.dense_linear` for dense layers): the same values, the MMA fragments built in
-registers. The torch path (CPU, or backend="torch") dequantizes the whole weight, then matmuls. backend: "auto", "torch", "triton" or "cuda" (which raises where it does not apply).
+registers. The torch path (CPU, or backend="torch") dequantizes the whole weight, then matmuls.
+backend: "auto", "torch", "triton" or "cuda" (which raises where it does not apply).
 
 Shapes: x [M, K] bf16, W [N, K] (codes uint8 [N, K/2], scales e4m3 [N, K/16], g 0-d), y [M, N].
 """

@@ -574,7 +574,8 @@ def quantize_rows_into_triton(x: torch.Tensor, slots: torch.Tensor, codes: torch
                          f"multiple of 16, got shape {tuple(x.shape)} strides {x.stride()}")
     for name, t, last in (("codes", codes, k // 2), ("scales", scales, k // 16), ("g", g, 1)):
         if t.dim() != 3 or t.shape[1:] != (heads, last) or not t.is_contiguous():
-            raise ValueError(f"quantize_rows_into: {name} must be contiguous [S, {heads}, {last}], got {tuple(t.shape)}")
+            raise ValueError(f"quantize_rows_into: {name} must be contiguous [S, {heads}, {last}], "
+                             f"got {tuple(t.shape)}")
     if n == 0:
         return
     bpr = k // 16

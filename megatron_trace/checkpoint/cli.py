@@ -108,7 +108,8 @@ def read_calibration(path: str, model_cfg: ModelConfig) -> list[list[int]]:
         if not ids or not all(isinstance(t, int) and 0 <= t < model_cfg.vocab_size for t in ids):
             raise ValueError(f"{path}:{i}: input_ids must be a non-empty list of ids in [0, {model_cfg.vocab_size})")
         if len(ids) > model_cfg.max_position_embeddings:
-            raise ValueError(f"{path}:{i}: {len(ids)} tokens exceed max_position_embeddings={model_cfg.max_position_embeddings}")
+            raise ValueError(f"{path}:{i}: {len(ids)} tokens exceed "
+                             f"max_position_embeddings={model_cfg.max_position_embeddings}")
         seqs.append(ids)
     if not seqs:
         raise ValueError(f"{path}: no calibration sequences")

@@ -21,7 +21,7 @@ Layers are stacked along a leading global-layer axis, experts along a global-exp
 tensor-parallel slices are stored concatenated, and Megatron's SwiGLU factory stores each fc1
 shard's gate and up halves so that the global fc1 is [gate; up] over all of F, exactly the
 full tensor. Sequential and grouped expert modules store the same keys.
-"""
+"""  # noqa: E501 - the rows of the Markdown table above cannot wrap
 
 from __future__ import annotations
 

@@ -125,8 +125,8 @@ def load_input_amax(path: str | os.PathLike) -> dict[tuple[int, str], float]:
     return out
 
 
-def export_fp4(tensors: Iterable[tuple[str, torch.Tensor]], model_cfg: ModelConfig, hf_cfg: dict, out: str | os.PathLike,
-               fmt: str, input_amax: dict[tuple[int, str], float], kv_cache: str = "fp4",
+def export_fp4(tensors: Iterable[tuple[str, torch.Tensor]], model_cfg: ModelConfig, hf_cfg: dict,
+               out: str | os.PathLike, fmt: str, input_amax: dict[tuple[int, str], float], kv_cache: str = "fp4",
                max_shard_bytes: int = 2 << 30, overwrite: bool = False, extra_files: dict | None = None) -> Path:
     """Write the FP4 checkpoint of a model streamed as full Megatron (name, tensor) pairs.
 
@@ -164,8 +164,10 @@ def export_fp4(tensors: Iterable[tuple[str, torch.Tensor]], model_cfg: ModelConf
             q = quantize(t, "nvfp4")
             for hf_name, rows in hf_parts(name, model_cfg):
                 module = hf_name.removesuffix(".weight")
-                codes, block_scales = (q.codes, q.block_scales) if rows is None else (q.codes[rows], q.block_scales[rows])
-                for suffix, tensor in fp4_linear_tensors(fmt, codes, block_scales, q.global_scale, scales[site]).items():
+                codes, block_scales = ((q.codes, q.block_scales) if rows is None
+                                       else (q.codes[rows], q.block_scales[rows]))
+                for suffix, tensor in fp4_linear_tensors(fmt, codes, block_scales, q.global_scale,
+                                                         scales[site]).items():
                     writer.add(f"{module}.{suffix}", tensor)
         if missing := sorted(set(shapes) - seen):
             raise ValueError(f"the model stream lacks {len(missing)} tensors, e.g. {missing[0]}")

@@ -76,7 +76,8 @@ def hf_dtype(hf: dict) -> torch.dtype:
 def hf_parts(name: str, model_cfg: ModelConfig) -> list[tuple[str, torch.Tensor | None]]:
     """The HF tensors that Megatron tensor `name` is made of, as (HF name, row indices into `name`
     as int64 [rows], or None for the whole tensor)."""
-    nq, ng, d, f = model_cfg.num_attention_heads, model_cfg.num_key_value_heads, model_cfg.head_dim, model_cfg.moe_intermediate_size
+    nq, ng, d, f = (model_cfg.num_attention_heads, model_cfg.num_key_value_heads, model_cfg.head_dim,
+                    model_cfg.moe_intermediate_size)
     fixed = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
              "decoder.final_layernorm.weight": "model.norm.weight",
              "output_layer.weight": "model.embed_tokens.weight" if model_cfg.tie_word_embeddings else "lm_head.weight"}
@@ -124,7 +125,7 @@ def to_megatron(name: str, parts: list[torch.Tensor], model_cfg: ModelConfig) ->
     if spec[0][1] is None:
         return parts[0]
     out = parts[0].new_empty(sum(len(rows) for _, rows in spec), *parts[0].shape[1:])
-    for (_, rows), part in zip(spec, parts):
+    for (_, rows), part in zip(spec, parts, strict=True):
         out[rows] = part
     return out
 
@@ -137,7 +138,8 @@ def to_hf(name: str, tensor: torch.Tensor, model_cfg: ModelConfig) -> list[tuple
 
 def hf_to_megatron(hf: dict[str, torch.Tensor], model_cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """HF Qwen3-MoE state dict (on-disk layout) -> full Megatron state dict."""
-    return {name: to_megatron(name, [hf[h] for h, _ in hf_parts(name, model_cfg)], model_cfg) for name in full_weight_shapes(model_cfg)}
+    return {name: to_megatron(name, [hf[h] for h, _ in hf_parts(name, model_cfg)], model_cfg)
+            for name in full_weight_shapes(model_cfg)}
 
 
 def megatron_to_hf(sd: dict[str, torch.Tensor], model_cfg: ModelConfig) -> dict[str, torch.Tensor]:

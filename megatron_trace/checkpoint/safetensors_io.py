@@ -12,6 +12,7 @@ Peak memory is one shard plus one tensor (shards are written tensor by tensor).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -61,7 +62,7 @@ class SafetensorsDir:
             raise FileNotFoundError(f"shard {path} (named by the index) does not exist")
         try:
             with safe_open(path, framework="pt") as f:
-                return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+                return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
         except SafetensorError as e:
             raise ValueError(f"{path} is not a readable safetensors file: {e}") from None
 
@@ -120,10 +121,8 @@ def release_large_frees() -> None:
     Its default raises that threshold as large blocks are freed, after which tensor-sized
     temporaries stay in the heap: measured +80 MiB of RSS over an export with 64 MiB shards.
     Process-wide; a no-op where there is no glibc."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass
 
 
 class ShardedWriter:

@@ -110,8 +110,9 @@ class GuidanceBatch:
                                  (sample.records.get((layer, site)), x_RK[n_prompt:], sample.sample_id)):
             if rec is None:
                 raise GuidanceFormatError(f"no guidance for layer {layer} site {site} in {owner!r}")
-            parts.append(record_guided_inputs(rec, rows, sample_id=owner, weight_version=version, layer=layer, site=site))
-        return tuple(torch.cat(ts) for ts in zip(*parts))
+            parts.append(record_guided_inputs(rec, rows, sample_id=owner, weight_version=version, layer=layer,
+                                              site=site))
+        return tuple(torch.cat(ts) for ts in zip(*parts, strict=True))
 
     # -- accounting -----------------------------------------------------------------------
     def _records(self):
@@ -170,7 +171,8 @@ class GuidanceBatch:
             manifest.append([kind, oid, key, str(t.dtype).removeprefix("torch."), list(t.shape), raw.numel()])
             crc = zlib.crc32(raw.numpy().tobytes(), crc)
             blobs.append(raw)
-        header = torch.from_numpy(np.frombuffer(json.dumps(self._header(manifest, crc)).encode(), dtype=np.uint8).copy())
+        header = torch.from_numpy(np.frombuffer(json.dumps(self._header(manifest, crc)).encode(),
+                                                dtype=np.uint8).copy())
         payload = torch.cat(blobs) if blobs else torch.empty(0, dtype=torch.uint8)
         return [torch.tensor([header.numel(), payload.numel()], dtype=torch.int64), header, payload]
 
@@ -190,7 +192,8 @@ class GuidanceBatch:
 
     def to_bytes(self) -> bytes:
         _, header, payload = self.to_tensors()
-        return MAGIC + struct.pack("<QQ", header.numel(), payload.numel()) + header.numpy().tobytes() + payload.numpy().tobytes()
+        return (MAGIC + struct.pack("<QQ", header.numel(), payload.numel()) + header.numpy().tobytes()
+                + payload.numpy().tobytes())
 
     @classmethod
     def from_bytes(cls, data: bytes) -> GuidanceBatch:
@@ -201,7 +204,8 @@ class GuidanceBatch:
             raise GuidanceFormatError("guidance stream is truncated inside its preamble")
         h_len, p_len = struct.unpack("<QQ", data[len(MAGIC):off])
         if len(data) != off + h_len + p_len:
-            raise GuidanceFormatError(f"guidance stream has {len(data)} bytes, its preamble says {off + h_len + p_len} (truncated or padded)")
+            raise GuidanceFormatError(f"guidance stream has {len(data)} bytes, its preamble says "
+                                      f"{off + h_len + p_len} (truncated or padded)")
         sizes = torch.tensor([h_len, p_len], dtype=torch.int64)
         header = torch.from_numpy(np.frombuffer(data, dtype=np.uint8, count=h_len, offset=off).copy())
         payload = torch.from_numpy(np.frombuffer(data, dtype=np.uint8, offset=off + h_len).copy())

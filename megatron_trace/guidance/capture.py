@@ -92,7 +92,8 @@ def capture(
     header = dict(model_id=model_id, layer=layer, site=site, rows=rows, cols=cols, sample_id=str(sample_id),
                   weight_version=weight_version, policy=policy, coding=coding)
 
-    elem_idx = (boundary_distance_ulps(nvfp4_scaled_values(x_RK, g_R1, q.block_scales)) < tau).reshape(-1).nonzero().reshape(-1)
+    elem_idx = (boundary_distance_ulps(nvfp4_scaled_values(x_RK, g_R1, q.block_scales))
+                < tau).reshape(-1).nonzero().reshape(-1)
     payload |= {"elem_pos": encode_positions(elem_idx),
                 "elem_bits": pack_padded_bits(unpack_codes(q.codes).reshape(-1)[elem_idx] & 1).cpu()}
     scale_bytes = q.block_scales.view(torch.uint8).reshape(-1)
@@ -140,7 +141,8 @@ def pack_padded_bits(bits: torch.Tensor) -> torch.Tensor:
     return pack_bits(torch.cat([bits.reshape(-1), bits.new_zeros((-bits.numel()) % 8)]))
 
 
-def guided_inputs(record: GuidanceRecord, x_RK: torch.Tensor, **expected) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def guided_inputs(record: GuidanceRecord, x_RK: torch.Tensor,
+                  **expected) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The trainer's arguments for `quantize_guided` from a record and its own rows.
 
     Args:

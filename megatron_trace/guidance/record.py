@@ -69,7 +69,8 @@ class RecordHeader:
         if self.coding is Coding.SPARSE and self.scale_coding not in SCALE_CODINGS:
             raise GuidanceFormatError(f"unknown sparse scale coding {self.scale_coding!r}; use one of {SCALE_CODINGS}")
         if self.cols % 16 or self.cols <= 0 or self.rows < 0:
-            raise GuidanceFormatError(f"record shape {self.rows}x{self.cols}: columns must be a positive multiple of 16")
+            raise GuidanceFormatError(f"record shape {self.rows}x{self.cols}: "
+                                      "columns must be a positive multiple of 16")
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -80,7 +81,8 @@ class RecordHeader:
     def from_dict(cls, d: dict) -> RecordHeader:
         if d.get("format_version") != FORMAT_VERSION:
             raise GuidanceFormatError(
-                f"guidance format version {d.get('format_version')!r} is not supported (this build reads {FORMAT_VERSION})")
+                f"guidance format version {d.get('format_version')!r} is not supported "
+                f"(this build reads {FORMAT_VERSION})")
         try:
             coding = Coding(d["coding"])
         except ValueError:
@@ -96,7 +98,8 @@ class GuidanceRecord:
     def __post_init__(self) -> None:
         want = payload_keys(self.header.coding, self.header.scale_coding)
         if tuple(sorted(self.payload)) != tuple(sorted(want)):
-            raise GuidanceFormatError(f"{self.header.coding.value} payload needs keys {want}, got {tuple(self.payload)}")
+            raise GuidanceFormatError(f"{self.header.coding.value} payload needs keys {want}, "
+                                      f"got {tuple(self.payload)}")
         r, k = self.header.rows, self.header.cols
         shapes = {"g": (torch.float32, (r,))}
         if self.header.coding is Coding.DENSE:

@@ -93,8 +93,8 @@ class RowGuidance:
         bits = torch.zeros(rows * cols, dtype=torch.uint8)
         bits[pos] = unpack_bits(p["elem_bits"])[: h.n_elems]
         known = _unpacked_mask(pos, rows * cols).to(torch.uint8)
-        return cls(g=g, scales=scales, bits=pack_bits(bits.reshape(rows, cols)), scale_lsb=scale_lsb, scale_known=scale_known,
-                   bit_known=pack_bits(known.reshape(rows, cols)))
+        return cls(g=g, scales=scales, bits=pack_bits(bits.reshape(rows, cols)), scale_lsb=scale_lsb,
+                   scale_known=scale_known, bit_known=pack_bits(known.reshape(rows, cols)))
 
     @classmethod
     def cat(cls, parts: list[RowGuidance]) -> RowGuidance:
@@ -136,7 +136,8 @@ class RowGuidance:
             raise GuidanceFormatError(f"column slice [{start}, {end}) of {self.num_cols}-wide guidance rows "
                                       "must be non-empty and on 16-element block boundaries")
         per_col = {"scales": 16, "scale_known": 16, "bits": 8, "bit_known": 8}
-        return self._map(lambda name, t: t if name not in per_col else t[:, start // per_col[name]: end // per_col[name]])
+        return self._map(lambda name, t: t if name not in per_col
+                         else t[:, start // per_col[name]: end // per_col[name]])
 
     # -- applying ------------------------------------------------------------------------
     def resolve(self, x_RK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -192,4 +193,5 @@ class RowGuidance:
         bits = parts.pop(0)
         bit_known = parts.pop(0) if has_bit_known else None
         row_ids = parts.pop(0).contiguous().view(torch.int64).reshape(-1) if has_ids else None
-        return cls(g=g, scales=scales, bits=bits, scale_lsb=scale_lsb, scale_known=scale_known, bit_known=bit_known, row_ids=row_ids)
+        return cls(g=g, scales=scales, bits=bits, scale_lsb=scale_lsb, scale_known=scale_known, bit_known=bit_known,
+                   row_ids=row_ids)

@@ -9,6 +9,8 @@ their own sequence.
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -46,7 +48,7 @@ class FP4CoreAttention(DotProductAttention):
         if packed_seq_params.cu_seqlens_kv is not None and packed_seq_params.cu_seqlens_kv.tolist() != cu:
             raise NotImplementedError("packed self-attention needs cu_seqlens_kv == cu_seqlens_q")
         outs = []
-        for lo, hi in zip(cu[:-1], cu[1:]):
+        for lo, hi in pairwise(cu):
             q, k, v = (t[lo:hi].transpose(0, 1).unsqueeze(0) for t in (query, key, value))
             outs.append(self._sdpa(q, k, v)[0].transpose(0, 1))
         pad = query.shape[0] - cu[-1]  # tokens after the last sequence (padding) attend to nothing

@@ -45,8 +45,8 @@ class MicroBatchGuidance:
     def __post_init__(self) -> None:
         for layer, ids in self.routed_experts.items():
             if ids.dim() != 2 or ids.shape[0] != self.num_tokens or ids.dtype.is_floating_point:
-                raise GuidanceFormatError(f"routed experts of layer {layer} must be integer [{self.num_tokens}, top_k], "
-                                          f"got {ids.dtype} {tuple(ids.shape)}")
+                raise GuidanceFormatError(f"routed experts of layer {layer} must be integer "
+                                          f"[{self.num_tokens}, top_k], got {ids.dtype} {tuple(ids.shape)}")
         for (layer, site), rg in self.sites.items():
             if site not in SITES:
                 raise GuidanceFormatError(f"unknown FP4 site {site!r} (layer {layer}); sites are {list(SITES)}")
@@ -124,7 +124,8 @@ class MicroBatchGuidance:
                 if keep is not None and layer not in keep:
                     continue
                 if layer not in group.routed_experts or layer not in sample.routed_experts:
-                    raise GuidanceFormatError(f"routed experts of layer {layer} missing for prompt or response of {sid!r}")
+                    raise GuidanceFormatError(f"routed experts of layer {layer} missing for prompt or response "
+                                              f"of {sid!r}")
                 experts.setdefault(layer, []).extend([group.routed_experts[layer], sample.routed_experts[layer]])
             num_tokens += group.prompt_len + sample.response_len
         return cls(num_tokens, {k: RowGuidance.cat(v).with_row_ids() for k, v in per_site.items()},

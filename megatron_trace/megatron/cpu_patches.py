@@ -451,5 +451,5 @@ def destroy_model_parallel_cpu() -> None:
 
         if mrandom._CUDA_RNG_STATE_TRACKER is not None:
             mrandom._CUDA_RNG_STATE_TRACKER.reset()
-    except Exception:  # pragma: no cover - best effort
+    except Exception:  # pragma: no cover  # noqa: BLE001 - best-effort cleanup
         pass

@@ -22,7 +22,7 @@ class TraceSequentialMLP(SequentialMLP):
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         chunks = torch.split(permuted_local_hidden_states, tokens_per_expert.tolist())
-        out = torch.cat([expert(chunk)[0] for expert, chunk in zip(self.local_experts, chunks)])
+        out = torch.cat([expert(chunk)[0] for expert, chunk in zip(self.local_experts, chunks, strict=True)])
         return (out * permuted_probs.unsqueeze(-1)).to(out.dtype), None
 
 

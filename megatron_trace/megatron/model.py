@@ -1,8 +1,9 @@
 """Qwen3-MoE-style GPT models in Megatron-core with TRACE's FP4 sites.
 
-`ModelConfig` (model_config.py) holds the architecture; `build_model` builds this rank's pipeline stage under the current Megatron parallel state;
-`set_precision` switches every FP4 site between the trainer precisions (modes.TrainerPrecision); `TraceGPTModel.forward`
-takes the micro-batch's guidance; `token_logprobs` gives per-token log-probabilities.
+`ModelConfig` (model_config.py) holds the architecture; `build_model` builds this rank's pipeline stage under
+the current Megatron parallel state; `set_precision` switches every FP4 site between the trainer precisions
+(modes.TrainerPrecision); `TraceGPTModel.forward` takes the micro-batch's guidance; `token_logprobs` gives
+per-token log-probabilities.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def transformer_config(model_cfg: ModelConfig, *, dispatcher: str = "alltoall", 
     elif recompute is not None:
         raise ValueError(f"recompute must be None, 'full' or 'selective', got {recompute!r}")
     kw = dict(
-        num_layers=model_cfg.num_layers, hidden_size=model_cfg.hidden_size, num_attention_heads=model_cfg.num_attention_heads,
+        num_layers=model_cfg.num_layers, hidden_size=model_cfg.hidden_size,
+        num_attention_heads=model_cfg.num_attention_heads,
         num_query_groups=model_cfg.num_key_value_heads, kv_channels=model_cfg.head_dim,
         ffn_hidden_size=model_cfg.moe_intermediate_size, moe_ffn_hidden_size=model_cfg.moe_intermediate_size,
         num_moe_experts=model_cfg.num_experts, moe_router_topk=model_cfg.top_k, moe_router_pre_softmax=False,
@@ -79,8 +81,8 @@ class TraceGPTModel(GPTModel):
         return out
 
 
-def build_model(model_cfg: ModelConfig, precision: TrainerPrecision | str = TrainerPrecision.BF16, *, grouped_gemm: bool = False,
-                **config_overrides) -> TraceGPTModel:
+def build_model(model_cfg: ModelConfig, precision: TrainerPrecision | str = TrainerPrecision.BF16, *,
+                grouped_gemm: bool = False, **config_overrides) -> TraceGPTModel:
     """This rank's pipeline stage of the model, under the current Megatron parallel state.
 
     Args:
@@ -125,11 +127,13 @@ def attach_sites(model: torch.nn.Module) -> None:
         moe.tokens = seq
         moe.fc1_input = FP4Site(name="fc1", layer=li, tokens=seq)
         for e, expert in enumerate(moe.experts.local_experts):
-            expert.linear_fc1.fp4_site = FP4Site(name="fc1", layer=li, weight_group=etp_group, expert=e, quantizes_input=False)
+            expert.linear_fc1.fp4_site = FP4Site(name="fc1", layer=li, weight_group=etp_group, expert=e,
+                                                 quantizes_input=False)
             expert.linear_fc2.fp4_site = FP4Site(name="fc2", layer=li, weight_group=etp_group, row_group=etp_group,
                                                  cols=etp, expert=e)
         if isinstance(moe.experts, TraceGroupedMLP):
-            moe.experts.fc1_site = FP4Site(name="fc1", layer=li, weight_group=etp_group, all_experts=True, quantizes_input=False)
+            moe.experts.fc1_site = FP4Site(name="fc1", layer=li, weight_group=etp_group, all_experts=True,
+                                           quantizes_input=False)
             moe.experts.fc2_site = FP4Site(name="fc2", layer=li, weight_group=etp_group, row_group=etp_group, cols=etp,
                                            all_experts=True)
     missing = [name for name, m in model.named_modules()

@@ -86,9 +86,11 @@ class TraceMoELayer(MoELayer):
             local = ids[self._local_token_rows(mb.num_tokens)]
             if local.shape != (hidden_states.shape[0] * hidden_states.shape[1], self.config.moe_router_topk):
                 raise GuidanceFormatError(f"layer {self.layer}: routed experts {tuple(local.shape)} for "
-                                          f"{tuple(hidden_states.shape[:2])} tokens and top-{self.config.moe_router_topk}")
+                                          f"{tuple(hidden_states.shape[:2])} tokens and "
+                                          f"top-{self.config.moe_router_topk}")
             if int(local.min()) < 0 or int(local.max()) >= self.config.num_moe_experts:
-                raise GuidanceFormatError(f"layer {self.layer}: routed expert ids outside 0..{self.config.num_moe_experts - 1}")
+                raise GuidanceFormatError(f"layer {self.layer}: routed expert ids outside "
+                                          f"0..{self.config.num_moe_experts - 1}")
             replay.target_topk_idx = local.to(hidden_states.device)
             replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         elif replay is not None and replay.router_replay_action is RouterReplayAction.REPLAY_FORWARD:
@@ -107,7 +109,8 @@ class TraceMoELayer(MoELayer):
         # Every rank of the dispatch group must agree, or the twin's collectives would hang.
         group = self.token_dispatcher.tp_ep_group
         if dist.get_world_size(group) > 1:
-            dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+            dev = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                   else torch.device("cpu"))
             lo, hi = code.to(dev), code.to(dev)
             dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
             dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)

@@ -35,8 +35,9 @@ class MicroBatch:
     guidance: MicroBatchGuidance | None = None
 
 
-def run_microbatches(model, batches: list[MicroBatch], loss_fn: Callable[[int, torch.Tensor], tuple[torch.Tensor, dict]],
-                     *, forward_only: bool = False) -> list[dict]:
+def run_microbatches(model, batches: list[MicroBatch],
+                     loss_fn: Callable[[int, torch.Tensor], tuple[torch.Tensor, dict]], *,
+                     forward_only: bool = False) -> list[dict]:
     """Forward (and, unless forward_only, backward accumulating into .grad) of each micro-batch,
     through Megatron's schedule (1F1B across pipeline stages).
 

@@ -59,7 +59,8 @@ def rollout_correction(logp_train_old: torch.Tensor, logp_rollout: torch.Tensor,
 
 def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, *,
                 clip_low: float = 0.2, clip_high: float | None = None, weights: torch.Tensor | None = None,
-                keep: torch.Tensor | None = None, normalizer: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                keep: torch.Tensor | None = None,
+                normalizer: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO-clip policy loss, token mean over kept tokens.
 
     ratio = exp(logp - logp_old); per token max(-A ratio, -A clip(ratio, 1 - clip_low, 1 + clip_high))

@@ -22,7 +22,8 @@ def mismatch_metrics(logp_train: list[torch.Tensor], logp_rollout: list[torch.Te
         raise ValueError("mismatch_metrics needs the same non-zero number of train and rollout samples")
     for a, b in zip(logp_train, logp_rollout, strict=True):
         if a.shape != b.shape:
-            raise ValueError(f"train and rollout log-probs of a sample differ in shape: {tuple(a.shape)} vs {tuple(b.shape)}")
+            raise ValueError(f"train and rollout log-probs of a sample differ in shape: {tuple(a.shape)} "
+                             f"vs {tuple(b.shape)}")
     t = torch.cat(logp_train).double()
     ro = torch.cat(logp_rollout).double()
     r = t - ro

@@ -27,10 +27,11 @@ from .metrics import mismatch_metrics
 @dataclass
 class FlipCounter:
     """Observer counting, per layer, elements whose trainer code disagrees with the engine's
-    (the `reference` guidance, dense records; by default the forward's active guidance). Under tensor, expert, pipeline and data
-    parallelism each rank counts its own rows and columns; `rates(num_layers)` sums them. When
-    the reference is the forward's active guidance, the MoE layers dispatch its fc2 rows with
-    the tokens (expert parallelism needs that); otherwise only one process can count fc2."""
+    (the `reference` guidance, dense records; by default the forward's active guidance). Under
+    tensor, expert, pipeline and data parallelism each rank counts its own rows and columns;
+    `rates(num_layers)` sums them. When the reference is the forward's active guidance, the MoE
+    layers dispatch its fc2 rows with the tokens (expert parallelism needs that); otherwise only
+    one process can count fc2."""
 
     reference: MicroBatchGuidance | None = None  # None: the forward's active guidance
     rne: dict = field(default_factory=dict)  # layer -> elements whose round-to-nearest code differs
@@ -44,8 +45,8 @@ class FlipCounter:
         stages count their own layers, data-parallel ranks their own samples)."""
         if num_layers is not None and torch.distributed.is_initialized():
             dev = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
-            counts = torch.tensor([[d.get(L, 0) for L in range(num_layers)] for d in (self.rne, self.actual, self.total)],
-                                  dtype=torch.float64, device=dev)
+            counts = torch.tensor([[d.get(L, 0) for L in range(num_layers)]
+                                   for d in (self.rne, self.actual, self.total)], dtype=torch.float64, device=dev)
             torch.distributed.all_reduce(counts)
             self.rne, self.actual, self.total = ({L: c[L].item() for L in range(num_layers) if counts[2, L] > 0}
                                                  for c in counts)

@@ -247,14 +247,16 @@ def make_plan(cfg, arch: Architecture, layout: Layout | None = None) -> Plan:
             "engine node: its engines' recorded guidance": max(1, local_engines // etp) * kv_tokens * (
                 guidance_bytes_per_token(arch, recorded) + routed_expert_bytes_per_token(arch))}
     trainer_node = sum(v for k, v in host.items() if k.startswith("trainer"))
-    for what, x in (("trainer node", trainer_node), ("engine node", host["engine node: its engines' recorded guidance"])):
+    for what, x in (("trainer node", trainer_node),
+                    ("engine node", host["engine node: its engines' recorded guidance"])):
         if x > limits["host"]:
             problems.append(f"{what} host memory: {x / GiB:.0f} GiB, {(x - limits['host']) / GiB:.0f} GiB more than "
                             f"usable of {cl.host_memory_gib:g} GiB" + (" (the weight sync gathers the full model on "
                             "rank 0; sharded sync is not built yet)" if what == "trainer node" else ""))
     if arch.implemented:
         problems.append(f"{arch.name} is plan-only: {arch.implemented}")
-    return Plan(arch=arch, layout=lay, trainer_gpus=trainer_gpus, engine_gpus=engine_gpus, trainer=trainer, engine=engine, traffic=traffic, host=host, limits=limits, problems=problems)
+    return Plan(arch=arch, layout=lay, trainer_gpus=trainer_gpus, engine_gpus=engine_gpus, trainer=trainer,
+                engine=engine, traffic=traffic, host=host, limits=limits, problems=problems)
 
 
 def _engine_bytes(arch: Architecture, fp4: bool, engine_tp: int, kv_tokens: int) -> dict[str, float]:
@@ -280,7 +282,8 @@ def _activation_bytes(arch: Architecture, lay: Layout, T: int, layers: int, reco
     only each layer's input (plus one layer in flight), "selective" recomputes the MoE part."""
     h, f, tp = arch.hidden, arch.moe_ffn, lay.tp
     tokens = T / tp  # this GPU's sequence-parallel share
-    attention = tokens * (6 * h + 3 * (arch.attn_out_width + arch.kv_width) + 2 * arch.attn_out_width + 4 * arch.experts)
+    attention = tokens * (6 * h + 3 * (arch.attn_out_width + arch.kv_width) + 2 * arch.attn_out_width
+                          + 4 * arch.experts)
     rows = tokens * arch.top_k * lay.etp  # routed rows this GPU computes (balanced routing)
     moe = rows * (2 * h + 5 * f / lay.etp)
     if recompute == "full":
@@ -323,7 +326,8 @@ def format_plan(plan: Plan) -> str:
 
     a, lay = plan.arch, plan.layout
     dp = max(1, plan.trainer_gpus // (lay.tp * lay.pp))
-    lines = [f"model {a.name}: {a.num_params / 1e9:.3f} B parameters, {a.layers} layers, {a.experts} experts top-{a.top_k}",
+    lines = [f"model {a.name}: {a.num_params / 1e9:.3f} B parameters, {a.layers} layers, "
+             f"{a.experts} experts top-{a.top_k}",
              f"trainer: {plan.trainer_gpus} GPU(s), {lay}, DP{dp}; engines: "
              + (f"{plan.engine_gpus} GPU(s)" if plan.engine_gpus else "colocated on the trainer's GPU"),
              f"trainer GPU ({unit})", rows(plan.trainer),
@@ -331,7 +335,8 @@ def format_plan(plan: Plan) -> str:
              f"engine GPU ({unit})", rows(plan.engine), f"  {'total':<48} {plan.engine_total / div:10.3f}",
              f"per RL step ({unit} moved)", rows(plan.traffic),
              f"host memory ({unit})", rows(plan.host),
-             f"usable: {plan.limits['gpu'] / GiB:.1f} GiB per GPU ({USABLE:.0%} of it), {plan.limits['host'] / GiB:.0f} GiB per host"]
+             f"usable: {plan.limits['gpu'] / GiB:.1f} GiB per GPU ({USABLE:.0%} of it), "
+             f"{plan.limits['host'] / GiB:.0f} GiB per host"]
     lines += ["FITS" if plan.fits else "DOES NOT FIT:"] + [f"  - {p}" for p in plan.problems]
     return "\n".join(lines)
 

@@ -14,7 +14,8 @@ from ..megatron.schedule import run_microbatch
 from ..modes import TrainerPrecision
 
 
-def sft_step(trainer, optimizer, examples: list[tuple[list[int], list[bool]]], precision: TrainerPrecision | str = TrainerPrecision.BF16) -> float:
+def sft_step(trainer, optimizer, examples: list[tuple[list[int], list[bool]]],
+             precision: TrainerPrecision | str = TrainerPrecision.BF16) -> float:
     """One optimizer step on packed examples ((tokens, loss mask) pairs); returns the mean loss
     over masked tokens. The mask marks tokens to predict (a token's log-prob sits one before)."""
     dev = next(trainer.parameters()).device
@@ -22,7 +23,8 @@ def sft_step(trainer, optimizer, examples: list[tuple[list[int], list[bool]]], p
     pad = sequence_padding(sum(len(q) for q in seqs))
     tokens, positions, psp = pack_sequences(seqs, dev, pad)
     targets = torch.roll(tokens, -1, 1)
-    mask = torch.cat([torch.tensor(m[1:] + [False]) for _, m in examples] + [torch.zeros(pad, dtype=torch.bool)]).to(dev)
+    mask = torch.cat([torch.tensor(m[1:] + [False]) for _, m in examples]
+                     + [torch.zeros(pad, dtype=torch.bool)]).to(dev)
     set_precision(trainer, precision)
 
     def loss_fn(logp):  # on the last pipeline stage

@@ -123,7 +123,9 @@ class JsonlTask:
         import json
 
         self.problems_all: list[Problem] = []
-        for i, line in enumerate(open(path, encoding="utf-8").read().splitlines(), 1):
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+        for i, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:

@@ -82,7 +82,8 @@ def start(cfg: TrainConfig, model_cfg: ModelConfig, progress: bool) -> Run:
     out_dir.mkdir(parents=True, exist_ok=True)
     task = make_task(cfg.task, cfg.seed)
     if task.tokenizer.vocab_size > model_cfg.vocab_size:
-        raise ValueError(f"the task's tokenizer needs {task.tokenizer.vocab_size} ids, the model has {model_cfg.vocab_size}")
+        raise ValueError(f"the task's tokenizer needs {task.tokenizer.vocab_size} ids, "
+                         f"the model has {model_cfg.vocab_size}")
     if cfg.dist.engine_tp != 1:
         raise ValueError("dist.engine_tp: the built-in engine runs on one GPU; engine tensor parallelism is for "
                          "`trace-rl plan` until the SGLang backend lands")
@@ -179,7 +180,7 @@ class _PromptSource:
         longest = max(map(len, prompts), default=0)
         if longest > self.max_prompt_tokens:
             raise ValueError(f"a prompt of {longest} tokens exceeds rl.max_prompt_tokens={self.max_prompt_tokens}")
-        self.by_prompt.update(zip(prompts, problems))
+        self.by_prompt.update(zip(prompts, problems, strict=True))
         return prompts
 
     def reward(self, prompt, response) -> float:

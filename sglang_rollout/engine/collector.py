@@ -4,6 +4,8 @@ and the streaming of finished groups to an `on_group` callback."""
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import numpy as np
 import torch
 
@@ -46,7 +48,8 @@ class RolloutCollector:
     def fail(self, req: GroupRequest, error: str) -> None:
         """Every sample of a request that cannot run: finish_reason "error", `error` saying why."""
         for sid in self.sample_ids(req):
-            self.results[sid] = SampleResult(sample_id=sid, group_id=req.group_id, prompt_len=len(req.prompt_ids), tokens=[], logprobs=torch.zeros(0), finish_reason="error",
+            self.results[sid] = SampleResult(sample_id=sid, group_id=req.group_id, prompt_len=len(req.prompt_ids),
+                                             tokens=[], logprobs=torch.zeros(0), finish_reason="error",
                                              weight_version=self.weight_version, error=error)
 
     def split_rows(self, captured: dict, sizes: list[int]) -> dict[tuple[int, str], list[Rows]]:
@@ -63,7 +66,7 @@ class RolloutCollector:
             parts = rows if isinstance(rows, tuple) else (rows,)
             self._row_dtypes[(layer, site)] = tuple(t.dtype for t in parts)
             arrays = [_host_array(t) for t in parts]
-            cut = [(a * per, b * per) for a, b in zip(bounds, bounds[1:])]
+            cut = [(a * per, b * per) for a, b in pairwise(bounds)]
             if isinstance(rows, tuple):
                 pieces[(layer, site)] = [tuple(x[a:b] for x in arrays) for a, b in cut]
             else:
@@ -73,15 +76,19 @@ class RolloutCollector:
     def record_prompt(self, prompt: Sequence) -> None:
         """A group's prompt guidance and routed experts, once its prefill is taken in."""
         self.guidance.add_group(GroupGuidance(group_id=prompt.group_id, prompt_len=prompt.prompt_len,
-                                              records=self._records(prompt, prompt.group_id), routed_experts=self._experts(prompt)))
+                                              records=self._records(prompt, prompt.group_id),
+                                              routed_experts=self._experts(prompt)))
 
     def finish(self, seq: Sequence) -> None:
         """A finished sample's result and guidance; its group is streamed once complete."""
-        self.results[seq.seq_id] = SampleResult(sample_id=seq.seq_id, group_id=seq.group_id, prompt_len=seq.prompt_len, tokens=seq.response,
-                                                logprobs=torch.tensor(seq.logprobs, dtype=torch.float32), finish_reason=seq.finish_reason,
-                                                weight_version=self.weight_version)
-        self.guidance.add_sample(SampleGuidance(sample_id=seq.seq_id, group_id=seq.group_id, response_len=len(seq.response), weight_version=self.weight_version,
-                                                records=self._records(seq, seq.seq_id), routed_experts=self._experts(seq)))
+        self.results[seq.seq_id] = SampleResult(sample_id=seq.seq_id, group_id=seq.group_id, prompt_len=seq.prompt_len,
+                                                tokens=seq.response,
+                                                logprobs=torch.tensor(seq.logprobs, dtype=torch.float32),
+                                                finish_reason=seq.finish_reason, weight_version=self.weight_version)
+        self.guidance.add_sample(SampleGuidance(sample_id=seq.seq_id, group_id=seq.group_id,
+                                                response_len=len(seq.response), weight_version=self.weight_version,
+                                                records=self._records(seq, seq.seq_id),
+                                                routed_experts=self._experts(seq)))
         self.stream(seq.group_id)
 
     def stream(self, group_id: str) -> None:
@@ -104,7 +111,8 @@ class RolloutCollector:
         """A sequence's pieces of one (layer, site), concatenated in token order as torch tensors."""
         dtypes = self._row_dtypes[key]
         if isinstance(pieces[0], tuple):
-            return tuple(_host_tensor(np.concatenate(parts), d) for parts, d in zip(zip(*pieces), dtypes, strict=True))
+            return tuple(_host_tensor(np.concatenate(parts), d)
+                         for parts, d in zip(zip(*pieces, strict=True), dtypes, strict=True))
         return _host_tensor(np.concatenate(pieces), dtypes[0])
 
     def _experts(self, seq: Sequence) -> dict[int, torch.Tensor]:

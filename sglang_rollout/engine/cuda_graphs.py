@@ -34,7 +34,8 @@ class StepInputs:
         self.tensors = self.views(self.buffer, batch_size, max_blocks)
         self.arrays = {name: t.numpy() for name, t in self.tensors.items()}
         self.arrays["tables"].fill(scratch_block)
-        self.batch_size, self.max_blocks, self.scratch, self.block_size = batch_size, max_blocks, scratch_block, block_size
+        self.batch_size, self.max_blocks, self.scratch, self.block_size = (batch_size, max_blocks, scratch_block,
+                                                                           block_size)
         self._rows: list[tuple[list[int] | None, int]] = [(None, 0)] * batch_size  # (table written, its length)
 
     @staticmethod
@@ -44,7 +45,8 @@ class StepInputs:
         b = batch_size
         int32s = buffer[3 * b:].view(torch.int32)
         return {"ids": buffer[:b], "pos": buffer[b:2 * b], "slots": buffer[2 * b:3 * b],
-                "tables": int32s[:b * max_blocks].view(b, max_blocks), "lens": int32s[b * max_blocks:b * (max_blocks + 1)]}
+                "tables": int32s[:b * max_blocks].view(b, max_blocks),
+                "lens": int32s[b * max_blocks:b * (max_blocks + 1)]}
 
     def fill(self, segments: list[Segment]) -> None:
         """Write one decode step of these sequences (padding rows: token 0 at position 0 of the

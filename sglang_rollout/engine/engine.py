@@ -249,7 +249,7 @@ class TraceEngine:
         if step.draws:
             # a sample that finished in the step before was drawn for too (launched ahead): dropped
             live = {id(seq) for seq in running}
-            kept = [(seq, int(t), float(lp)) for (_, seq), t, lp in zip(step.draws, *step.drawn.tolist())
+            kept = [(seq, int(t), float(lp)) for (_, seq), t, lp in zip(step.draws, *step.drawn.tolist(), strict=True)
                     if id(seq) in live]
             check_drawn([lp for _, _, lp in kept], len(step.draws))
             for seq, token, logp in kept:

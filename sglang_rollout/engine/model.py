@@ -107,7 +107,8 @@ class ModelRunner:
             raise ValueError(f"kernels must be 'auto', 'torch' or 'triton', got {kernels!r}")
         self.backend = kernels
         d = model_cfg.head_dim
-        self.inv_freq = (1.0 / (model_cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))).to(weights.device)
+        self.inv_freq = (1.0 / (model_cfg.rope_theta
+                                ** (torch.arange(0, d, 2, dtype=torch.float32) / d))).to(weights.device)
 
     def _site(self, rows, layer, name, x, codes=False):
         """Fake-quantize an FP4 site's input rows (fp4) and, when the layer is captured, keep the
@@ -205,8 +206,8 @@ class ModelRunner:
             qkv_in, _, _ = self._norm_site(rows, L, "qkv", x_NH, w.dense(p + "input_layernorm.weight"), codes)
             qkv = self._linear(qkv_in, p + "self_attention.linear_qkv.weight")
             qkv_NGCD = qkv.view(*qkv.shape[:-1], ng, nq // ng + 2, d)  # [S, ...] partials on the GPU
-            qk_norm = (w.dense(p + "self_attention.q_layernorm.weight"), w.dense(p + "self_attention.k_layernorm.weight"),
-                       cfg.rms_norm_eps, cos, sin)
+            qk_norm = (w.dense(p + "self_attention.q_layernorm.weight"),
+                       w.dense(p + "self_attention.k_layernorm.weight"), cfg.rms_norm_eps, cos, sin)
             if rows is not None:  # captured: with codes, the rounding the cache itself holds
                 qkv_NGCD = sum_parts(qkv_NGCD)
                 q_NQD, k_NGD = qk_norm_rope(qkv_NGCD, *qk_norm, backend=self.backend)
@@ -250,7 +251,8 @@ class ModelRunner:
         """Queries [m, Q, D] at positions start.. over the cached keys and values [start + m, G, D]
         (positions 0..start+m-1), causal, GQA."""
         m, nq, _ = q.shape
-        allowed = torch.arange(keys.shape[0], device=q.device)[None] <= (start + torch.arange(m, device=q.device))[:, None]
+        allowed = (torch.arange(keys.shape[0], device=q.device)[None]
+                   <= (start + torch.arange(m, device=q.device))[:, None])
         out = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
                                              attn_mask=allowed, enable_gqa=keys.shape[1] != nq)
         return out.transpose(0, 1)

@@ -35,7 +35,8 @@ class EngineWeights:
         self.stacked: dict[tuple[int, str], torch.Tensor | StackedFP4] = {}  # (layer, "fc1"/"fc2") -> all experts
         for L in range(model_cfg.num_layers):
             for site, linear in (("fc1", "linear_fc1.weight"), ("fc2", "linear_fc2.weight")):
-                names = [f"decoder.layers.{L}.mlp.experts.local_experts.{e}.{linear}" for e in range(model_cfg.num_experts)]
+                names = [f"decoder.layers.{L}.mlp.experts.local_experts.{e}.{linear}"
+                         for e in range(model_cfg.num_experts)]
                 stack = self._empty((model_cfg.num_experts, *self.shapes[names[0]]), self.is_fp4(names[0]))
                 self.stacked[(L, site)] = stack
                 for e, name in enumerate(names):

@@ -102,8 +102,9 @@ def _job(tmp_path, steps, extra=()):
     cfg["output_dir"] = str(tmp_path / "run")
     cfg["checkpoint"] = {"every": 0}
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
-    render = subprocess.run([sys.executable, "-m", "megatron_trace.cli", "slurm", "--config", str(tmp_path / "cfg.yaml"),
-                             *extra, "--out", str(tmp_path / "job.sbatch")], capture_output=True, text=True, cwd=ROOT)
+    render = subprocess.run([sys.executable, "-m", "megatron_trace.cli", "slurm", "--config",
+                             str(tmp_path / "cfg.yaml"), *extra, "--out", str(tmp_path / "job.sbatch")],
+                            capture_output=True, text=True, cwd=ROOT)
     assert render.returncode == 0, render.stderr[-2000:]
     env = dict(os.environ, PATH=f"{FAKE}:{os.environ['PATH']}", SLURM_JOB_NODELIST="127.0.0.1,localhost",
                SLURM_NNODES="2", SLURM_JOB_ID="4242", SLURM_JOB_NAME="trace-test", OMP_NUM_THREADS="1",

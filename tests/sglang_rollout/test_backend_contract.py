@@ -75,7 +75,8 @@ def test_fp4_weights_may_arrive_packed(new_backend, sd):
     params = SamplingParams(max_new_tokens=5, seed=4)
     a, b = loaded(new_backend, sd), new_backend()
     b.update_weights(packed, 0)
-    assert [key(s) for s in a.generate(REQUESTS, params).samples] == [key(s) for s in b.generate(REQUESTS, params).samples]
+    assert ([key(s) for s in a.generate(REQUESTS, params).samples]
+            == [key(s) for s in b.generate(REQUESTS, params).samples])
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp4"])
@@ -135,9 +136,11 @@ def test_finished_groups_are_handed_over_once_each(new_backend, sd):
     by_id = {s.sample_id: key(s) for s in out.samples}
     for part in streamed:
         ids = [s.sample_id for s in part.samples]
-        assert len({s.group_id for s in part.samples}) == 1 and [by_id[i] for i in ids] == [key(s) for s in part.samples]
+        assert (len({s.group_id for s in part.samples}) == 1
+                and [by_id[i] for i in ids] == [key(s) for s in part.samples])
         if part.samples[0].error is None:
-            assert sorted(part.guidance.samples) == sorted(ids) and list(part.guidance.groups) == [part.samples[0].group_id]
+            assert (sorted(part.guidance.samples) == sorted(ids)
+                    and list(part.guidance.groups) == [part.samples[0].group_id])
 
 
 @pytest.mark.parametrize("precision, guide", [("bf16", "none"), ("fp4", "all"), ("fp4", "deep:1")])
@@ -153,6 +156,6 @@ def test_guidance_covers_every_token_the_trainer_will_see(new_backend, sd, preci
             assert group.routed_experts[layer].shape == (s.prompt_len, CFG.top_k)
         assert sorted(sample.records) == [(layer, site) for layer in guided for site in sites]
         assert sorted(group.records) == [(layer, site) for layer in guided for site in sites]
-        for (layer, site), record in sample.records.items():
+        for (_, site), record in sample.records.items():
             per_token = {"k": CFG.num_key_value_heads, "v": CFG.num_key_value_heads, "fc2": CFG.top_k}.get(site, 1)
             assert record.header.rows == len(s.tokens) * per_token and record.header.weight_version == 0

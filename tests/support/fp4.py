@@ -84,8 +84,10 @@ def paged_fp4_cache(lens, hkv, d, block_size, seed, garbage=False):
         slot = torch.tensor(blocks)[pos // block_size] * block_size + pos % block_size
         kv = []
         for c in cache:
-            t = quantize(torch.randn(n, hkv, d, generator=g) * torch.exp(torch.randn(n, hkv, 1, generator=g)), scale="row")
-            c["codes"][slot], c["scales"][slot], c["g"][slot] = t.codes, t.block_scales.view(torch.uint8), t.global_scale
+            t = quantize(torch.randn(n, hkv, d, generator=g) * torch.exp(torch.randn(n, hkv, 1, generator=g)),
+                         scale="row")
+            c["codes"][slot], c["scales"][slot], c["g"][slot] = (t.codes, t.block_scales.view(torch.uint8),
+                                                                 t.global_scale)
             kv.append(dequantize(t, torch.bfloat16).double())
         rows.append(kv)
         tables.append(blocks + [0] * (width - len(blocks)))

@@ -23,7 +23,8 @@ def record_for(x, coding=Coding.DENSE, sample_id="s0", layer=3, site="fc1", vers
                scale_coding="lsb"):
     q = quantize(x, scale="row")
     kw = {} if coding == Coding.DENSE else {"tau": tau, "scale_coding": scale_coding}
-    rec = capture(x, q, layer=layer, site=site, sample_id=sample_id, weight_version=version, coding=coding, **kw, **META)
+    rec = capture(x, q, layer=layer, site=site, sample_id=sample_id, weight_version=version, coding=coding, **kw,
+                  **META)
     return rec, q
 
 

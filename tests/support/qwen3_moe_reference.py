@@ -9,6 +9,8 @@ quantizer and returns each site's pre-quantization rows in the canonical order o
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
 import torch.nn.functional as F
 
@@ -62,7 +64,7 @@ def forward(sd: dict, cfg, seqs: list[torch.Tensor], *, fp4: bool, dtype=torch.f
         rows[(L, "k")], rows[(L, "v")] = kk.reshape(-1, d), v.reshape(-1, d)
         kk, v = fq(kk), fq(v)
         ctx = torch.empty(T, nq, d, dtype=dtype)
-        for lo, hi in zip(bounds[:-1], bounds[1:]):
+        for lo, hi in pairwise(bounds):
             qs, ks, vs = (t[lo:hi].transpose(0, 1) for t in (q, kk, v))
             ks, vs = ks.repeat_interleave(nq // ng, 0), vs.repeat_interleave(nq // ng, 0)
             ctx[lo:hi] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(0, 1)

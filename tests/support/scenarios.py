@@ -23,7 +23,8 @@ SITE_ORDER = ("qkv", "k", "v", "proj", "fc1", "fc2")
 def random_full_state_dict(cfg, seed: int = 0) -> dict[str, torch.Tensor]:
     """Random weights under the one-process Megatron key names (bf16 matrices, fp32 norms)."""
     g = torch.Generator().manual_seed(seed)
-    h, d, nq, ng, f = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.moe_intermediate_size
+    h, d, nq, ng, f = (cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads,
+                       cfg.moe_intermediate_size)
 
     def mat(rows, cols, std=None):
         return (torch.randn(rows, cols, generator=g) * (std or cols**-0.5)).bfloat16()
@@ -38,7 +39,8 @@ def random_full_state_dict(cfg, seed: int = 0) -> dict[str, torch.Tensor]:
         sd |= {p + "input_layernorm.weight": norm(h), p + "pre_mlp_layernorm.weight": norm(h),
                p + "self_attention.linear_qkv.weight": mat((nq + 2 * ng) * d, h),
                p + "self_attention.q_layernorm.weight": norm(d), p + "self_attention.k_layernorm.weight": norm(d),
-               p + "self_attention.linear_proj.weight": mat(h, nq * d), p + "mlp.router.weight": mat(cfg.num_experts, h)}
+               p + "self_attention.linear_proj.weight": mat(h, nq * d),
+               p + "mlp.router.weight": mat(cfg.num_experts, h)}
         for e in range(cfg.num_experts):
             sd[p + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = mat(2 * f, h)
             sd[p + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = mat(h, f)
@@ -63,10 +65,11 @@ def engine_rollout(cfg, sd, seqs, prompt_lens, *, layers, coding="dense", versio
     quantized = {key: quantize(r, scale="row") for key, r in rows.items()}
     for key, q in quantized.items():
         codes[key] = (unpack_codes(q.codes), q.block_scales.view(torch.uint8))
-    for i, (lo, n_prompt) in enumerate(zip(bounds[:-1], prompt_lens)):
+    for i, (lo, n_prompt) in enumerate(zip(bounds[:-1], prompt_lens, strict=True)):
         hi = bounds[i + 1]
         gid, sid = f"g{i}", f"s{i}"
-        group = GroupGuidance(group_id=gid, prompt_len=n_prompt, routed_experts={L: routed[L][lo:lo + n_prompt] for L in range(cfg.num_layers)})
+        group = GroupGuidance(group_id=gid, prompt_len=n_prompt,
+                              routed_experts={L: routed[L][lo:lo + n_prompt] for L in range(cfg.num_layers)})
         sample = SampleGuidance(sample_id=sid, group_id=gid, response_len=hi - lo - n_prompt, weight_version=version,
                                 routed_experts={L: routed[L][lo + n_prompt:hi] for L in range(cfg.num_layers)})
         for (L, site), r in rows.items():
@@ -219,7 +222,8 @@ def run_layout(rank, *, cfg, sd, batches, modes, dispatcher="alltoall", recomput
             finally:
                 qat.observers.clear()
             if ps.is_pipeline_last_stage():
-                out["logits"][mode] = gather_from_tensor_model_parallel_region(collected[0]).reshape(T, -1).float().cpu()
+                out["logits"][mode] = (gather_from_tensor_model_parallel_region(collected[0])
+                                       .reshape(T, -1).float().cpu())
             if do_backward:
                 for p in model.parameters():  # as finalize_model_grads does for sequence-parallel params
                     if getattr(p, "sequence_parallel", False) and p.grad is not None:

@@ -114,7 +114,7 @@ def test_exported_weights_are_the_engines_weights(ckpts, exports):
     checked = 0
     for name in hf:
         if fp4_site_of(name) is None:
-            for hf_name, rows in hf_parts(name, CFG):
+            for hf_name, _ in hf_parts(name, CFG):
                 assert torch.equal(mo[hf_name], hf.dir.get(hf_name)) and torch.equal(ct[hf_name], mo[hf_name])
             continue
         q = engine.weights.tensors[name]

@@ -158,7 +158,8 @@ def _exact(q, rows, scale):
 
 
 @gpu
-@pytest.mark.parametrize("hq, hkv, block_size, split", [(32, 4, 16, {}), (16, 1, 32, {"min_chunk": 32, "max_splits": 4}),
+@pytest.mark.parametrize("hq, hkv, block_size, split", [(32, 4, 16, {}),
+                                                        (16, 1, 32, {"min_chunk": 32, "max_splits": 4}),
                                                         (4, 2, 16, {"min_chunk": 64, "max_splits": 1}),
                                                         (12, 1, 48, {"min_chunk": 32, "max_splits": 8})])
 def test_cuda_kernel_is_float64_attention(hq, hkv, block_size, split):

@@ -28,7 +28,8 @@ def extreme_rows(m, k, seed):
 
 @pytest.mark.parametrize("fmt, scale", CASES)
 @pytest.mark.parametrize("rounding", ["rne", "stochastic"])
-@pytest.mark.parametrize("shape, dtype", [((4096, 8192), torch.bfloat16), ((3000, 5120), torch.float32), ((64, 65536), torch.bfloat16)])
+@pytest.mark.parametrize("shape, dtype", [((4096, 8192), torch.bfloat16), ((3000, 5120), torch.float32),
+                                          ((64, 65536), torch.bfloat16)])
 def test_gpu_kernel_equals_cpu_reference(fmt, scale, rounding, shape, dtype):
     x = extreme_rows(*shape, seed=shape[0]).to(dtype)
     if dtype == torch.bfloat16:  # bf16 keeps float32's exponent range, subnormals included
@@ -37,7 +38,8 @@ def test_gpu_kernel_equals_cpu_reference(fmt, scale, rounding, shape, dtype):
     ref = quantize(x, fmt, scale, rounding, seed, backend="torch")
     gpu = quantize(x.cuda(), fmt, scale, rounding, seed, backend="triton").to("cpu")
     assert_same_qtensor(ref, gpu)
-    assert_bitwise_equal(dequantize(ref, dtype, backend="torch"), dequantize(gpu.to("cuda"), dtype, backend="triton").cpu())
+    assert_bitwise_equal(dequantize(ref, dtype, backend="torch"),
+                         dequantize(gpu.to("cuda"), dtype, backend="triton").cpu())
 
 
 def test_gpu_reference_path_equals_cpu_reference():

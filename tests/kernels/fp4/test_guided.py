@@ -96,7 +96,8 @@ def test_large_drift_never_moves_more_than_one_step_from_the_trainer_value(backe
     ok_on_grid = np.abs(guided.numpy() - lo) <= 1
     assert np.all(np.where(on_grid, ok_on_grid, ok_between))
     # And the chosen code always carries the engine's mantissa bit.
-    assert torch.equal(torch.from_numpy(guided.numpy() & 1), (unpack_codes(quantize(x_e, scale="row").codes) & 1).long())
+    assert torch.equal(torch.from_numpy(guided.numpy() & 1),
+                       (unpack_codes(quantize(x_e, scale="row").codes) & 1).long())
 
 
 def test_triton_guided_matches_reference_on_random_bits_and_ties():

@@ -51,7 +51,8 @@ def test_fp4_linear_refuses_what_it_cannot_compute():
         fp4_linear(torch.randn(2, 16).bfloat16(), w)
 
 
-@pytest.mark.parametrize("hq, hkv, d, block_size, split", [(4, 2, 32, 4, {}), (8, 8, 16, 16, {"min_chunk": 32, "max_splits": 2}),
+@pytest.mark.parametrize("hq, hkv, d, block_size, split", [(4, 2, 32, 4, {}),
+                                                           (8, 8, 16, 16, {"min_chunk": 32, "max_splits": 2}),
                                                            (4, 1, 64, 8, {"min_chunk": 32, "max_splits": 2}),
                                                            (4, 2, 32, 4, {"min_chunk": 32, "max_splits": 1}),
                                                            (8, 1, 128, 16, {})])
@@ -124,7 +125,8 @@ def test_fp4_grouped_linear_is_each_experts_matmul(counts):
         fp4_grouped_linear(tokens, codes, scales, gs, torch.tensor(counts), x_rows=rows.int())
 
 
-@pytest.mark.parametrize("shape, dtype", [((37, 64), torch.bfloat16), ((5, 256), torch.float32), ((9, 48), torch.float16)])
+@pytest.mark.parametrize("shape, dtype", [((37, 64), torch.bfloat16), ((5, 256), torch.float32),
+                                          ((9, 48), torch.float16)])
 def test_fake_quantize_rows_in_one_pass(shape, dtype):
     """The fused kernel (fake quantization plus the capture of mantissa bits, block scales and
     global scales) against the float64 spec: the same codes, scales and g, the same dequantized
@@ -190,7 +192,8 @@ def test_quantize_rows_into_a_paged_cache():
     from trace_kernels.fp4 import pack_codes, quantize_rows_into
 
     n, heads, d, slots_total = 6, 3, 128, 20
-    qkv = heavy_tailed(n * heads * 4, d, seed=9).reshape(n, heads, 4, d) * torch.logspace(-20, 8, n)[:, None, None, None]
+    qkv = (heavy_tailed(n * heads * 4, d, seed=9).reshape(n, heads, 4, d)
+           * torch.logspace(-20, 8, n)[:, None, None, None])
     qkv[2, 1] = 0.0  # a row of zeros
     x = qkv.bfloat16()[:, :, -1]  # strides (heads * 4 * d, 4 * d, 1)
     slots = torch.tensor([7, 0, 19, 3, 12, 8])

@@ -196,7 +196,8 @@ def fp4_inputs(draw):
         j = draw(st.integers(0, k // bs - 1))
         x[:, j * bs:(j + 1) * bs] = 0.0
     if draw(st.booleans()):  # a block of exact E2M1 ties under a power-of-two amax
-        x[0, :bs] = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0] * (bs // 8)) * 2.0 ** draw(st.integers(-20, 20))
+        x[0, :bs] = (torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0] * (bs // 8))
+                     * 2.0 ** draw(st.integers(-20, 20)))
     dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
     return x.to(dtype), fmt, scale
 
@@ -365,6 +366,7 @@ def test_row_shards_with_the_whole_rows_amax_quantize_as_the_whole_rows(backend)
         part = quantize_on(backend, x[:, lo:hi].contiguous(), scale="row", global_amax=row_amax)
         assert torch.equal(part.global_scale, whole.global_scale)
         assert torch.equal(unpack_codes(part.codes), unpack_codes(whole.codes)[:, lo:hi])
-        assert torch.equal(part.block_scales.view(torch.uint8), whole.block_scales.view(torch.uint8)[:, lo // 16:hi // 16])
+        assert torch.equal(part.block_scales.view(torch.uint8),
+                           whole.block_scales.view(torch.uint8)[:, lo // 16:hi // 16])
     with pytest.raises(ValueError, match=r"global_amax must have shape \(24, 1\)"):
         quantize(x, scale="row", global_amax=row_amax[:12])

@@ -96,7 +96,8 @@ def test_byte_counts_match_the_formulas():
     assert lsb.nbytes == 4 * r + (r * k // 16 + 7) // 8 + p["elem_pos"].numel() + (h.n_elems + 7) // 8
 
 
-@pytest.mark.parametrize("positions", [[], [0], [5, 6, 300, 301, 100_000], list(range(0, 5000, 255)), [254, 255, 510, 1020]])
+@pytest.mark.parametrize("positions", [[], [0], [5, 6, 300, 301, 100_000], list(range(0, 5000, 255)),
+                                       [254, 255, 510, 1020]])
 def test_position_codec_round_trips(positions):
     p = torch.tensor(positions, dtype=torch.int64)
     stream = encode_positions(p)
@@ -147,7 +148,8 @@ def make_batch(coding=Coding.DENSE, group_size=4, prompt_len=6, seed=10, scale_c
     for i in range(group_size):
         x_resp, _ = matmul_two_orders(5 + i, 64, 128, seed=seed + 1 + i)
         rec, _ = record_for(x_resp, coding, sample_id=f"s{i}", scale_coding=scale_coding)
-        batch.add_sample(SampleGuidance(sample_id=f"s{i}", group_id="g0", response_len=5 + i, weight_version=7, records={(3, "fc1"): rec},
+        batch.add_sample(SampleGuidance(sample_id=f"s{i}", group_id="g0", response_len=5 + i, weight_version=7,
+                                        records={(3, "fc1"): rec},
                                         routed_experts={3: torch.randint(0, 8, (5 + i, 2), dtype=torch.int16)}))
         rows[f"s{i}"] = torch.cat([x_prompt, x_resp])
     return batch, rows
@@ -165,7 +167,8 @@ def test_batch_applies_prompt_and_response_guidance(coding, scale_coding):
 def test_prompt_guidance_is_stored_once_per_group():
     one, _ = make_batch(group_size=1)
     four, _ = make_batch(group_size=4)
-    prompt_bytes = sum(r.nbytes for r in four.groups["g0"].records.values()) + four.groups["g0"].routed_experts[3].nbytes
+    prompt_bytes = (sum(r.nbytes for r in four.groups["g0"].records.values())
+                    + four.groups["g0"].routed_experts[3].nbytes)
     response_bytes = sum(r.nbytes for s in four.samples.values() for r in s.records.values())
     expert_bytes = sum(t.nbytes for s in four.samples.values() for t in s.routed_experts.values())
     assert four.nbytes == prompt_bytes + response_bytes + expert_bytes
@@ -181,7 +184,8 @@ def test_batch_round_trips_through_bytes_and_tensors(coding, scale_coding):
     for restored in (GuidanceBatch.from_bytes(batch.to_bytes()), GuidanceBatch.from_tensors(batch.to_tensors())):
         assert restored.nbytes == batch.nbytes
         for sid, x in rows.items():
-            for a, b in zip(restored.guided_inputs(sid, 3, "fc1", x), batch.guided_inputs(sid, 3, "fc1", x)):
+            for a, b in zip(restored.guided_inputs(sid, 3, "fc1", x), batch.guided_inputs(sid, 3, "fc1", x),
+                            strict=True):
                 assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
             assert torch.equal(restored.samples[sid].routed_experts[3], batch.samples[sid].routed_experts[3])
         assert torch.equal(restored.groups["g0"].routed_experts[3], batch.groups["g0"].routed_experts[3])
@@ -244,8 +248,10 @@ def test_flip_stats_and_tau_calibration():
 
 def test_routed_experts_must_cover_every_token():
     batch, _ = make_batch()
-    with pytest.raises(GuidanceFormatError, match=r"routed experts of layer 3 for the sample 's9' response must be integer \[4, top_k\]"):
-        batch.add_sample(SampleGuidance(sample_id="s9", group_id="g0", response_len=4, weight_version=7, records={}, routed_experts={3: torch.zeros(5, 2, dtype=torch.int16)}))
+    with pytest.raises(GuidanceFormatError,
+                       match=r"routed experts of layer 3 for the sample 's9' response must be integer \[4, top_k\]"):
+        batch.add_sample(SampleGuidance(sample_id="s9", group_id="g0", response_len=4, weight_version=7, records={},
+                                        routed_experts={3: torch.zeros(5, 2, dtype=torch.int16)}))
 
 
 def _receive_over_gloo(rank, world, port, out):

@@ -52,7 +52,7 @@ def test_rows_survive_travel_as_bytes(coding, scale_coding):
         a, b = getattr(picked, name), getattr(back, name)
         assert (a is None and b is None) or torch.equal(a, b), name
     rows_x = x[[3, 3, 0, 15]]
-    assert all(torch.equal(u, v) for u, v in zip(back.resolve(rows_x), picked.resolve(rows_x)))
+    assert all(torch.equal(u, v) for u, v in zip(back.resolve(rows_x), picked.resolve(rows_x), strict=True))
 
 
 def test_misuse_names_the_problem():
@@ -77,11 +77,14 @@ def _batch(version=7):
         xp, xr = torch.randn(n_prompt, 32, generator=g), torch.randn(n_resp, 32, generator=g)
         xs[sid] = torch.cat([xp, xr])
         experts = {0: torch.randint(0, 4, (n_prompt, 2), generator=g)}
-        group = GroupGuidance(group_id=gid, prompt_len=n_prompt, records={(0, "qkv"): record_for(xp, sample_id=gid, layer=0, site="qkv", version=version)[0]},
+        group = GroupGuidance(group_id=gid, prompt_len=n_prompt,
+                              records={(0, "qkv"): record_for(xp, sample_id=gid, layer=0, site="qkv",
+                                                              version=version)[0]},
                               routed_experts=experts)
         resp = {0: torch.randint(0, 4, (n_resp, 2), generator=g)}
         sample = SampleGuidance(sample_id=sid, group_id=gid, response_len=n_resp, weight_version=version,
-                                records={(0, "qkv"): record_for(xr, sample_id=sid, layer=0, site="qkv", version=version)[0]},
+                                records={(0, "qkv"): record_for(xr, sample_id=sid, layer=0, site="qkv",
+                                                                version=version)[0]},
                                 routed_experts=resp)
         batch.add_group(group)
         batch.add_sample(sample)

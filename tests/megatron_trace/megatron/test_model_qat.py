@@ -126,7 +126,8 @@ def test_parallel_layouts_reproduce_engine_codes_and_one_process_logits(layout_r
     _assert_engine_codes(run)
     for b, m in run.items():
         # codes are pinned by the guidance: only bf16 reduction order differs
-        torch.testing.assert_close(m["logits"]["fp4-guided"], one_process[b]["logits"]["fp4-guided"], atol=0.05, rtol=0.01)
+        torch.testing.assert_close(m["logits"]["fp4-guided"], one_process[b]["logits"]["fp4-guided"], atol=0.05,
+                                   rtol=0.01)
         if "tp2" not in name:  # no tensor-parallel reductions: the very same arithmetic
             assert torch.equal(m["logits"]["fp4"], one_process[b]["logits"]["fp4"])
         assert all(m["finite"]), f"{name}: non-finite gradients"

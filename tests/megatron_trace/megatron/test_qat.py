@@ -44,7 +44,7 @@ def test_expert_weights_get_one_global_scale_each_cached_or_not():
         cached = site.quantize_expert_weights(ws)
         assert torch.equal(cached, direct)
         (cached * upstream).sum().backward()
-        assert all(torch.equal(w.grad, g) for w, g in zip(ws, grads))
+        assert all(torch.equal(w.grad, g) for w, g in zip(ws, grads, strict=True))
         with torch.no_grad():
             ws[1].mul_(2)  # an in-place update inside the scope is seen
         again = site.quantize_expert_weights(ws)

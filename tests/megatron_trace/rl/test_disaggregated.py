@@ -84,9 +84,10 @@ def test_pipeline_parallel_trainers_reproduce_one_trainer(tmp_path):
     start = tmp_path / "sft" / "checkpoints" / "rl-000000" / "model"
     rows = {}
     for trainers, pp in ((1, 1), (2, 2)):
-        run = subprocess.run(["bash", str(ROOT / "launch" / "local.sh"), "--set", f"dist.pp={pp}", "--set", "sft.steps=0",
-                              "--set", f"model.megatron={start}", "--set", "rl.steps=2", "--set", "rl.prompts_per_step=4",
-                              "--set", "checkpoint.every=0", "--set", "rl.kl_coef=0.05", "--set",
+        run = subprocess.run(["bash", str(ROOT / "launch" / "local.sh"), "--set", f"dist.pp={pp}",
+                              "--set", "sft.steps=0", "--set", f"model.megatron={start}", "--set", "rl.steps=2",
+                              "--set", "rl.prompts_per_step=4", "--set", "checkpoint.every=0",
+                              "--set", "rl.kl_coef=0.05", "--set",
                               f"output_dir={tmp_path / str(pp)}"], env=env | {"TRAINERS": str(trainers),
                               "PYTHON": sys.executable}, cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert run.returncode == 0, run.stderr[-3000:]

@@ -37,7 +37,8 @@ def test_tiny_parameter_count_by_hand():
     assert TINY.num_params == 2 * per_layer + 2 * 256 * 64 + 64 == 107_392
     plan = make_plan(load_config(None, ["model.preset=tiny"]), TINY)
     norms = 2 * (2 * 64 + 2 * 16) + 64  # float32 in Megatron and in the engine
-    assert plan.trainer["parameters (BF16, norms FP32)"] == 2 * 107_392 + 2 * norms and plan.trainer["FP32 masters + AdamW moments"] == 12 * 107_392
+    assert (plan.trainer["parameters (BF16, norms FP32)"] == 2 * 107_392 + 2 * norms
+            and plan.trainer["FP32 masters + AdamW moments"] == 12 * 107_392)
     fp4 = 2 * (attention + experts)  # the FP4 sites, dequantized for backward + a 1-byte STE mask
     assert plan.trainer["QAT weight copies + STE masks"] == 3 * fp4
     # FP4 engine: codes (1/2 byte) + E4M3 scale per 16 (1/16 byte) per FP4 weight; the rest BF16,
@@ -124,7 +125,8 @@ def test_plan_command_and_a_config_that_cannot_train(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     assert "FITS" in run.stdout and json.loads((tmp_path / "p.json").read_text())[0]["fits"]
     bad = subprocess.run([sys.executable, "-m", "megatron_trace.cli", "plan", "--config",
-                          str(ROOT / "launch" / "configs" / "qwen3-30b-a3b.yaml"), "--set", "cluster.gpu_memory_gib=40"],
+                          str(ROOT / "launch" / "configs" / "qwen3-30b-a3b.yaml"),
+                          "--set", "cluster.gpu_memory_gib=40"],
                          env=env, capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode == 1 and "DOES NOT FIT" in bad.stdout and "GiB more than the" in bad.stdout
     train = subprocess.run([sys.executable, "-m", "megatron_trace.cli", "train", "--set", "model.preset=deepseek-v3"],

@@ -134,7 +134,8 @@ def run_microbatched_update(rank, *, sd, max_tokens, correction, threshold):
                           max_tokens_per_microbatch=max_tokens)
     batch = rollout(engine, [(1, 2, 3, 4), (9, 8, 7), (5, 6), (7, 7, 7), (3, 3)], reward_low_ids, rl.group_size,
                     SamplingParams(max_new_tokens=8, seed=2), 0)
-    mine = batch.select(list(dp_share(batch.num_groups, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())))
+    mine = batch.select(list(dp_share(batch.num_groups, ps.get_data_parallel_rank(),
+                                      ps.get_data_parallel_world_size())))
     optimizer = ReducingOptimizer(torch.optim.SGD(trainer.parameters(), lr=0.5), trainer)
     metrics = train_on(trainer, optimizer, mine, rl)
     return gather_full_state_dict(trainer), metrics
@@ -142,9 +143,9 @@ def run_microbatched_update(rank, *, sd, max_tokens, correction, threshold):
 
 def test_microbatches_accumulate_to_the_one_batch_update():
     """Micro-batches of at most 12 tokens (one sample each; under EP2 x DP2 the rank with 2 groups
-    runs 3 fillers to match its peer's 9) give the update of one micro-batch, in one process, with two pipeline stages (1F1B,
-    varying lengths) and under EP2 x DP2; MIS rejects samples, so the token mean over the kept
-    tokens needs the rescale."""
+    runs 3 fillers to match its peer's 9) give the update of one micro-batch, in one process, with
+    two pipeline stages (1F1B, varying lengths) and under EP2 x DP2; MIS rejects samples, so the
+    token mean over the kept tokens needs the rescale."""
     sd = {k: v.float() for k, v in sc.random_full_state_dict(PRESETS["tiny"], seed=5).items()}
     for layout in ({}, {"pp": 2}, {"ep": 2, "dp": 2}):
         whole, m1 = spawn(run_microbatched_update, layout, sd=sd, max_tokens=0, correction="mis", threshold=1.02)[0]

@@ -96,7 +96,8 @@ def test_train_on_a_jsonl_task_from_an_hf_checkpoint_with_a_user_reward(tmp_path
     from tests.support.hf_models import save_hf_tiny
 
     save_hf_tiny(tmp_path / "hf")
-    data = _jsonl(tmp_path / "d.jsonl", [{"prompt": f"{a}*{b}=", "answer": a * b} for a in range(3, 9) for b in (7, 11)])
+    data = _jsonl(tmp_path / "d.jsonl",
+                  [{"prompt": f"{a}*{b}=", "answer": a * b} for a in range(3, 9) for b in (7, 11)])
     spawn(run_jsonl_train, {}, out_dir=str(tmp_path / "run"), hf_dir=str(tmp_path / "hf"), data=data)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1] and all(0 <= r["reward"] <= 1 for r in rows)

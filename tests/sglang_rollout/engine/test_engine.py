@@ -96,7 +96,7 @@ def test_seeds_reproduce_and_differ(sd):
 def _pooled_chi2(tokens: list[int], logprobs: list[float]) -> tuple[float, int]:
     """Pearson's chi-square of drawn tokens against their probabilities exp(logprob) (the
     engine's own, float64 here), cells expected below 5 pooled with the tokens never drawn."""
-    n, counts, prob = len(tokens), collections.Counter(tokens), dict(zip(tokens, logprobs))
+    n, counts, prob = len(tokens), collections.Counter(tokens), dict(zip(tokens, logprobs, strict=True))
     chi2, cells, pooled_obs, pooled_exp = 0.0, 0, 0, n * (1 - sum(math.exp(lp) for lp in prob.values()))
     for t, lp in prob.items():
         want = n * math.exp(lp)
@@ -202,7 +202,8 @@ def test_packed_fp4_weights_from_the_trainer_equal_bf16_quantized_on_receipt(sd)
     assert b.weights.tensors["decoder.layers.0.self_attention.linear_qkv.weight"].codes.data_ptr() != storage
     before = b.weights.tensors["decoder.layers.1.mlp.experts.local_experts.2.linear_fc2.weight"].codes.data_ptr()
     b.update_weights(packed, 2)  # in place: the same storage
-    assert b.weights.tensors["decoder.layers.1.mlp.experts.local_experts.2.linear_fc2.weight"].codes.data_ptr() == before
+    assert (b.weights.tensors["decoder.layers.1.mlp.experts.local_experts.2.linear_fc2.weight"].codes.data_ptr()
+            == before)
     for x, y in zip(a.generate(REQUESTS, params).samples, b.generate(REQUESTS, params).samples, strict=True):
         assert x.tokens == y.tokens and torch.equal(x.logprobs, y.logprobs) and y.weight_version == 2
     bf16_engine = engine(sd, "bf16")
@@ -258,7 +259,7 @@ def run_trainer_logprobs(rank, *, cfg, sd, samples, prompts, guidance):
             lp = token_logprobs(model, ids, pos, targets, packed_seq_params=psp,
                                 guidance=mb if mode == "fp4-guided" else None).reshape(-1).cpu()
         parts, offset = [], 0
-        for s, seq in zip(samples, seqs):
+        for s, seq in zip(samples, seqs, strict=True):
             parts.append(lp[offset + s.prompt_len - 1: offset + len(seq) - 1])
             offset += len(seq)
         out[mode] = parts
@@ -276,7 +277,7 @@ def test_trainer_follows_the_engine_with_guidance(sd):
     prompts = {r.group_id: r.prompt_ids for r in REQUESTS}
     got = spawn(run_trainer_logprobs, {}, cfg=CFG, sd=sd, samples=out.samples, prompts=prompts,
                 guidance=out.guidance)[0]
-    gap = {mode: max(float((t - s.logprobs).abs().max()) for t, s in zip(got[mode], out.samples))
+    gap = {mode: max(float((t - s.logprobs).abs().max()) for t, s in zip(got[mode], out.samples, strict=True))
            for mode in got}
     assert gap["fp4-guided"] < gap["fp4-rne"] / 4, gap
     assert gap["fp4-guided"] < 1e-3, gap  # measured 5e-7: the same codes everywhere
