@@ -1,4 +1,4 @@
-"""The embedded default's RL phase in each precision mode, from one shared SFT warm-up.
+"""The embedded default's RL phase in each run mode, from one shared SFT warm-up.
 
     python bench/rl_modes.py                     # 40 RL steps per mode, ~10 min on 2 CPU cores
     python bench/rl_modes.py --steps 10 --modes bf16,trace

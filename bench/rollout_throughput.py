@@ -288,8 +288,8 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     gpu = torch.cuda.get_device_name() if cuda else "cpu"
-    batches = [int(v) for v in args.batches.split(",")]
-    contexts = [int(v) for v in args.contexts.split(",")]
+    batches = [int(v) for v in args.batches.split(",") if v]  # empty: no decode table (e.g. --generate alone)
+    contexts = [int(v) for v in args.contexts.split(",") if v]
     generate = [int(v) for v in args.generate.split(":")] if args.generate else []
     if generate and len(generate) != 3:
         raise SystemExit(f"--generate {args.generate!r}: expected BATCH:PROMPT:NEW")
@@ -373,7 +373,7 @@ def main() -> None:
             # the engine as it runs (overlapped steps), then with each step's results taken in
             # before the next is launched: the host's share that overlap hides
             for mode, overlap in (("generate", True), ("generate_serial", False)):
-                engine.config = dataclasses.replace(engine.config, overlap=overlap)
+                engine.engine_cfg = dataclasses.replace(engine.engine_cfg, overlap=overlap)
                 seconds, generated = time_generate(engine, cfg, batch, prompt_len, new_tokens)
                 r = {"precision": precision, "batch": batch, "context": context, "gpu": gpu, "mode": mode,
                      "date": datetime.date.today().isoformat(), "model": args.model, "layers": cfg.num_layers,

@@ -12,6 +12,7 @@ DEFAULT_ENGINE = "sglang_rollout.engine:TraceEngine"
 
 
 def load_backend(path: str):
+    """The backend class at dotted path `module:Class`; SystemExit naming it when it cannot be imported."""
     module, _, name = path.partition(":")
     try:
         return getattr(importlib.import_module(module), name)

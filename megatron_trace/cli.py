@@ -31,6 +31,8 @@ def _config(args):
 
 
 def train_main(args: argparse.Namespace) -> list[dict]:
+    """`trace-rl train` / `sft`: colocated in this process, or this rank's part of a torchrun job; returns the RL
+    steps' metrics."""
     import os
 
     from .rl.factories import resolve_model_config
@@ -219,6 +221,7 @@ def _mismatch_model(args):
 
 
 def mismatch_main(args: argparse.Namespace) -> dict:
+    """`trace-rl mismatch`: one rollout and one trainer forward per run mode; prints and returns {mode: metrics}."""
     from .rl.mismatch import run_mismatch
     from .rl.tasks import ArithmeticTask
     from .rollout import SamplingParams
@@ -258,9 +261,10 @@ def mismatch_main(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """The `trace-rl` command line (argv: without the program name; default sys.argv[1:])."""
     ap = argparse.ArgumentParser(prog="trace-rl", description="TRACE: FP4 RL of MoE models")
     sub = ap.add_subparsers(dest="command", required=True)
-    mm = sub.add_parser("mismatch", help="engine vs trainer log-prob mismatch per precision mode")
+    mm = sub.add_parser("mismatch", help="engine vs trainer log-prob mismatch per run mode")
     src = mm.add_mutually_exclusive_group()
     src.add_argument("--model", default=None, help="a model preset, random weights (seeded); default: the "
                      "embedded default's model, trained (runs/default) if make demo has run")

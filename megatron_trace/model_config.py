@@ -51,10 +51,12 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.top_k={self.top_k} must be in 1..num_experts={self.num_experts}")
 
     def replace(self, **changes) -> ModelConfig:
+        """A copy with `changes` applied (checked like a new one)."""
         return dataclasses.replace(self, **changes)
 
     @property
     def num_params(self) -> int:
+        """Parameters of the whole model."""
         h, a = self.hidden_size, self.head_dim
         attn = h * a * (self.num_attention_heads + 2 * self.num_key_value_heads) + self.num_attention_heads * a * h
         experts = self.num_experts * 3 * h * self.moe_intermediate_size

@@ -68,10 +68,12 @@ class RunMode(_Choice):
 
     @property
     def engine_precision(self) -> EnginePrecision:
+        """What the rollout engine runs in this mode."""
         return EnginePrecision.BF16 if self is RunMode.BF16 else EnginePrecision.FP4
 
     @property
     def trainer_precision(self) -> TrainerPrecision:
+        """What the trainer's FP4 sites run in this mode."""
         return {RunMode.BF16: TrainerPrecision.BF16, RunMode.FP4_ROLLOUT: TrainerPrecision.BF16,
                 RunMode.FP4_QAT: TrainerPrecision.FP4_RNE, RunMode.TRACE: TrainerPrecision.FP4_GUIDED}[self]
 

@@ -48,6 +48,7 @@ def _fail(e: Exception) -> SystemExit:
 
 # -- conversion ---------------------------------------------------------------------------------
 def convert_hf_main(argv: list[str] | None = None) -> None:
+    """`trace-convert-hf-to-megatron`: an HF Qwen3-MoE checkpoint as a Megatron distributed checkpoint."""
     from .convert import hf_to_megatron
 
     ap = argparse.ArgumentParser(prog="trace-convert-hf-to-megatron",
@@ -65,6 +66,7 @@ def convert_hf_main(argv: list[str] | None = None) -> None:
 
 
 def convert_megatron_main(argv: list[str] | None = None) -> None:
+    """`trace-convert-megatron-to-hf`: a Megatron distributed checkpoint (any layout) as HF safetensors."""
     from .convert import megatron_to_hf
 
     ap = argparse.ArgumentParser(prog="trace-convert-megatron-to-hf",
@@ -163,6 +165,7 @@ def _export(args) -> Path:
 
 
 def export_main(argv: list[str] | None = None) -> None:
+    """`trace-export-fp4`: the final FP4 checkpoint (ModelOpt or compressed-tensors NVFP4)."""
     ap = argparse.ArgumentParser(prog="trace-export-fp4", description="a final FP4 checkpoint (ModelOpt or "
                                  "compressed-tensors NVFP4) from a Megatron or HF BF16 checkpoint")
     _export_args(ap, hf_only=False)
@@ -238,6 +241,7 @@ def audit_main(args: argparse.Namespace) -> list[str]:
 
 
 def add_audit_parser(sub) -> None:
+    """Add `audit` and its options to `trace-rl`'s subcommands."""
     au = sub.add_parser("audit", help="precision of every linear and KV site in trainer, engine and exports")
     src = au.add_mutually_exclusive_group()
     src.add_argument("--model", default="tiny", help="model preset")

@@ -63,12 +63,16 @@ class GuidanceBatch:
     samples: dict[str, SampleGuidance] = field(default_factory=dict)
 
     def add_group(self, group: GroupGuidance) -> None:
+        """Add a group's prompt guidance; GuidanceFormatError for a repeated group or experts not covering the
+        prompt."""
         if group.group_id in self.groups:
             raise GuidanceFormatError(f"group {group.group_id!r} is already in the batch")
         _check_experts(group.routed_experts, group.prompt_len, f"group {group.group_id!r} prompt")
         self.groups[group.group_id] = group
 
     def add_sample(self, sample: SampleGuidance) -> None:
+        """Add a sample's response guidance; GuidanceFormatError for an unknown group, a repeat, or experts not
+        covering the response."""
         if sample.group_id not in self.groups:
             raise GuidanceFormatError(f"sample {sample.sample_id!r} names unknown group {sample.group_id!r}")
         if sample.sample_id in self.samples:
@@ -133,6 +137,7 @@ class GuidanceBatch:
 
     @property
     def guidance_nbytes(self) -> int:
+        """Bytes of the records alone (routed experts excluded)."""
         return sum(r.nbytes for r in self._records())
 
     @property
@@ -141,6 +146,7 @@ class GuidanceBatch:
         return sum(self.groups[s.group_id].prompt_len + s.response_len for s in self.samples.values())
 
     def bytes_per_token(self) -> float:
+        """All bytes (records and routed experts) per token of the batch."""
         return self.nbytes / max(1, self.num_tokens)
 
     # -- serialisation --------------------------------------------------------------------
@@ -178,6 +184,7 @@ class GuidanceBatch:
 
     @classmethod
     def from_tensors(cls, tensors: list[torch.Tensor]) -> GuidanceBatch:
+        """The batch `to_tensors` sent (sizes, header, payload uint8 tensors); checks version and CRC."""
         if len(tensors) != 3:
             raise GuidanceFormatError(f"a guidance batch travels as 3 tensors, got {len(tensors)}")
         sizes, header, payload = (t.cpu() for t in tensors)
@@ -191,12 +198,14 @@ class GuidanceBatch:
         return cls._from_parts(meta, payload.numpy().tobytes())
 
     def to_bytes(self) -> bytes:
+        """The batch as one byte string (magic, sizes, JSON header, payload), for spilling to disk."""
         _, header, payload = self.to_tensors()
         return (MAGIC + struct.pack("<QQ", header.numel(), payload.numel()) + header.numpy().tobytes()
                 + payload.numpy().tobytes())
 
     @classmethod
     def from_bytes(cls, data: bytes) -> GuidanceBatch:
+        """The batch `to_bytes` wrote; GuidanceFormatError for a truncated, corrupted or unknown stream."""
         if data[:len(MAGIC)] != MAGIC:
             raise GuidanceFormatError("not a TRACE guidance stream (bad magic) or an unknown container version")
         off = len(MAGIC) + 16

@@ -73,12 +73,14 @@ class RecordHeader:
                                       "columns must be a positive multiple of 16")
 
     def to_dict(self) -> dict:
+        """The header as JSON-ready values."""
         d = dataclasses.asdict(self)
         d["coding"] = self.coding.value
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> RecordHeader:
+        """The header `to_dict` wrote; GuidanceFormatError for another format version or a bad field."""
         if d.get("format_version") != FORMAT_VERSION:
             raise GuidanceFormatError(
                 f"guidance format version {d.get('format_version')!r} is not supported "
@@ -124,6 +126,7 @@ class GuidanceRecord:
 
     @property
     def bits_per_element(self) -> float:
+        """The record's size per guided element, in bits."""
         n = self.header.rows * self.header.cols
         return 8 * self.nbytes / n if n else 0.0
 

@@ -59,6 +59,7 @@ class RowGuidance:
 
     @property
     def num_rows(self) -> int:
+        """Rows the guidance covers."""
         return self.g.shape[0]
 
     @property
@@ -124,6 +125,7 @@ class RowGuidance:
                                 for name in ("g", "scales", "bits", "scale_known", "bit_known", "row_ids")})
 
     def to(self, device) -> RowGuidance:
+        """The same guidance with every tensor on `device` (copied without waiting)."""
         return self._map(lambda _, t: t.to(device, non_blocking=True))
 
     def select_rows(self, index: torch.Tensor | slice) -> RowGuidance:

@@ -33,6 +33,7 @@ class Architecture:
 
     @classmethod
     def from_model_config(cls, name: str, c: ModelConfig) -> Architecture:
+        """The plan's view of a Qwen3-MoE model: `name` and its ModelConfig."""
         d, nq, ng = c.head_dim, c.num_attention_heads, c.num_key_value_heads
         return cls(name=name, vocab=c.vocab_size, hidden=c.hidden_size, layers=c.num_layers,
                    attn_params=c.hidden_size * d * (nq + 2 * ng) + nq * d * c.hidden_size, attn_out_width=nq * d,
@@ -57,6 +58,7 @@ class Architecture:
 
     @property
     def num_params(self) -> int:
+        """Parameters of the whole model (MTP modules left out)."""
         per_layer = sum(self.attn_params + self.norm_params + sum(self.ffn_params(L)) for L in range(self.layers))
         router = self.moe_layers * self.experts * self.hidden
         return per_layer + router + self.vocab * self.hidden * (1 if self.tie_embeddings else 2) + self.hidden

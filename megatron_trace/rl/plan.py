@@ -120,6 +120,7 @@ def guidance_bytes_per_token(arch: Architecture, layer_count: int, decoded_spars
 
 
 def routed_expert_bytes_per_token(arch: Architecture) -> int:
+    """Bytes per token of the routed expert ids the engine records (int64, every MoE layer)."""
     return arch.moe_layers * arch.top_k * 8  # int64 ids, as the engine records them
 
 
@@ -342,6 +343,7 @@ def format_plan(plan: Plan) -> str:
 
 
 def plan_json(plan: Plan) -> dict:
+    """The plan as JSON-ready values (`trace-rl plan --json`)."""
     return {"model": plan.arch.name, "params": plan.arch.num_params, "layout": dataclasses.asdict(plan.layout),
             "trainer_gpus": plan.trainer_gpus, "engine_gpus": plan.engine_gpus, "trainer_bytes": plan.trainer,
             "trainer_peak_bytes": plan.trainer_peak, "engine_bytes": plan.engine, "traffic_bytes": plan.traffic,

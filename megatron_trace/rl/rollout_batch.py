@@ -42,6 +42,7 @@ class RolloutBatch:
         return self.select(keep.nonzero().flatten().tolist())
 
     def first_groups(self, n: int) -> RolloutBatch:
+        """The batch of its first `n` groups (itself when it has no more)."""
         return self if self.num_groups <= n else self.select(list(range(n)))
 
     def merge(self, other: RolloutBatch) -> RolloutBatch:

@@ -30,6 +30,7 @@ class CharTokenizer:
         return 3 + len(self.chars)
 
     def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; ValueError naming characters outside the alphabet."""
         bad = sorted({c for c in text if c not in self.ids})
         if bad:
             raise ValueError(f"characters {bad} are not in the tokenizer's alphabet {self.chars!r}")
@@ -62,6 +63,7 @@ class ArithmeticTask:
         self.tokenizer = tokenizer or CharTokenizer()
 
     def problems(self, n: int) -> list[Problem]:
+        """The next `n` problems (the task's draw state moves on)."""
         out = []
         for _ in range(n):
             a, b = (self.rng.randrange(10**self.digits) for _ in range(2))
@@ -71,6 +73,7 @@ class ArithmeticTask:
         return out
 
     def prompt_ids(self, p: Problem) -> list[int]:
+        """The prompt's token ids, as the engine receives them."""
         return [BOS, *self.tokenizer.encode(p.prompt)]
 
     def sft_example(self, p: Problem) -> tuple[list[int], list[bool]]:
@@ -84,6 +87,7 @@ class ArithmeticTask:
         return float(self.tokenizer.decode(response_ids) == p.answer)
 
     def state_dict(self) -> dict:
+        """The draw state, for a checkpoint."""
         return {"rng": self.rng.getstate()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -163,6 +167,7 @@ class JsonlTask:
         return prompt + answer, [False] * len(prompt) + [True] * len(answer)
 
     def reward(self, p: Problem, response_ids: list[int]) -> float:
+        """The reward of a response (token ids) to problem `p`."""
         return float(self.reward_fn(p.prompt, self.tokenizer.decode(response_ids), p.answer))
 
     def state_dict(self) -> dict:

@@ -46,6 +46,7 @@ class Run:
     progress: bool
 
     def checkpoint(self, optimizer, phase: str, step: int, weight_version: int) -> None:
+        """Write a checkpoint of the run at `phase` / `step` (see rl.run_checkpoint)."""
         save_checkpoint(self.out_dir, self.trainer, self.model_cfg, optimizer, self.task.state_dict(),
                         RunState(phase=phase, step=step, weight_version=weight_version, guide=self.state.guide),
                         flat_config(self.cfg), self.cfg.checkpoint.keep)

@@ -43,6 +43,7 @@ class RolloutCollector:
         self._row_dtypes: dict[tuple[int, str], tuple[torch.dtype, ...]] = {}  # of each (layer, site)'s parts
 
     def sample_ids(self, req: GroupRequest) -> list[str]:
+        """The ids of a request's samples, "<group id>/<index>"."""
         return [f"{req.group_id}/{i}" for i in range(req.n)]
 
     def fail(self, req: GroupRequest, error: str) -> None:

@@ -22,6 +22,7 @@ class BlockAllocator:
         self.refs = [0] * num_blocks
 
     def allocate(self, n: int) -> list[int]:
+        """`n` free blocks, each with one reference; MemoryError when fewer are free."""
         if n > len(self.free):
             raise MemoryError(f"KV cache full: {n} blocks needed, {len(self.free)} free")
         blocks = [self.free.pop() for _ in range(n)]
@@ -30,10 +31,12 @@ class BlockAllocator:
         return blocks
 
     def share(self, blocks: list[int]) -> None:
+        """One more reference to each of `blocks` (a fork shares a prompt's full blocks)."""
         for b in blocks:
             self.refs[b] += 1
 
     def release(self, blocks: list[int]) -> None:
+        """Drop one reference to each of `blocks`; a block with none left is free again."""
         for b in blocks:
             self.refs[b] -= 1
             if self.refs[b] == 0:

@@ -60,6 +60,7 @@ class EngineWeights:
         return torch.zeros(shape, dtype=torch.bfloat16 if len(shape) >= 2 else torch.float32, device=dev)
 
     def is_fp4(self, name: str) -> bool:
+        """True when the weight `name` is held packed in FP4."""
         return self.fp4 and name.endswith(FP4_SUFFIXES)
 
     def load(self, state_dict: dict[str, torch.Tensor | QTensor]) -> None:

@@ -1,4 +1,4 @@
-"""One colocated RL step per precision mode, with the real engine and Megatron trainer."""
+"""One colocated RL step per run mode, with the real engine and Megatron trainer."""
 
 import math
 
@@ -49,7 +49,7 @@ def run_steps(rank, *, precision, correction):
             "empty": len(again.samples)}
 
 
-def test_a_step_in_each_precision_mode_ascends_the_policy_objective():
+def test_a_step_in_each_run_mode_ascends_the_policy_objective():
     for precision, correction in (("bf16", "none"), ("fp4-qat", "tis"), ("trace", "mis")):
         r = spawn(run_steps, {}, precision=precision, correction=correction)[0]
         m = r["metrics"]

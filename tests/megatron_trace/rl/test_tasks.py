@@ -87,7 +87,7 @@ def run_jsonl_train(rank, *, out_dir, hf_dir, data):
 
     main(["train", "--set", "sft.steps=5", "--set", "rl.steps=2", "--set", "rl.prompts_per_step=3",
           "--set", f"model.hf={hf_dir}", "--set", "task.kind=jsonl", "--set", f"task.path={data}",
-          "--set", "task.reward=tests.megatron_trace.test_rl_tasks:answer_length_reward",
+          "--set", "task.reward=tests.megatron_trace.rl.test_tasks:answer_length_reward",
           "--set", f"output_dir={out_dir}"])
 
 

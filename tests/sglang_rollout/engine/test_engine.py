@@ -241,7 +241,7 @@ def test_bad_requests_fail_alone_with_a_reason(sd):
 
 
 def run_trainer_logprobs(rank, *, cfg, sd, samples, prompts, guidance):
-    """Megatron (issue 4's trainer) log-probs of each sample's response, per precision mode."""
+    """Megatron (issue 4's trainer) log-probs of each sample's response, per trainer precision."""
     from megatron_trace.megatron.context import MicroBatchGuidance
     from megatron_trace.megatron.model import build_model, set_precision, token_logprobs
     from megatron_trace.megatron.weights import load_full_state_dict
@@ -312,11 +312,13 @@ def test_overlapped_steps_give_the_serial_engines_outputs(sd, precision, guide, 
 
 
 def test_triton_kernels_decode_like_the_torch_path(sd):
-    """The GPU path (FP4 GEMMs, paged FP4 decode attention; here under the Triton interpreter)
-    against the torch path: same greedy tokens, log-probs within accumulation-order noise."""
+    """The GPU path (FP4 GEMMs, paged FP4 decode attention; on the CPU under the Triton
+    interpreter, on a GPU machine on the GPU) against the torch path: same greedy tokens,
+    log-probs within accumulation-order noise."""
     params = SamplingParams(max_new_tokens=5, temperature=0)
-    torch_out = engine(sd, "fp4", kernels="torch").generate(REQUESTS, params)
-    triton_out = engine(sd, "fp4", kernels="triton").generate(REQUESTS, params)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # Triton runs on CPU tensors only interpreted
+    torch_out = engine(sd, "fp4", kernels="torch", device=device, cuda_graph_max_batch=0).generate(REQUESTS, params)
+    triton_out = engine(sd, "fp4", kernels="triton", device=device, cuda_graph_max_batch=0).generate(REQUESTS, params)
     for a, b in zip(torch_out.samples, triton_out.samples, strict=True):
         assert a.tokens == b.tokens
         torch.testing.assert_close(a.logprobs, b.logprobs, atol=0.02, rtol=0)
