@@ -260,10 +260,7 @@ def mismatch_main(args: argparse.Namespace) -> dict:
     return results
 
 
-def main(argv: list[str] | None = None) -> None:
-    """The `trace-rl` command line (argv: without the program name; default sys.argv[1:])."""
-    ap = argparse.ArgumentParser(prog="trace-rl", description="TRACE: FP4 RL of MoE models")
-    sub = ap.add_subparsers(dest="command", required=True)
+def _add_mismatch_parser(sub) -> None:
     mm = sub.add_parser("mismatch", help="engine vs trainer log-prob mismatch per run mode")
     src = mm.add_mutually_exclusive_group()
     src.add_argument("--model", default=None, help="a model preset, random weights (seeded); default: the "
@@ -284,39 +281,43 @@ def main(argv: list[str] | None = None) -> None:
     mm.add_argument("--engine", default=DEFAULT_ENGINE,
                     help="rollout backend class, module:Class; the module also exports its EngineConfig")
     mm.add_argument("--json", default=None, help="write {mode: metrics} here")
-    for name, text in (("train", "the embedded default: SFT warm-up, then GRPO with FP4 TRACE rollouts"),
-                       ("sft", "the supervised warm-up alone; `train` with the same output_dir continues with RL")):
-        tr = sub.add_parser(name, help=text)
-        tr.add_argument("--config", default=None, help="YAML file {section: {key: value}}")
-        tr.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override one config key")
-    pl = sub.add_parser("plan", help="per-GPU memory and per-step traffic of a run; refuses a layout that does not fit")
-    sl = sub.add_parser("slurm", help="the run's sbatch script, rendered from its config")
-    for p in (pl, sl):
+
+
+def _add_config_parsers(sub) -> None:
+    """The subcommands that read a run's configuration (--config, --set)."""
+    helps = {"train": "the embedded default: SFT warm-up, then GRPO with FP4 TRACE rollouts",
+             "sft": "the supervised warm-up alone; `train` with the same output_dir continues with RL",
+             "plan": "per-GPU memory and per-step traffic of a run; refuses a layout that does not fit",
+             "slurm": "the run's sbatch script, rendered from its config",
+             "config": "the resolved configuration as YAML (defaults, --config, --set)"}
+    parsers = {}
+    for name, text in helps.items():
+        p = parsers[name] = sub.add_parser(name, help=text)
         p.add_argument("--config", default=None, help="YAML file {section: {key: value}}")
         p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override one config key")
-    pl.add_argument("--search", action="store_true", help="every TP/EP/PP layout of the trainer GPUs, the best first")
-    pl.add_argument("--json", default=None, help="write the plan(s) here")
-    sl.add_argument("--out", default=None, help="write the script here (default: print it)")
-    sl.add_argument("--force", action="store_true", help="render even when the plan does not fit")
-    cf = sub.add_parser("config", help="the resolved configuration as YAML (defaults, --config, --set)")
-    cf.add_argument("--config", default=None, help="YAML file {section: {key: value}}")
-    cf.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override one config key")
-    cf.add_argument("--reference", action="store_true", help="print the schema's reference (docs/configuration.md)")
+    parsers["plan"].add_argument("--search", action="store_true",
+                                 help="every TP/EP/PP layout of the trainer GPUs, the best first")
+    parsers["plan"].add_argument("--json", default=None, help="write the plan(s) here")
+    parsers["slurm"].add_argument("--out", default=None, help="write the script here (default: print it)")
+    parsers["slurm"].add_argument("--force", action="store_true", help="render even when the plan does not fit")
+    parsers["config"].add_argument("--reference", action="store_true",
+                                   help="print the schema's reference (docs/configuration.md)")
+
+
+COMMANDS = {"mismatch": mismatch_main, "train": train_main, "sft": train_main, "audit": audit_main,
+            "plan": lambda args: sys.exit(plan_main(args)), "slurm": slurm_main, "config": config_main}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The `trace-rl` command line (argv: without the program name; default sys.argv[1:])."""
+    ap = argparse.ArgumentParser(prog="trace-rl", description="TRACE: FP4 RL of MoE models")
+    sub = ap.add_subparsers(dest="command", required=True)
+    _add_mismatch_parser(sub)
+    _add_config_parsers(sub)
     add_audit_parser(sub)
     args = ap.parse_args(argv)
     torch.manual_seed(getattr(args, "seed", 0))
-    if args.command == "mismatch":
-        mismatch_main(args)
-    elif args.command in ("train", "sft"):
-        train_main(args)
-    elif args.command == "audit":
-        audit_main(args)
-    elif args.command == "plan":
-        sys.exit(plan_main(args))
-    elif args.command == "slurm":
-        slurm_main(args)
-    elif args.command == "config":
-        config_main(args)
+    COMMANDS[args.command](args)
 
 
 if __name__ == "__main__":
