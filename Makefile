@@ -31,10 +31,16 @@ $(VENV)/.test: $(VENV)/.megatron setup.cfg pyproject.toml
 	$(PIP) -e '.[test]'
 	touch $@
 
+# SGLang (the `sglang` extra of setup.cfg) pins another torch: each package goes in --no-deps beside ours.
+$(VENV)/.sglang: $(VENV)/.test setup.cfg
+	$(PIP) --no-deps $$($(PY) -c "import configparser; c = configparser.ConfigParser(); c.read('setup.cfg'); \
+		print(' '.join(c['options.extras_require']['sglang'].split()))")
+	touch $@
+
 demo: $(VENV)/.base
 	OMP_NUM_THREADS=1 $(VENV)/bin/trace-rl train
 
-test: $(VENV)/.test
+test: $(VENV)/.sglang
 	$(VENV)/bin/ruff check .
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q
 

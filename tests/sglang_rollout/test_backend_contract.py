@@ -1,7 +1,9 @@
 """The contract of `megatron_trace.rollout.RolloutBackend`: what the RL loop relies on, asked of
 every backend through the protocol alone (built as `trace-rl` builds it, by dotted path).
 
-A new backend joins by adding an entry to BACKENDS: (dotted path, EngineConfig options).
+A new backend joins by adding an entry to BACKENDS: (dotted path, EngineConfig options, whether
+one engine per configuration serves the whole module: SGLang's take seconds to start, so they
+are kept, each test loading its weights as a newer version).
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ from tests.support import scenarios as sc
 from trace_kernels.fp4 import quantize
 
 CFG = PRESETS["tiny"]
-BACKENDS = {"builtin": ("sglang_rollout.engine:TraceEngine", {"device": "cpu", "block_size": 4, "num_blocks": 128})}
+BACKENDS = {
+    "builtin": ("sglang_rollout.engine:TraceEngine", {"device": "cpu", "block_size": 4, "num_blocks": 128}, False),
+    "sglang": ("sglang_rollout.sglang:SGLangEngine", {"device": "cpu", "block_size": 4, "num_blocks": 256}, True),
+}
 REQUESTS = [GroupRequest("g0", (1, 2, 3, 4, 5), n=3), GroupRequest("g1", (7, 8, 9, 10, 11, 12, 13), n=2),
             GroupRequest("g2", (42,), n=2)]
 
@@ -27,18 +32,41 @@ def sd():
     return sc.random_full_state_dict(CFG, seed=21)
 
 
-@pytest.fixture(params=list(BACKENDS))
-def new_backend(request):
-    path, options = BACKENDS[request.param]
+@pytest.fixture(scope="module")
+def kept():
+    """Engines of the backends that are kept for the module, by configuration; shut down after."""
+    engines = {}
+    yield engines
+    for engine in engines.values():
+        getattr(engine, "shutdown", lambda: None)()
 
-    def build(precision="fp4", guide="none", coding="dense"):
-        return make_backend(path, CFG, precision=precision, guide=guide, coding=coding, **options)
-    return build
+
+@pytest.fixture(params=list(BACKENDS))
+def new_backend(request, kept):
+    """build(precision, guide, fresh=False) -> a backend: a new one, or the module's engine of
+    that configuration for a kept backend (fresh=True: a new one in any case)."""
+    path, options, keep = BACKENDS[request.param]
+    made = []
+
+    def build(precision="fp4", guide="none", coding="dense", fresh=False):
+        key = (request.param, precision, guide, coding)
+        if keep and not fresh and key in kept:
+            return kept[key]
+        backend = make_backend(path, CFG, precision=precision, guide=guide, coding=coding, **options)
+        if keep and not fresh:
+            kept[key] = backend
+        else:
+            made.append(backend)
+        return backend
+    yield build
+    for backend in made:
+        getattr(backend, "shutdown", lambda: None)()
 
 
 def loaded(new_backend, sd, **kw):
+    """A backend holding `sd` as its newest weight version."""
     backend = new_backend(**kw)
-    backend.update_weights(sd, 0)
+    backend.update_weights(sd, backend.weight_version + 1)
     return backend
 
 
@@ -47,7 +75,7 @@ def key(sample):
 
 
 def test_a_backend_has_no_weights_until_given_some(new_backend):
-    backend = new_backend(precision="bf16")
+    backend = new_backend(precision="bf16", fresh=True)
     assert backend.precision is EnginePrecision.BF16 and backend.weight_version == -1
     with pytest.raises(RuntimeError, match="no weights"):
         backend.generate(REQUESTS, SamplingParams())
@@ -56,38 +84,41 @@ def test_a_backend_has_no_weights_until_given_some(new_backend):
 def test_stale_or_misfit_weights_are_refused_and_change_nothing(new_backend, sd):
     backend = loaded(new_backend, sd)
     greedy = SamplingParams(max_new_tokens=4, temperature=0)
+    version = backend.weight_version
     before = [key(s) for s in backend.generate(REQUESTS, greedy).samples]
     other = sc.random_full_state_dict(CFG, seed=22)
     with pytest.raises(ValueError, match="not newer"):
-        backend.update_weights(other, 0)
+        backend.update_weights(other, version)
     misfit = dict(other, **{"output_layer.weight": other["output_layer.weight"][:, :32]})
     with pytest.raises(ValueError, match="output_layer.weight"):
-        backend.update_weights(misfit, 1)
-    assert backend.weight_version == 0 and [key(s) for s in backend.generate(REQUESTS, greedy).samples] == before
-    backend.update_weights(other, 3)
+        backend.update_weights(misfit, version + 1)
+    assert backend.weight_version == version and [key(s) for s in backend.generate(REQUESTS, greedy).samples] == before
+    backend.update_weights(other, version + 3)
     out = backend.generate(REQUESTS, greedy)
-    assert {s.weight_version for s in out.samples} == {3} and [key(s) for s in out.samples] != before
+    assert {s.weight_version for s in out.samples} == {version + 3} and [key(s) for s in out.samples] != before
 
 
 def test_fp4_weights_may_arrive_packed(new_backend, sd):
     """A packed FP4 update (the trainer's weight sync) equals BF16 quantized on receipt."""
     packed = {k: quantize(v, "nvfp4") if k.endswith(FP4_WEIGHT_SUFFIXES) else v for k, v in sd.items()}
     params = SamplingParams(max_new_tokens=5, seed=4)
-    a, b = loaded(new_backend, sd), new_backend()
-    b.update_weights(packed, 0)
-    assert ([key(s) for s in a.generate(REQUESTS, params).samples]
-            == [key(s) for s in b.generate(REQUESTS, params).samples])
+    a = [key(s) for s in loaded(new_backend, sd).generate(REQUESTS, params).samples]
+    b = new_backend()
+    b.update_weights(packed, b.weight_version + 1)
+    assert a == [key(s) for s in b.generate(REQUESTS, params).samples]
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp4"])
 def test_samples_come_in_request_order_with_their_logprobs(new_backend, sd, precision):
-    out = loaded(new_backend, sd, precision=precision).generate(REQUESTS, SamplingParams(max_new_tokens=6, seed=1))
+    backend = loaded(new_backend, sd, precision=precision)
+    out = backend.generate(REQUESTS, SamplingParams(max_new_tokens=6, seed=1))
     assert [s.sample_id for s in out.samples] == [f"{r.group_id}/{i}" for r in REQUESTS for i in range(r.n)]
     for s, req in zip(out.samples, [r for r in REQUESTS for _ in range(r.n)], strict=True):
         assert s.group_id == req.group_id and s.prompt_len == len(req.prompt_ids) and s.error is None
         assert 1 <= len(s.tokens) <= 6 and all(0 <= t < CFG.vocab_size for t in s.tokens)
         assert s.logprobs.dtype == torch.float32 and s.logprobs.shape == (len(s.tokens),)
-        assert bool((s.logprobs <= 0).all()) and s.finish_reason == "length" and s.weight_version == 0
+        assert bool((s.logprobs <= 0).all()) and s.finish_reason == "length"
+        assert s.weight_version == backend.weight_version
 
 
 def test_generation_stops_after_a_stop_token(new_backend, sd):
@@ -145,12 +176,14 @@ def test_finished_groups_are_handed_over_once_each(new_backend, sd):
 
 @pytest.mark.parametrize("precision, guide", [("bf16", "none"), ("fp4", "all"), ("fp4", "deep:1")])
 def test_guidance_covers_every_token_the_trainer_will_see(new_backend, sd, precision, guide):
-    out = loaded(new_backend, sd, precision=precision, guide=guide).generate(REQUESTS, SamplingParams(max_new_tokens=5))
+    backend = loaded(new_backend, sd, precision=precision, guide=guide)
+    out = backend.generate(REQUESTS, SamplingParams(max_new_tokens=5))
+    version = backend.weight_version
     guided = {"none": [], "all": [0, 1], "deep:1": [1]}[guide]
     sites = sorted(("qkv", "proj", "fc1", "fc2", "k", "v"))
     for s in out.samples:
         sample, group = out.guidance.samples[s.sample_id], out.guidance.groups[s.group_id]
-        assert (sample.response_len, sample.weight_version, group.prompt_len) == (len(s.tokens), 0, s.prompt_len)
+        assert (sample.response_len, sample.weight_version, group.prompt_len) == (len(s.tokens), version, s.prompt_len)
         for layer in range(CFG.num_layers):  # routed experts: every MoE layer, every token
             assert sample.routed_experts[layer].shape == (len(s.tokens), CFG.top_k)
             assert group.routed_experts[layer].shape == (s.prompt_len, CFG.top_k)
@@ -158,4 +191,4 @@ def test_guidance_covers_every_token_the_trainer_will_see(new_backend, sd, preci
         assert sorted(group.records) == [(layer, site) for layer in guided for site in sites]
         for (_, site), record in sample.records.items():
             per_token = {"k": CFG.num_key_value_heads, "v": CFG.num_key_value_heads, "fc2": CFG.top_k}.get(site, 1)
-            assert record.header.rows == len(s.tokens) * per_token and record.header.weight_version == 0
+            assert record.header.rows == len(s.tokens) * per_token and record.header.weight_version == version

@@ -1,0 +1,162 @@
+"""Guidance capture inside SGLang's scheduler processes: how the FP4 sites rounded, per token.
+
+Modelled on SGLang's routed-experts capturer: for the layers the policy selects, each forward's
+rows (mantissa bits, E4M3 block scale bytes and the row's global scale, what a dense record
+keeps) are written into host buffers indexed by KV slot, so they follow radix/prefix sharing,
+and a finished request's rows are gathered by its slots (`collect`). The engine takes them in
+bulk, once per `generate`, through a file per tensor-parallel rank (`dump`, called over SGLang's
+RPC), never through the per-step messages.
+
+Each rank records what it computes: whole rows for qkv and fc1 (their inputs are replicated),
+its column slice for proj and fc2 (row-parallel inputs; the row's global scale is all-reduced,
+so it is the same on every rank), its KV heads for k and v. `merge_ranks` puts the slices
+together again. Shapes: T tokens of the forward, per = rows per token of a site (1; KV heads for
+k/v; top-k for fc2), R = T * per rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from trace_kernels.fp4 import QTensor, mantissa_bits
+
+ENV = "TRACE_SGLANG_CAPTURE"  # JSON {"layers": [...]} the engine sets for its scheduler processes
+FEED_PREFIX = "trace-feed/"  # requests whose guidance is kept (the engine's feed of a sample's last token)
+SITES = ("qkv", "proj", "fc1", "fc2", "k", "v")
+SLICED = {"proj": "cols", "fc2": "cols", "k": "heads", "v": "heads"}  # how TP splits a site's rows
+
+_policy: frozenset = frozenset()  # (layer, site) pairs captured in this process
+_layer: int | None = None  # the layer whose K/V the KV pool is writing
+_slots: torch.Tensor | None = None  # KV slots int64 [T] of the forward's tokens
+_capacity = 0  # KV slots in the pool
+_buffers: dict = {}  # (layer, site) -> (bits, scales, g) host buffers [capacity * per, ...]
+_taken: dict = {}  # request id -> {(layer, site): (bits, scales, g)} gathered at its finish
+
+
+def configure_from_env() -> None:
+    """Capture what the engine asked for in TRACE_SGLANG_CAPTURE (nothing when it is unset)."""
+    spec = json.loads(os.environ.get(ENV) or "{}")
+    configure((layer, site) for layer in spec.get("layers", ()) for site in SITES)
+
+
+def configure(pairs) -> None:
+    """Capture the (layer, site) pairs `pairs` from now on (empty: none)."""
+    global _policy
+    _policy = frozenset(pairs)
+    _buffers.clear()
+
+
+def active() -> bool:
+    return bool(_policy)
+
+
+@contextlib.contextmanager
+def forward(slots: torch.Tensor, capacity: int):
+    """The scope of one model forward whose tokens sit in KV slots `slots` int64 [T]."""
+    global _slots, _capacity
+    _slots, _capacity = slots.to("cpu", torch.long), capacity
+    try:
+        yield
+    finally:
+        _slots = None
+
+
+@contextlib.contextmanager
+def at_layer(layer: int):
+    """Within this scope, K/V writes belong to `layer` (SGLang's KV methods are not told)."""
+    global _layer
+    outer, _layer = _layer, layer
+    try:
+        yield
+    finally:
+        _layer = outer
+
+
+def current_layer() -> int | None:
+    return _layer
+
+
+def wants(layer: int, site: str) -> bool:
+    """True when the site's rows of the current forward are to be recorded."""
+    return _slots is not None and (layer, site) in _policy
+
+
+def dense_parts(q: QTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mantissa bits uint8 [R, K/8], block scale bytes uint8 [R, K/16], g float32 [R]) of
+    row-scaled FP4 rows: what a dense guidance record keeps."""
+    k = q.shape[-1]
+    return (mantissa_bits(q.codes.reshape(-1, k // 2)), q.block_scales.view(torch.uint8).reshape(-1, k // 16),
+            q.global_scale.reshape(-1))
+
+
+def record(layer: int, site: str, x_RK: torch.Tensor, kept, order: torch.Tensor | None = None) -> None:
+    """Store a site's rows of the current forward by KV slot. kept: (bits [R, K/8], scales
+    [R, K/16], g [R]) in token-major row order, or in the order `order` int64 [R] gives (each
+    row's token-major index: the experts' fc2 rows come sorted by expert)."""
+    per = x_RK.shape[0] // max(1, _slots.numel())
+    if per * _slots.numel() != x_RK.shape[0]:
+        raise ValueError(f"guidance capture: layer {layer} {site}: {x_RK.shape[0]} rows for {_slots.numel()} tokens")
+    parts = [t.detach().to("cpu") for t in kept]
+    if order is not None:
+        dest = torch.empty_like(order)
+        dest[order.to(dest.device)] = torch.arange(order.numel(), device=dest.device)
+        parts = [p[dest.cpu()] for p in parts]
+    store = _buffers.get((layer, site))
+    if store is None or store[0].shape[0] != _capacity * per:
+        store = _buffers[(layer, site)] = tuple(p.new_zeros((_capacity * per, *p.shape[1:])) for p in parts)
+    rows = (_slots[:, None] * per + torch.arange(per)).reshape(-1)
+    for buf, part in zip(store, parts, strict=True):
+        buf[rows] = part
+
+
+def collect(rid: str, slots: torch.Tensor) -> None:
+    """Gather a finished request's rows (its tokens' KV slots int64 [n], in token order)."""
+    if not rid.startswith(FEED_PREFIX) or not _buffers:
+        return
+    slots = slots.to("cpu", torch.long)
+    out = {}
+    for (layer, site), store in _buffers.items():
+        per = store[0].shape[0] // _capacity
+        rows = (slots[:, None] * per + torch.arange(per)).reshape(-1)
+        out[(layer, site)] = tuple(buf[rows].clone() for buf in store)
+    _taken[rid] = out
+
+
+def dump(rids: list[str], path: str, rank: int) -> None:
+    """Write the gathered rows of `rids` to path/rank<rank>.pt (atomically) and forget them;
+    a request without rows is an error naming it."""
+    missing = [r for r in rids if r not in _taken]
+    if missing:
+        raise KeyError(f"guidance capture: no rows were gathered for requests {missing[:3]}")
+    data = {r: _taken.pop(r) for r in rids}
+    final = Path(path) / f"rank{rank}.pt"
+    tmp = final.with_suffix(".tmp")
+    torch.save(data, tmp)
+    tmp.replace(final)
+
+
+def merge_ranks(per_rank: list[dict], heads: int) -> dict:
+    """One request's {(layer, site): (bits, scales, g)} of every TP rank (in rank order) as the
+    whole rows an unsharded engine would have captured (heads: KV heads in all)."""
+    if len(per_rank) == 1:
+        return per_rank[0]
+    out = {}
+    for key, first in per_rank[0].items():
+        site = key[1]
+        parts = [r[key] for r in per_rank]
+        if SLICED.get(site) == "cols":  # each rank its columns; g is the same everywhere
+            out[key] = (torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1), first[2])
+        elif SLICED.get(site) == "heads":  # each rank its KV heads, rows (token, head)
+            local = heads // len(parts)
+
+            def join(i, parts=parts, local=local):
+                return torch.cat([p[i].reshape(-1, local, *p[i].shape[1:]) for p in parts], 1).flatten(0, 1)
+            out[key] = (join(0), join(1), join(2))
+        else:
+            out[key] = first
+    return out

@@ -1,0 +1,61 @@
+"""The SGLang backend's configuration, and the sglang.Engine arguments it comes to."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_trace.guidance import LayerPolicy
+from megatron_trace.modes import EnginePrecision
+
+from .weight_payload import LOADER
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """precision: "fp4" (SGLang with quantization="trace_fp4") or "bf16" (SGLang unquantized).
+    guide / coding: the guidance policy and coding recorded (as the built-in engine's;
+    "dense" only for now). model_id: written into every record. device: "cpu" or "cuda".
+    num_blocks x block_size: the KV cache's token capacity (SGLang's max_total_tokens).
+    tp_size: SGLang's tensor parallelism. sglang: SGLang's own ServerArgs options, passed through
+    (they override what this config derives)."""
+
+    precision: EnginePrecision = EnginePrecision.FP4
+    guide: str = "none"
+    coding: str = "dense"
+    model_id: str = "model"
+    device: str = "cpu"
+    num_blocks: int = 512
+    block_size: int = 16
+    tp_size: int = 1
+    sglang: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "precision", EnginePrecision(self.precision))
+        except ValueError as e:
+            raise ValueError(f"EngineConfig.precision: {e}") from None
+        LayerPolicy.parse(self.guide)
+        if self.coding != "dense":
+            raise ValueError(f"EngineConfig.coding: the SGLang backend records dense guidance only, "
+                             f"got {self.coding!r}")
+        if self.guide != "none" and self.precision is not EnginePrecision.FP4:
+            raise ValueError("EngineConfig.guide needs precision='fp4': guidance records FP4 rounding")
+        for name in ("num_blocks", "block_size", "tp_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+
+def server_args(model_dir: str, cfg: EngineConfig) -> dict:
+    """sglang.Engine's arguments for this config (cfg.sglang's entries win)."""
+    cpu = cfg.device == "cpu"
+    args = dict(model_path=model_dir, load_format="dummy", device=cfg.device, tp_size=cfg.tp_size, dtype="bfloat16",
+                skip_tokenizer_init=True, random_seed=0, log_level="error",
+                max_total_tokens=cfg.num_blocks * cfg.block_size, enable_return_routed_experts=True,
+                quantization="trace_fp4" if cfg.precision is EnginePrecision.FP4 else None,
+                custom_weight_loader=[LOADER], sampling_backend="pytorch",
+                attention_backend="torch_native" if cpu else "triton")
+    if cpu:
+        # CPU: no CUDA graphs; the overlap scheduler's host copies alias the device buffers on the
+        # CPU and corrupt routed experts (docs/notes/sglang-integration.md)
+        args |= dict(disable_cuda_graph=True, disable_overlap_schedule=True, mem_fraction_static=0.1)
+    return args | cfg.sglang

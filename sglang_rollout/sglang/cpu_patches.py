@@ -1,0 +1,130 @@
+"""What SGLang 0.5.17 needs to run on a CPU-only machine beside torch 2.13.0 (CI, tests, the CPU
+launch path). Nothing here runs where CUDA is present: `install()` returns at once there.
+
+Applied in every process SGLang starts (its scheduler and detokenizer are spawned, and they import
+SGLang before any plugin runs) through `cpu_site/sitecustomize.py`, which `SGLangEngine` puts on
+PYTHONPATH for a CPU engine; the calling process applies them by calling `install()` before
+importing sglang. No file of SGLang is edited. Each shim names the error that forced it
+(docs/notes/sglang-integration.md has the measurements):
+
+1. torchvision. SGLang imports it unconditionally (`srt/utils/common.py`, its multimodal
+   configs), and the registry's torchvision is a CUDA build that cannot load beside CPU torch
+   ("operator torchvision::nms does not exist"); installed, it would also break transformers'
+   model imports in the same environment. So it is not installed: a stub package stands in,
+   whose every attribute is a stub that raises when called (text models never call it).
+2. transformers' `AutoConfig.register` made idempotent: SGLang pins transformers 5.12.1 and
+   registers `qwen3_asr`, which transformers 5.24.0 already defines ("'qwen3_asr' is already
+   used by a Transformers config").
+3. `sgl_kernel` (no CPU build): the same kind of stub, so imports that are never used on the
+   CPU path succeed and a call is an error, never a silent no-op.
+4. `pin_memory=True` dropped from `torch.zeros` (the routed-experts host buffer asks for it; CPU
+   torch has no pinned allocator: "pin_memory=True requires a CUDA or other accelerator backend").
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import sys
+import types
+
+_installed = False
+STUBBED = ("sgl_kernel", "torchvision")  # packages served by a stub when no real one is installed
+
+
+def install() -> bool:
+    """Apply the shims in this process, once; False (nothing done) where CUDA is present."""
+    global _installed
+    import torch
+
+    if _installed or torch.cuda.is_available():
+        return _installed
+    sys.meta_path.insert(0, _IdempotentAutoConfig)
+    sys.meta_path.append(_StubFinder)
+    _drop_pin_memory(torch)
+    _installed = True
+    return True
+
+
+class _IdempotentAutoConfig:
+    """A one-shot import hook: after transformers' configuration_auto loads, its
+    AutoConfig.register accepts a model type that is already registered."""
+
+    MODULE = "transformers.models.auto.configuration_auto"
+
+    @classmethod
+    def find_spec(cls, fullname, path=None, target=None):
+        if fullname != cls.MODULE:
+            return None
+        sys.meta_path.remove(cls)
+        spec = importlib.util.find_spec(fullname)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            register = module.AutoConfig.register
+            module.AutoConfig.register = staticmethod(lambda model_type, config, exist_ok=False:
+                                                      register(model_type, config, exist_ok=True))
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+class _Stub:
+    """What a stubbed package's names resolve to: attribute chains resolve (module-level code
+    reads `InterpolationMode.BICUBIC`), calling or subclassing it raises."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _Stub(f"{self._name}.{attr}")
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError(f"{self._name} was called, but this CPU machine has only a stub of it "
+                           "(sglang_rollout.sglang.cpu_patches)")
+
+    def __mro_entries__(self, bases):
+        raise RuntimeError(f"{self._name}: cannot subclass a stub (sglang_rollout.sglang.cpu_patches)")
+
+
+class _StubModule(types.ModuleType):
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _Stub(f"{self.__name__}.{attr}")
+
+
+class _StubFinder:
+    """Serves stub modules for the STUBBED packages and their submodules when no real one is
+    installed (a real package always wins)."""
+
+    @classmethod
+    def find_spec(cls, fullname, path=None, target=None):
+        root = fullname.partition(".")[0]
+        if root not in STUBBED or importlib.machinery.PathFinder.find_spec(root) is not None:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, cls, is_package=True)
+
+    @staticmethod
+    def create_module(spec):
+        module = _StubModule(spec.name)
+        module.__file__ = "<stub: sglang_rollout.sglang.cpu_patches>"
+        module.__version__ = "0.0.0+stub"  # transformers parses it; below any version it uses features of
+        module.__path__ = []
+        return module
+
+    @staticmethod
+    def exec_module(module):
+        pass
+
+
+def _drop_pin_memory(torch) -> None:
+    zeros = torch.zeros
+
+    def zeros_unpinned(*args, **kwargs):
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        return zeros(*args, **kwargs)
+    torch.zeros = zeros_unpinned

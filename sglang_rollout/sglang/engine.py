@@ -1,0 +1,142 @@
+"""SGLangEngine: SGLang's real `sglang.Engine` as a RolloutBackend running TRACE's FP4 policy.
+
+SGLang's engine takes over the process that starts it: its shutdown kills every child process
+of that process, it installs a SIGQUIT handler that kills the whole tree, and on the CPU it
+needs import shims (`cpu_patches`). So each SGLangEngine runs sglang.Engine in a host process
+of its own (`session.Session`, spawned), and this object forwards the RolloutBackend calls to
+it over a pipe: the caller's process (a trainer) stays as it was, several engines can live and
+stop in one process, and a failed engine raises in the caller instead of killing it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import multiprocessing as mp
+import traceback
+
+import torch
+
+from megatron_trace.model_config import ModelConfig
+from megatron_trace.modes import EnginePrecision
+from megatron_trace.rollout import GroupRequest, RolloutOutput, SamplingParams
+
+from .config import EngineConfig
+
+__all__ = ["EngineConfig", "SGLangEngine"]
+START_TIMEOUT_S = 600
+
+
+class SGLangEngine:
+    """A RolloutBackend over sglang.Engine in a host process (see the module docstring)."""
+
+    def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig = EngineConfig()):
+        self.model_cfg, self.engine_cfg = model_cfg, engine_cfg
+        self.weight_version = -1
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._host = ctx.Process(target=_host_main, args=(child, model_cfg, engine_cfg), daemon=False,
+                                 name="trace-sglang-host")
+        self._host.start()
+        child.close()
+        self._call(None, timeout=START_TIMEOUT_S)  # the host reports once sglang.Engine is up
+
+    @property
+    def precision(self) -> EnginePrecision:
+        return self.engine_cfg.precision
+
+    def update_weights(self, state_dict, version: int) -> None:
+        """Load a full (or partial) Megatron state dict (BF16, or FP4 QTensors for the FP4 sites)
+        as `version`. ValueError for a version not newer than the current one, or a tensor that
+        does not fit the model (then the old weights stay)."""
+        if version <= self.weight_version:
+            raise ValueError(f"weight version {version} is not newer than the engine's {self.weight_version}")
+        self._call(("update_weights", state_dict, version))
+        self.weight_version = version
+
+    def generate(self, requests: list[GroupRequest], sampling: SamplingParams, on_group=None) -> RolloutOutput:
+        """Every request's samples, in request order, with their guidance; a bad request fails
+        alone. on_group(output), if given, receives each group's output (once the call is done:
+        SGLang's streaming is not used yet)."""
+        out = self._call(("generate", requests, sampling))
+        if on_group is not None:
+            start = 0
+            for req in requests:
+                group = out.samples[start:start + req.n]
+                start += req.n
+                on_group(RolloutOutput(group, out.guidance.subset(s.sample_id for s in group)))
+        return out
+
+    def shutdown(self) -> None:
+        """Stop the host process and SGLang's processes under it."""
+        host = getattr(self, "_host", None)
+        if host is None or not host.is_alive():
+            return
+        with contextlib.suppress(OSError, EOFError, RuntimeError, TimeoutError):  # already gone
+            self._call(("shutdown",), timeout=60)
+        host.join(30)
+        if host.is_alive():
+            host.kill()
+            host.join(10)
+
+    def __del__(self):
+        self.shutdown()
+
+    def _call(self, message, timeout: float | None = None):
+        """Send `message` (None: only wait for the host's next reply) and return its reply's value,
+        or raise the exception the host raised (same type and message)."""
+        if message is not None:
+            self._conn.send(message)
+        if timeout is not None and not self._conn.poll(timeout):
+            raise TimeoutError(f"the SGLang engine's host process did not answer within {timeout} s")
+        try:
+            kind, value = self._conn.recv()
+        except EOFError:
+            raise RuntimeError(f"the SGLang engine's host process died (exit code {self._host.exitcode})") from None
+        if kind == "error":
+            cls, text = value
+            raise (cls if isinstance(cls, type) and issubclass(cls, Exception) else RuntimeError)(text)
+        return None if value is None else torch.load(io.BytesIO(value), weights_only=False)
+
+
+def _host_main(conn, model_cfg: ModelConfig, engine_cfg: EngineConfig) -> None:
+    """The host process: build the Session, then answer calls until told to shut down."""
+    session = None
+    try:
+        from .session import Session
+
+        session = Session(model_cfg, engine_cfg)
+        conn.send(("ok", None))
+        while True:
+            name, *args = conn.recv()
+            if name == "shutdown":
+                conn.send(("ok", None))
+                break
+            try:
+                conn.send(("ok", _pack(getattr(session, name)(*args))))
+            except Exception as e:  # noqa: BLE001 - every failure goes back to the caller, which raises it
+                conn.send(("error", (type(e), _message(e))))
+    except EOFError:  # the caller is gone
+        pass
+    except Exception as e:  # noqa: BLE001 - a failed start is the caller's error
+        conn.send(("error", (type(e), _message(e))))
+    finally:
+        if session is not None:
+            session.shutdown()
+
+
+def _pack(value) -> bytes | None:
+    """A reply's value as bytes (its tensors by value: a rollout holds many small tensors, and
+    sharing each through its own file descriptor would run out of them)."""
+    if value is None:
+        return None
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
+
+
+def _message(e: Exception) -> str:
+    """The exception's text; for unexpected errors with the host's traceback, so it is not lost."""
+    if isinstance(e, (ValueError, KeyError, RuntimeError, TimeoutError)):
+        return str(e)
+    return f"{e}\n(in the SGLang engine's host process)\n{traceback.format_exc()}"

@@ -1,0 +1,121 @@
+"""TRACE's SGLang plugin, loaded by SGLang (entry point group `sglang.srt.plugins`, setup.cfg) in
+its engine process and in every scheduler process before a model is built. It registers the
+`trace_fp4` quantization method and hooks SGLang's KV-pool construction so that an engine asked
+for `quantization="trace_fp4"` stores its KV cache in TRACE's NVFP4 (`kv_cache`). Engines that
+ask for anything else are untouched. In the processes of an engine TRACE started (`SEEDED` set),
+a request's `sampling_seed` fixes its draws (SGLang reads it only in its deterministic mode,
+which its CPU attention does not support); with guidance asked for (capture.ENV), the capturer
+is hooked around each forward and each request's end.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+KV_POOL_BUILDER = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_mha_kv_pool"
+QUANTIZED_KV_WRITE = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._set_quantized_kv_buffer"
+MODEL_FORWARD = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
+REQUEST_FINISHED = ("sglang.srt.managers.scheduler_components.batch_result_processor."
+                    "SchedulerBatchResultProcessor._maybe_collect_routed_experts")
+SEEDED = "TRACE_SGLANG_SEEDED"
+_registered = False
+
+
+def register() -> None:
+    """Register `trace_fp4` and the hooks, once per process (SGLang calls this)."""
+    global _registered
+    if _registered:
+        return
+    from sglang.srt.layers.quantization import QUANTIZATION_METHODS
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang.srt.server_args import add_quantization_method_choices
+
+    from . import capture
+    from .quant import NAME, TraceFP4Config
+
+    QUANTIZATION_METHODS[NAME] = TraceFP4Config
+    add_quantization_method_choices([NAME])
+    HookRegistry.register(KV_POOL_BUILDER, _build_kv_pool, HookType.AROUND)
+    HookRegistry.register(QUANTIZED_KV_WRITE, _write_quantized_kv, HookType.AROUND)
+    if os.environ.get(SEEDED) == "1":
+        _seed_sampling()
+    capture.configure_from_env()
+    if capture.active():  # guidance capture: around each forward, at each request's end, and the RPC
+        from sglang.srt.managers.scheduler import Scheduler
+
+        HookRegistry.register(MODEL_FORWARD, _forward, HookType.AROUND)
+        HookRegistry.register(REQUEST_FINISHED, _request_finished, HookType.AFTER)
+        Scheduler.trace_dump_guidance = _dump_guidance
+    _registered = True
+
+
+def _build_kv_pool(original, configurator, *args, quant_method=None, **kwargs):
+    """SGLang's MHA pool, with TRACE's NVFP4 KV method for a trace_fp4 engine."""
+    from .quant import NAME
+
+    if getattr(configurator.model_config, "quantization", None) == NAME:
+        if quant_method is not None:
+            raise ValueError("trace_fp4 brings its own NVFP4 KV cache: leave kv_cache_dtype at its default")
+        from .kv_cache import TraceNVFP4KVMethod
+
+        quant_method = TraceNVFP4KVMethod()
+        logger.info("trace_fp4: the KV cache is TRACE's NVFP4 (one global scale per token and KV head)")
+    return original(configurator, *args, quant_method=quant_method, **kwargs)
+
+
+def _write_quantized_kv(original, pool, layer_id, global_layer_id, *args, **kwargs):
+    """Tell the guidance capturer which layer a quantized K/V write belongs to."""
+    from . import capture
+
+    with capture.at_layer(global_layer_id):
+        return original(pool, layer_id, global_layer_id, *args, **kwargs)
+
+
+def _forward(original, runner, forward_batch, *args, **kwargs):
+    """A model forward, with the capturer told the KV slots of its tokens."""
+    from . import capture
+
+    pool = runner.token_to_kv_pool
+    with capture.forward(forward_batch.out_cache_loc, pool.size + pool.page_size):
+        return original(runner, forward_batch, *args, **kwargs)
+
+
+def _request_finished(result, processor, req, *args, **kwargs):
+    """Gather a finished request's guidance rows by its KV slots (before SGLang frees them)."""
+    from . import capture
+
+    seqlen = len(req.origin_input_ids) + len(req.output_ids_through_stop)
+    capture.collect(req.rid, processor.req_to_token_pool.req_to_token[req.req_pool_idx][: seqlen - 1])
+    return result
+
+
+def _dump_guidance(scheduler, rids: list[str], path: str) -> None:
+    """SGLang RPC (Engine.collective_rpc("trace_dump_guidance", ...)): write the rows of `rids`."""
+    from sglang.srt.distributed import get_tensor_model_parallel_rank
+
+    from . import capture
+
+    capture.dump(rids, path, get_tensor_model_parallel_rank())
+
+
+def _seed_sampling() -> None:
+    """Make each request's sampling_seed reach SGLang's sampler: its draws are then a function of
+    the seed and the token's position (a Gumbel trick), so a sample's tokens do not depend on
+    the batch it runs in."""
+    import torch
+    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+
+    original = SamplingBatchInfo.from_schedule_batch.__func__
+
+    def from_schedule_batch(cls, batch, vocab_size: int):
+        info = original(cls, batch, vocab_size)
+        seeds = [r.sampling_params.sampling_seed for r in batch.reqs]
+        if info.sampling_seed is None and any(s is not None for s in seeds):
+            if any(s is None for s in seeds):
+                raise ValueError("trace: every request of a seeded TRACE engine carries a sampling_seed")
+            info.sampling_seed = torch.tensor(seeds, dtype=torch.int64, device=batch.device)
+        return info
+    SamplingBatchInfo.from_schedule_batch = classmethod(from_schedule_batch)

@@ -1,0 +1,246 @@
+"""The SGLang engine's host process side: `sglang.Engine` running TRACE's FP4 policy.
+
+The engine starts on a model directory holding only TRACE's config (weights arrive through
+`update_weights`, as for the built-in engine), with `quantization="trace_fp4"` in FP4 (the
+plugin: W4A4 at every FP4 site, TRACE's NVFP4 KV cache). Each sample is one SGLang request with
+its own sampling seed (SGLang draws from a seed and the position, so a sample's tokens do not
+depend on its batch). After a sample finishes, its whole sequence is fed once more as a
+one-token extend that hits the radix cache (only the last token is computed), so that routed
+experts and guidance rows cover every token the trainer will see; the guidance rows of those
+feeds come from the scheduler processes in one file per tensor-parallel rank per call.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from megatron_trace.checkpoint.qwen3_moe import hf_config
+from megatron_trace.guidance import GroupGuidance, GuidanceBatch, LayerPolicy, SampleGuidance, capture_dense
+from megatron_trace.model_config import ModelConfig
+from megatron_trace.modes import EnginePrecision
+from megatron_trace.rollout import GroupRequest, RolloutOutput, SampleResult, SamplingParams
+from sglang_rollout.engine.sampler import sample_key
+
+from . import capture
+from .config import EngineConfig, server_args
+from .plugin import SEEDED
+from .weight_payload import LOADER, check_update, flatten
+
+CPU_SITE = Path(__file__).with_name("cpu_site")
+
+
+class Session:
+    """sglang.Engine and what TRACE asks of it, inside the engine's host process (see the module
+    docstring); `SGLangEngine` is its RolloutBackend face in the caller's process."""
+
+    def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig = EngineConfig()):
+        self.model_cfg, self.engine_cfg = model_cfg, engine_cfg
+        self.weight_version = -1
+        self.guided_layers = sorted(LayerPolicy.parse(engine_cfg.guide).select(model_cfg.num_layers))
+        self._dir = tempfile.TemporaryDirectory(prefix="trace-sglang-")
+        Path(self._dir.name, "config.json").write_text(json.dumps(hf_config(model_cfg)))
+        env = {capture.ENV: json.dumps({"layers": self.guided_layers}), SEEDED: "1"}
+        if engine_cfg.device == "cpu":
+            from . import cpu_patches
+
+            cpu_patches.install()
+            # TRITON_INTERPRET: SGLang's seeded sampling hashes with a Triton kernel; TRACE's own kernels are
+            # called with the torch backend on CPU tensors (quant.kernel_backend)
+            env |= {"SGLANG_USE_CPU_ENGINE": "1", "TORCH_COMPILE_DISABLE": "1", "TRITON_INTERPRET": "1",
+                    "PYTHONPATH": os.pathsep.join([str(CPU_SITE), os.environ.get("PYTHONPATH", "")])}
+            if engine_cfg.tp_size > 1:
+                env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(i % max(1, os.cpu_count())) for i in
+                                                              range(engine_cfg.tp_size))
+        import sglang
+
+        with _environment(env):  # inherited by the scheduler processes SGLang spawns
+            self.engine = sglang.Engine(**server_args(self._dir.name, engine_cfg))
+        self._calls = 0
+
+    @property
+    def precision(self) -> EnginePrecision:
+        return self.engine_cfg.precision
+
+    def shutdown(self) -> None:
+        """Stop SGLang's processes (also done when the object is collected)."""
+        engine, self.engine = getattr(self, "engine", None), None
+        if engine is not None:
+            engine.shutdown()
+
+    # -- weights ------------------------------------------------------------------------------
+    def update_weights(self, state_dict, version: int) -> None:
+        """Load a full (or partial) Megatron state dict (BF16, or FP4 QTensors for the FP4 sites)
+        as `version`. ValueError for a version not newer than the current one, or a tensor that
+        does not fit the model (then the old weights stay: the loader checks before writing)."""
+        if version <= self.weight_version:
+            raise ValueError(f"weight version {version} is not newer than the engine's {self.weight_version}")
+        check_update(self.model_cfg, state_dict, self.precision is EnginePrecision.FP4)
+        result = self.engine.update_weights_from_tensor(flatten(state_dict), load_format=LOADER)
+        ok, message = (result[0], result[1]) if isinstance(result, (tuple, list)) else (bool(result), str(result))
+        if not ok:
+            raise ValueError(f"SGLang refused the weights: {message}")
+        self.weight_version = version
+
+    # -- generation ---------------------------------------------------------------------------
+    def generate(self, requests: list[GroupRequest], sampling: SamplingParams, on_group=None) -> RolloutOutput:
+        """Every request's samples, in request order, with routed experts for every token and
+        guidance records for the guided layers (prompt records once per group)."""
+        if self.weight_version < 0:
+            raise RuntimeError("the engine has no weights yet: call update_weights first")
+        self._calls += 1
+        samples, errors = [], {}
+        for req in requests:
+            error = self._check(req, sampling)
+            if error:
+                errors[req.group_id] = error
+            samples += [(req, i, f"{req.group_id}/{i}") for i in range(req.n)]
+        run = [(req, i, sid) for req, i, sid in samples if req.group_id not in errors]
+        outs = self._generate(run, sampling) if run else []
+        feeds = self._feed(run, outs) if run else []
+        rows = self._guidance_rows([f"{capture.FEED_PREFIX}{self._rid(sid)}" for *_, sid in run]) if run else []
+        return self._assemble(requests, samples, errors, run, outs, feeds, rows, on_group)
+
+    def _rid(self, sample_id: str) -> str:
+        return f"trace/{self._calls}/{sample_id}"
+
+    def _check(self, req: GroupRequest, sampling: SamplingParams) -> str | None:
+        """Why `req` cannot run (None: it can), as the built-in engine says it."""
+        n, vocab = len(req.prompt_ids), self.model_cfg.vocab_size
+        if n == 0:
+            return "empty prompt"
+        bad = [t for t in req.prompt_ids if not 0 <= t < vocab]
+        if bad:
+            return f"token ids {bad[:5]} outside the vocabulary 0..{vocab - 1}"
+        if req.n < 1:
+            return f"n must be >= 1, got {req.n}"
+        limit = min(self.model_cfg.max_position_embeddings, self.engine_cfg.num_blocks * self.engine_cfg.block_size)
+        if n + sampling.max_new_tokens + 1 > limit:  # + 1: the feed of the last token
+            return (f"prompt of {n} tokens + max_new_tokens {sampling.max_new_tokens} exceeds the context of "
+                    f"{limit} tokens")
+        return None
+
+    def _generate(self, run, sampling: SamplingParams) -> list[dict]:
+        params = [{"max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
+                   "top_p": sampling.top_p, "top_k": sampling.top_k or -1,
+                   "stop_token_ids": list(sampling.stop_token_ids),
+                   "sampling_seed": sample_key(sampling.seed, sid)} for *_, sid in run]
+        return self.engine.generate(input_ids=[list(req.prompt_ids) for req, *_ in run], sampling_params=params,
+                                    return_logprob=True, rid=[self._rid(sid) for *_, sid in run])
+
+    def _feed(self, run, outs) -> list[dict]:
+        """Each finished sample's sequence once more, one token computed (the rest cached): the
+        routed experts and guidance rows of its last token."""
+        seqs = [list(req.prompt_ids) + list(out["output_ids"]) for (req, *_), out in zip(run, outs, strict=True)]
+        feeds = self.engine.generate(input_ids=seqs, return_routed_experts=True,
+                                     sampling_params={"max_new_tokens": 1, "temperature": 0.0, "sampling_seed": 0},
+                                     rid=[f"{capture.FEED_PREFIX}{self._rid(sid)}" for *_, sid in run])
+        for seq, feed, (_, _, sid) in zip(seqs, feeds, run, strict=True):
+            cached = feed["meta_info"].get("cached_tokens", len(seq) - 1)
+            if cached != len(seq) - 1:
+                raise RuntimeError(f"sample {sid}: its KV entries were evicted before its last token was fed "
+                                   f"({cached} of {len(seq) - 1} cached): give the engine more KV blocks")
+        return feeds
+
+    def _guidance_rows(self, rids: list[str]) -> list[dict]:
+        """Per feed request, {(layer, site): (bits, scales, g)} of its whole sequence ([] unguided)."""
+        if not self.guided_layers:
+            return [{} for _ in rids]
+        with tempfile.TemporaryDirectory(prefix="trace-guidance-", dir=_spill_dir()) as tmp:
+            self.engine.collective_rpc("trace_dump_guidance", rids=rids, path=tmp)
+            ranks = [torch.load(Path(tmp, f"rank{r}.pt"), weights_only=True) for r in range(self.engine_cfg.tp_size)]
+        return [capture.merge_ranks([rank[rid] for rank in ranks], self.model_cfg.num_key_value_heads) for rid in rids]
+
+    def _assemble(self, requests, samples, errors, run, outs, feeds, rows, on_group) -> RolloutOutput:
+        index = {sid: j for j, (*_, sid) in enumerate(run)}
+        results, guidance = [], GuidanceBatch()
+        for req in requests:
+            group = []
+            for i in range(req.n):
+                sid = f"{req.group_id}/{i}"
+                if req.group_id in errors:
+                    group.append(SampleResult(sample_id=sid, group_id=req.group_id, prompt_len=len(req.prompt_ids),
+                                              tokens=[], logprobs=torch.zeros(0), finish_reason="error",
+                                              weight_version=self.weight_version, error=errors[req.group_id]))
+                    continue
+                j = index[sid]
+                group.append(self._sample(req, sid, outs[j], feeds[j], rows[j], guidance, first=i == 0))
+            results += group
+            if on_group is not None:
+                on_group(RolloutOutput(group, guidance.subset(s.sample_id for s in group)))
+        return RolloutOutput(results, guidance)
+
+    def _sample(self, req, sid, out, feed, rows, guidance, first: bool) -> SampleResult:
+        meta = out["meta_info"]
+        tokens = list(out["output_ids"])
+        logprobs = torch.tensor([lp for lp, _, _ in meta["output_token_logprobs"]], dtype=torch.float32)
+        reason = meta["finish_reason"]
+        reason = reason["type"] if isinstance(reason, dict) else str(reason)
+        p = len(req.prompt_ids)
+        experts = _routed_experts(feed["meta_info"]["routed_experts"], p + len(tokens), self.model_cfg)
+        if first:
+            guidance.add_group(GroupGuidance(group_id=req.group_id, prompt_len=p,
+                                             records=self._records(rows, 0, p, req.group_id),
+                                             routed_experts={L: e[:p] for L, e in experts.items()}))
+        guidance.add_sample(SampleGuidance(sample_id=sid, group_id=req.group_id, response_len=len(tokens),
+                                           weight_version=self.weight_version,
+                                           records=self._records(rows, p, p + len(tokens), sid),
+                                           routed_experts={L: e[p:] for L, e in experts.items()}))
+        return SampleResult(sample_id=sid, group_id=req.group_id, prompt_len=p, tokens=tokens, logprobs=logprobs,
+                            finish_reason="stop" if reason == "stop" else "length", weight_version=self.weight_version)
+
+    def _records(self, rows: dict, start: int, end: int, owner: str) -> dict:
+        """Dense records of tokens start..end-1 of a sequence's captured rows."""
+        out = {}
+        for (layer, site), (bits, scales, g) in rows.items():
+            per = bits.shape[0] // max(1, rows_total(rows))
+            a, b = start * per, end * per
+            out[(layer, site)] = capture_dense(bits[a:b], scales[a:b], g[a:b], model_id=self.engine_cfg.model_id,
+                                               layer=layer, site=site, sample_id=owner,
+                                               weight_version=self.weight_version, policy=self.engine_cfg.guide)
+        return out
+
+
+def rows_total(rows: dict) -> int:
+    """Tokens a sequence's captured rows cover (the qkv site has one row per token)."""
+    for (_, site), (bits, _, _) in rows.items():
+        if site == "qkv":
+            return bits.shape[0]
+    raise ValueError("captured rows without the qkv site: cannot tell how many tokens they cover")
+
+
+def _routed_experts(encoded, tokens: int, model_cfg: ModelConfig) -> dict[int, torch.Tensor]:
+    """{layer: int64 [tokens, top_k]} of SGLang's routed experts (base64 int32 [tokens, L, k])."""
+    raw = np.frombuffer(base64.b64decode(encoded), dtype=np.int32) if isinstance(encoded, str) else np.asarray(encoded)
+    arr = torch.from_numpy(raw.copy()).long().reshape(tokens, model_cfg.num_layers, model_cfg.top_k)
+    return {layer: arr[:, layer].contiguous() for layer in range(model_cfg.num_layers)}
+
+
+def _spill_dir() -> str | None:
+    """Where guidance files go between the processes: RAM-backed /dev/shm when there is one."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+class _environment:
+    """Set environment variables for a scope (restored after)."""
+
+    def __init__(self, values: dict):
+        self.values, self.saved = values, {}
+
+    def __enter__(self):
+        self.saved = {k: os.environ.get(k) for k in self.values}
+        os.environ.update(self.values)
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+

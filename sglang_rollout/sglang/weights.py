@@ -1,0 +1,133 @@
+"""Weight updates inside SGLang's scheduler processes (SGLang's `custom_weight_loader` hook): the
+trainer's full state dict, FP4 sites packed or BF16, placed into this tensor-parallel rank's
+packed FP4 storage in place (CUDA graphs keep reading the same buffers), the rest through the
+model's own loaders.
+
+The engine sends tensors under Megatron's full names (megatron/weights.py), a packed FP4 weight
+as its parts (`weight_payload`). A BF16 engine (no trace_fp4) loads everything through the
+model's loaders. The engine's host process checks an update before sending it
+(`check_update`): an exception in a scheduler process stops SGLang, so none may be raised there
+for bad input.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from megatron_trace.checkpoint.qwen3_moe import to_hf
+from megatron_trace.model_config import ModelConfig, fp4_site_of, full_weight_shapes
+from trace_kernels.fp4 import Format, QTensor, quantize
+
+from .quant import ExpertWeights, store_linear
+from .weight_payload import check_update, unflatten
+
+_EXPERT = re.compile(r"decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.linear_fc(\d)\.weight")
+
+
+def load_trace_weights(model, named_tensors) -> None:
+    """SGLang's custom weight loader: place a (partial or full) Megatron state dict into `model`
+    (SGLang's Qwen3MoeForCausalLM on this TP rank)."""
+    model_cfg = model_config_of(model)
+    shapes = full_weight_shapes(model_cfg)
+    state_dict = unflatten(named_tensors, shapes)
+    fp4 = hasattr(model.model.layers[0].self_attn.qkv_proj, "trace_weight")
+    check_update(model_cfg, state_dict, fp4)
+    writes = [_plan(model, model_cfg, name, t, fp4) for name, t in state_dict.items()]
+    hf = [pair for w in writes if w[0] == "hf" for pair in w[1]]
+    for kind, *args in writes:
+        if kind == "fn":
+            write, *rest = args
+            write(*rest)
+    if hf:
+        model.load_weights(hf)
+
+
+def model_config_of(model) -> ModelConfig:
+    """TRACE's ModelConfig of SGLang's model (its HF config)."""
+    from megatron_trace.checkpoint.qwen3_moe import config_from_hf
+
+    return config_from_hf(model.config.to_dict())
+
+
+def _plan(model, model_cfg: ModelConfig, name: str, t, fp4: bool) -> tuple:
+    """What writing tensor `name` takes: ("hf", HF pairs for model.load_weights), ("fn", write,
+    args...) for a packed FP4 site of this rank, or ("skip",) for another rank's expert."""
+    site = fp4_site_of(name) if fp4 else None
+    if site is None:
+        return ("hf", to_hf(name, t, model_cfg))
+    q = t if isinstance(t, QTensor) else quantize(t, "nvfp4", check_finite=False)
+    layer, kind = site
+    block = model.model.layers[layer]
+    if kind in ("qkv", "proj"):
+        linear = block.self_attn.qkv_proj if kind == "qkv" else block.self_attn.o_proj
+        return ("fn", store_linear, linear, _linear_shard(linear, model_cfg, name, q, kind))
+    m = _EXPERT.fullmatch(name)
+    experts, expert = block.mlp.experts, int(m[2])
+    local = _local_expert(experts, expert)
+    if local is None:
+        return ("skip",)
+    which = "w13" if kind == "fc1" else "w2"
+    return ("fn", _store_expert, getattr(experts, f"trace_{which}"), local, _expert_shard(experts, q, which, name))
+
+
+def _linear_shard(linear, model_cfg: ModelConfig, name: str, q: QTensor, kind: str) -> QTensor:
+    """This rank's rows (QKV: its query and KV heads, in SGLang's [q | k | v] order) or columns
+    (the output projection) of a packed weight, global scale unchanged."""
+    rank, size = getattr(linear, "tp_rank", 0), getattr(linear, "tp_size", 1)
+    codes, scales = q.codes, q.block_scales
+    if kind == "qkv":
+        parts = to_hf(name, torch.arange(codes.shape[0]), model_cfg)  # row indices of q, k, v
+        d = model_cfg.head_dim
+        rows = []
+        for _, idx in parts:
+            heads = idx.numel() // d
+            per = max(1, heads // size)  # KV heads are replicated when fewer than ranks
+            first = rank * per if heads >= size else rank * heads // size
+            rows.append(idx.view(heads, d)[first:first + per].reshape(-1))
+        rows = torch.cat(rows)
+        codes, scales = codes[rows], scales[rows]
+    elif size > 1:
+        k = q.shape[-1] // size
+        codes, scales = codes[:, rank * k // 2:(rank + 1) * k // 2], scales[:, rank * k // 16:(rank + 1) * k // 16]
+    n, k2 = codes.shape
+    want = tuple(linear.trace_weight.codes.shape)
+    if (n, k2) != want:
+        raise ValueError(f"weight update: {name} gives this rank codes {(n, k2)}, its layer holds {want}")
+    return QTensor(codes.contiguous(), scales.contiguous(), q.global_scale, Format.NVFP4, torch.Size((n, 2 * k2)))
+
+
+def _local_expert(experts, expert: int) -> int | None:
+    """The local index of global expert `expert` on this rank (None: another rank's)."""
+    ep_rank, ep_size = getattr(experts, "moe_ep_rank", 0), getattr(experts, "moe_ep_size", 1)
+    per = experts.num_experts // ep_size
+    return expert - ep_rank * per if ep_rank * per <= expert < (ep_rank + 1) * per else None
+
+
+def _expert_shard(experts, q: QTensor, which: str, name: str) -> tuple:
+    """(codes, scales, g) of this rank's part of one expert's packed weight: under moe-TP, its
+    slice of the gate and up rows (w13) or of the down projection's columns (w2)."""
+    rank, size = getattr(experts, "moe_tp_rank", 0), getattr(experts, "moe_tp_size", 1)
+    codes, scales = q.codes, q.block_scales.view(torch.uint8)
+    if size > 1 and which == "w13":
+        f = codes.shape[0] // 2
+        part = f // size
+        mine = torch.arange(rank * part, (rank + 1) * part)
+        rows = torch.cat([mine, f + mine])  # this rank's gate rows, then its up rows
+        codes, scales = codes[rows], scales[rows]
+    elif size > 1:
+        k = q.shape[-1] // size
+        codes, scales = codes[:, rank * k // 2:(rank + 1) * k // 2], scales[:, rank * k // 16:(rank + 1) * k // 16]
+    held = getattr(experts, f"trace_{which}")
+    if tuple(codes.shape) != tuple(held.codes.shape[1:]):
+        raise ValueError(f"weight update: {name} gives this rank codes {tuple(codes.shape)}, its experts hold "
+                         f"{tuple(held.codes.shape[1:])}")
+    return codes, scales.view(torch.float8_e4m3fn), q.global_scale.reshape(())
+
+
+def _store_expert(held: ExpertWeights, local: int, parts: tuple) -> None:
+    codes, scales, g = parts
+    held.codes[local].copy_(codes)
+    held.scales[local].copy_(scales)
+    held.g[local].copy_(g)
