@@ -122,11 +122,14 @@ def compare(tables: dict[str, Table]) -> list[str]:
     return out
 
 
-def audit(model_cfg: ModelConfig, trainer_model, engine_table: Table,
+def audit(model_cfg: ModelConfig, trainer_model, engine_tables: Table | dict[str, Table],
           exports: list[str | os.PathLike] = ()) -> tuple[dict[str, Table], list[str]]:
-    """Every side's table ("trainer", "engine", "export" or "export0", "export1", ...) and every
-    problem: disagreements between sides, then each export's internal problems."""
-    tables = {"trainer": trainer_table(trainer_model, model_cfg), "engine": engine_table}
+    """Every side's table ("trainer", then each engine's: "engine" for a single table, or the
+    names of {name: table}, then "export" or "export0", "export1", ...) and every problem:
+    disagreements between sides, then each export's internal problems."""
+    one = all(isinstance(v, str) for v in engine_tables.values())
+    engines = {"engine": engine_tables} if one else engine_tables
+    tables = {"trainer": trainer_table(trainer_model, model_cfg)} | engines
     problems = []
     for i, path in enumerate(exports):
         table, found = checkpoint_table(path, model_cfg)

@@ -223,7 +223,12 @@ def audit_main(args: argparse.Namespace) -> list[str]:
         raise SystemExit(f"--model: unknown preset {args.model!r}; choose from {sorted(PRESETS)}")
     init_one_process()
     engine = make_backend(args.engine, cfg, precision=args.engine_precision, num_blocks=1)
-    tables, problems = audit(cfg, build_model(cfg, args.trainer_precision), engine.quantization_table(),
+    engines = {"engine": engine.quantization_table()}
+    for path in args.also_engine or []:  # e.g. sglang_rollout.sglang:SGLangEngine: a column of its own
+        other = make_backend(path, cfg, precision=args.engine_precision, num_blocks=64)
+        engines[path.partition(":")[0].rpartition(".")[2]] = other.quantization_table()
+        getattr(other, "shutdown", lambda: None)()
+    tables, problems = audit(cfg, build_model(cfg, args.trainer_precision), engines,
                              args.export or [])
     sides = list(tables)
     print(f"{'site':48s} " + " ".join(f"{s:>8s}" for s in sides))
@@ -252,4 +257,7 @@ def add_audit_parser(sub) -> None:
                     choices=[p.value for p in TrainerPrecision])
     au.add_argument("--engine-precision", default=EnginePrecision.FP4.value, choices=[p.value for p in EnginePrecision])
     au.add_argument("--engine", default=DEFAULT_ENGINE)
+    au.add_argument("--also-engine", action="append", metavar="MODULE:CLASS",
+                    help="another rollout backend whose column to add (repeatable), "
+                         "e.g. sglang_rollout.sglang:SGLangEngine")
     au.add_argument("--verbose", action="store_true", help="print every site, not only the summary")

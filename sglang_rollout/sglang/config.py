@@ -45,6 +45,26 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
 
 
+MOE_PADDING = 32  # SGLang pads the experts' width per moe-TP rank to a multiple of this (configs/update_config.py)
+
+
+def check_layout(model_cfg, cfg: EngineConfig) -> None:
+    """ValueError for a layout SGLang would pad: the FP4 sites' rows must be the trainer's."""
+    ep = int(cfg.sglang.get("ep_size", 1))
+    if cfg.tp_size % ep:
+        raise ValueError(f"EngineConfig: tp_size {cfg.tp_size} is not a multiple of SGLang's ep_size {ep}")
+    moe_tp = cfg.tp_size // ep
+    width = model_cfg.moe_intermediate_size
+    if moe_tp > 1 and (width % moe_tp or (width // moe_tp) % MOE_PADDING):
+        raise ValueError(f"EngineConfig: experts of intermediate size {width} over {moe_tp} moe-TP ranks: SGLang "
+                         f"pads each rank's part to a multiple of {MOE_PADDING}, and padded FP4 rows are not the "
+                         f"trainer's; choose tp_size / ep_size so that {width} / (tp / ep) is a multiple of "
+                         f"{MOE_PADDING}")
+    if model_cfg.num_attention_heads % cfg.tp_size:
+        raise ValueError(f"EngineConfig: tp_size {cfg.tp_size} does not divide the {model_cfg.num_attention_heads} "
+                         "attention heads")
+
+
 def server_args(model_dir: str, cfg: EngineConfig) -> dict:
     """sglang.Engine's arguments for this config (cfg.sglang's entries win)."""
     cpu = cfg.device == "cpu"

@@ -21,7 +21,7 @@ from megatron_trace.model_config import ModelConfig
 from megatron_trace.modes import EnginePrecision
 from megatron_trace.rollout import GroupRequest, RolloutOutput, SamplingParams
 
-from .config import EngineConfig
+from .config import EngineConfig, check_layout
 
 __all__ = ["EngineConfig", "SGLangEngine"]
 START_TIMEOUT_S = 600
@@ -31,6 +31,7 @@ class SGLangEngine:
     """A RolloutBackend over sglang.Engine in a host process (see the module docstring)."""
 
     def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig = EngineConfig()):
+        check_layout(model_cfg, engine_cfg)  # before starting anything
         self.model_cfg, self.engine_cfg = model_cfg, engine_cfg
         self.weight_version = -1
         ctx = mp.get_context("spawn")
@@ -66,6 +67,10 @@ class SGLangEngine:
                 start += req.n
                 on_group(RolloutOutput(group, out.guidance.subset(s.sample_id for s in group)))
         return out
+
+    def quantization_table(self) -> dict[str, str]:
+        """{HF module: "fp4" | "bf16"} of every linear and KV site as SGLang built them (the audit's view)."""
+        return self._call(("quantization_table",))
 
     def shutdown(self) -> None:
         """Stop the host process and SGLang's processes under it."""

@@ -42,10 +42,11 @@ def register() -> None:
     HookRegistry.register(QUANTIZED_KV_WRITE, _write_quantized_kv, HookType.AROUND)
     if os.environ.get(SEEDED) == "1":
         _seed_sampling()
+    from sglang.srt.managers.scheduler import Scheduler
+
+    Scheduler.trace_quantization_table = _quantization_table
     capture.configure_from_env()
     if capture.active():  # guidance capture: around each forward, at each request's end, and the RPC
-        from sglang.srt.managers.scheduler import Scheduler
-
         HookRegistry.register(MODEL_FORWARD, _forward, HookType.AROUND)
         HookRegistry.register(REQUEST_FINISHED, _request_finished, HookType.AFTER)
         Scheduler.trace_dump_guidance = _dump_guidance
@@ -119,3 +120,36 @@ def _seed_sampling() -> None:
             info.sampling_seed = torch.tensor(seeds, dtype=torch.int64, device=batch.device)
         return info
     SamplingBatchInfo.from_schedule_batch = classmethod(from_schedule_batch)
+
+
+def _quantization_table(scheduler, path: str) -> None:
+    """SGLang RPC: write {HF module: "fp4" | "bf16"} of this rank's model as SGLang built it (every
+    linear, the experts' gate/up/down, each layer's KV cache) to path/rank<r>.json."""
+    import json
+
+    from sglang.srt.distributed import get_tensor_model_parallel_rank
+
+    from .kv_cache import TraceNVFP4KVMethod
+
+    runner = scheduler.tp_worker.model_runner
+    table = {}
+    for name, module in runner.model.named_modules():
+        method = type(getattr(module, "quant_method", None)).__name__
+        packed = hasattr(module, "trace_weight") or hasattr(module, "trace_w13")
+        precision = "fp4" if packed and method.startswith("TraceFP4") else "bf16"
+        leaf = name.rpartition(".")[2]
+        if leaf == "qkv_proj":
+            table |= {name.replace("qkv_proj", p): precision for p in ("q_proj", "k_proj", "v_proj")}
+        elif leaf == "o_proj" or (leaf == "gate" and ".mlp." in name + "."):
+            table[name] = precision
+        elif leaf == "experts" and hasattr(module, "num_experts"):
+            w2 = "fp4" if hasattr(module, "trace_w2") and precision == "fp4" else "bf16"
+            for e in range(module.num_experts):
+                table |= {f"{name}.{e}.gate_proj": precision, f"{name}.{e}.up_proj": precision,
+                          f"{name}.{e}.down_proj": w2}
+    table["lm_head"] = "bf16" if "TraceFP4" not in type(runner.model.lm_head.quant_method).__name__ else "fp4"
+    kv = "fp4" if isinstance(getattr(runner.token_to_kv_pool, "quant_method", None), TraceNVFP4KVMethod) else "bf16"
+    for layer in range(runner.model.config.num_hidden_layers):
+        table[f"model.layers.{layer}.self_attn.kv_cache"] = kv
+    with open(f"{path}/rank{get_tensor_model_parallel_rank()}.json", "w") as f:
+        json.dump(table, f)

@@ -210,7 +210,13 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
         """BF16 w13 [E, F, H] and w2 [E, H, F/2] for SGLang's expert loaders, packed after loading."""
         if extra_weight_attrs.pop("with_bias", False):
             raise ValueError("trace_fp4: experts with biases are not TRACE's Qwen3-MoE")
-        extra_weight_attrs.pop("moe_intermediate_size", None)
+        width = extra_weight_attrs.pop("moe_intermediate_size", None)
+        trace_width = _trace_expert_width()
+        if width is not None and trace_width is not None and width != trace_width:
+            raise ValueError(f"trace_fp4: SGLang padded the experts' intermediate size {trace_width} to {width} (it "
+                             f"keeps {width // getattr(layer, 'moe_tp_size', 1)} per moe-TP rank a multiple of 32); "
+                             "TRACE's FP4 rows must be the trainer's: choose a tensor parallelism that needs no "
+                             "padding")
         if hidden_size % 16 or intermediate_size_per_partition % 16:
             raise ValueError(f"trace_fp4: layer {self.layer}: expert widths {hidden_size} and "
                              f"{intermediate_size_per_partition} (this rank's) must be whole NVFP4 blocks of 16")
@@ -255,6 +261,17 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
         y_RH = fp4_grouped_linear(act_q, w2.codes, w2.scales, w2.g, counts_E, backend=backend)
         out = combine_experts(y_RH.to(x_TH.dtype), gate_Tk.float(), tok_R, slot_R, pos_R, backend=backend)
         return StandardCombineInput(hidden_states=out)
+
+
+def _trace_expert_width() -> int | None:
+    """The experts' intermediate size of TRACE's model config, when SGLangEngine started this engine."""
+    import json
+    import os
+
+    from .weight_payload import MODEL_ENV
+
+    spec = os.environ.get(MODEL_ENV)
+    return json.loads(spec)["moe_intermediate_size"] if spec else None
 
 
 def _moe_tp_group(layer):

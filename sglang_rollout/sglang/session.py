@@ -13,6 +13,7 @@ feeds come from the scheduler processes in one file per tensor-parallel rank per
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import os
 import tempfile
@@ -29,9 +30,9 @@ from megatron_trace.rollout import GroupRequest, RolloutOutput, SampleResult, Sa
 from sglang_rollout.engine.sampler import sample_key
 
 from . import capture
-from .config import EngineConfig, server_args
+from .config import EngineConfig, check_layout, server_args
 from .plugin import SEEDED
-from .weight_payload import LOADER, check_update, flatten
+from .weight_payload import LOADER, MODEL_ENV, check_update, flatten
 
 CPU_SITE = Path(__file__).with_name("cpu_site")
 
@@ -41,12 +42,14 @@ class Session:
     docstring); `SGLangEngine` is its RolloutBackend face in the caller's process."""
 
     def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig = EngineConfig()):
+        check_layout(model_cfg, engine_cfg)
         self.model_cfg, self.engine_cfg = model_cfg, engine_cfg
         self.weight_version = -1
         self.guided_layers = sorted(LayerPolicy.parse(engine_cfg.guide).select(model_cfg.num_layers))
         self._dir = tempfile.TemporaryDirectory(prefix="trace-sglang-")
         Path(self._dir.name, "config.json").write_text(json.dumps(hf_config(model_cfg)))
-        env = {capture.ENV: json.dumps({"layers": self.guided_layers}), SEEDED: "1"}
+        env = {capture.ENV: json.dumps({"layers": self.guided_layers}), SEEDED: "1",
+               MODEL_ENV: json.dumps(dataclasses.asdict(model_cfg))}
         if engine_cfg.device == "cpu":
             from . import cpu_patches
 
@@ -87,6 +90,13 @@ class Session:
         if not ok:
             raise ValueError(f"SGLang refused the weights: {message}")
         self.weight_version = version
+
+    def quantization_table(self) -> dict[str, str]:
+        """{HF module: "fp4" | "bf16"} of every linear and KV site, as SGLang's model holds them
+        (checkpoint.audit's view; under TP, rank 0's)."""
+        with tempfile.TemporaryDirectory(prefix="trace-audit-") as tmp:
+            self.engine.collective_rpc("trace_quantization_table", path=tmp)
+            return json.loads(Path(tmp, "rank0.json").read_text())
 
     # -- generation ---------------------------------------------------------------------------
     def generate(self, requests: list[GroupRequest], sampling: SamplingParams, on_group=None) -> RolloutOutput:

@@ -10,6 +10,7 @@ from megatron_trace.model_config import ModelConfig, fp4_site_of, full_weight_sh
 from trace_kernels.fp4 import Format, QTensor
 
 PART = "::"
+MODEL_ENV = "TRACE_SGLANG_MODEL"  # TRACE's ModelConfig (JSON) for the scheduler processes' weight loader
 LOADER = "sglang_rollout.sglang.weights.load_trace_weights"  # SGLang's custom_weight_loader name
 
 

@@ -12,6 +12,8 @@ for bad input.
 
 from __future__ import annotations
 
+import json
+import os
 import re
 
 import torch
@@ -21,7 +23,7 @@ from megatron_trace.model_config import ModelConfig, fp4_site_of, full_weight_sh
 from trace_kernels.fp4 import Format, QTensor, quantize
 
 from .quant import ExpertWeights, store_linear
-from .weight_payload import check_update, unflatten
+from .weight_payload import MODEL_ENV, check_update, unflatten
 
 _EXPERT = re.compile(r"decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.linear_fc(\d)\.weight")
 
@@ -45,10 +47,12 @@ def load_trace_weights(model, named_tensors) -> None:
 
 
 def model_config_of(model) -> ModelConfig:
-    """TRACE's ModelConfig of SGLang's model (its HF config)."""
-    from megatron_trace.checkpoint.qwen3_moe import config_from_hf
-
-    return config_from_hf(model.config.to_dict())
+    """TRACE's ModelConfig of the engine, as its host process wrote it into the environment
+    (SGLang's own view of the HF config is adjusted to its tensor parallelism)."""
+    spec = os.environ.get(MODEL_ENV)
+    if not spec:
+        raise RuntimeError(f"{MODEL_ENV} is not set: trace's weight loader serves engines that SGLangEngine started")
+    return ModelConfig(**json.loads(spec))
 
 
 def _plan(model, model_cfg: ModelConfig, name: str, t, fp4: bool) -> tuple:
@@ -122,7 +126,8 @@ def _expert_shard(experts, q: QTensor, which: str, name: str) -> tuple:
     held = getattr(experts, f"trace_{which}")
     if tuple(codes.shape) != tuple(held.codes.shape[1:]):
         raise ValueError(f"weight update: {name} gives this rank codes {tuple(codes.shape)}, its experts hold "
-                         f"{tuple(held.codes.shape[1:])}")
+                         f"{tuple(held.codes.shape[1:])} (moe-TP {size}, EP {getattr(experts, 'moe_ep_size', 1)}, "
+                         f"{experts.intermediate_size_per_partition} intermediate per rank)")
     return codes, scales.view(torch.float8_e4m3fn), q.global_scale.reshape(())
 
 

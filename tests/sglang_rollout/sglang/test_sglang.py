@@ -1,0 +1,155 @@
+"""SGLang's real Engine running TRACE's FP4 policy on the CPU (the RolloutBackend contract is
+tests/sglang_rollout/test_backend_contract.py): every FP4 site and the KV cache quantized as the
+trainer's, the trainer reproducing SGLang's rounding from its guidance, tensor parallelism, and
+what separates SGLang's FP4 from the built-in engine's.
+
+The model is the `tiny` preset with experts twice as wide (64), so that SGLang's TP2 needs no
+padding of the experts (it keeps each rank's part a multiple of 32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_trace.checkpoint.audit import audit
+from megatron_trace.megatron.spawn import spawn
+from megatron_trace.model_config import PRESETS
+from megatron_trace.rl.metrics import mismatch_metrics
+from megatron_trace.rollout import GroupRequest, SamplingParams
+from sglang_rollout.engine import EngineConfig as BuiltinConfig
+from sglang_rollout.engine import TraceEngine
+from sglang_rollout.sglang import EngineConfig, SGLangEngine
+from tests.support import scenarios as sc
+
+CFG = PRESETS["tiny"].replace(moe_intermediate_size=64)
+REQUESTS = [GroupRequest("g0", (1, 2, 3, 4, 5), n=3), GroupRequest("g1", (7, 8, 9, 10, 11, 12, 13), n=2)]
+SAMPLING = SamplingParams(max_new_tokens=12, seed=4)
+BEFORE_FIRST_REDUCTION = ("qkv", "k", "v", "proj")  # layer 0's sites that no TP all-reduce precedes
+
+
+@pytest.fixture(scope="module")
+def sd():
+    return sc.random_full_state_dict(CFG, seed=21)
+
+
+@pytest.fixture(scope="module")
+def rollouts(sd):
+    """{name: (RolloutOutput, quantization table)} of SGLang engines in FP4 (TP1 and TP2, guidance
+    on every layer) and BF16, one engine alive at a time."""
+    out = {}
+    for name, cfg in (("fp4", EngineConfig(precision="fp4", guide="all")),
+                      ("fp4-tp2", EngineConfig(precision="fp4", guide="all", tp_size=2)),
+                      ("bf16", EngineConfig(precision="bf16"))):
+        engine = SGLangEngine(CFG, cfg)
+        try:
+            engine.update_weights(sd, 0)
+            out[name] = (engine.generate(REQUESTS, SAMPLING), engine.quantization_table())
+        finally:
+            engine.shutdown()
+    return out
+
+
+def run_trainer(rank, *, sd, samples, guidance):
+    """The Megatron trainer's log-probs of each sample's response in trace mode (guided, routing
+    replayed) and its flip counts against the rollout's dense records."""
+    from megatron_trace.megatron import qat
+    from megatron_trace.megatron.context import MicroBatchGuidance
+    from megatron_trace.megatron.model import build_model, set_precision, token_logprobs
+    from megatron_trace.megatron.weights import load_full_state_dict
+    from megatron_trace.rl.mismatch import FlipCounter
+
+    model = build_model(CFG, "bf16", grouped_gemm=True)
+    load_full_state_dict(model, sd)
+    prompts = {r.group_id: r.prompt_ids for r in REQUESTS}
+    seqs = [torch.tensor(list(prompts[s.group_id]) + s.tokens) for s in samples]
+    ids, pos, psp = sc.packed_inputs(seqs)
+    mb = MicroBatchGuidance.from_batch(guidance, [s.sample_id for s in samples]).to(sc.device())
+    out = {}
+    for precision in ("fp4-rne", "fp4-guided"):
+        set_precision(model, precision)
+        counter = FlipCounter()
+        qat.observers.append(counter)
+        try:
+            with torch.no_grad():
+                lp = token_logprobs(model, ids, pos, torch.roll(ids, -1, 1), packed_seq_params=psp,
+                                    guidance=mb if precision == "fp4-guided" else None).reshape(-1).cpu()
+        finally:
+            qat.observers.clear()
+        parts, offset = [], 0
+        for s, seq in zip(samples, seqs, strict=True):
+            parts.append(lp[offset + s.prompt_len - 1: offset + len(seq) - 1])
+            offset += len(seq)
+        out[precision] = (parts, counter.rates())
+    return out
+
+
+def test_every_fp4_site_runs_trace_fp4_and_the_kv_cache_is_nvfp4(rollouts):
+    """The audit's SGLang column, read off the modules SGLang built, agrees with the trainer and
+    the built-in engine; a BF16 SGLang engine is all BF16, and the audit says where it disagrees."""
+    from megatron_trace.megatron.model import build_model
+    from megatron_trace.megatron.spawn import init_one_process
+
+    init_one_process()
+    builtin = TraceEngine(CFG, BuiltinConfig(precision="fp4", num_blocks=4)).quantization_table()
+    fp4_table, bf16_table = rollouts["fp4"][1], rollouts["bf16"][1]
+    tables, problems = audit(CFG, build_model(CFG, "fp4-rne"), {"engine": builtin, "sglang": fp4_table})
+    assert problems == [] and set(tables["sglang"]) == set(tables["trainer"])
+    assert sum(v == "fp4" for v in fp4_table.values()) == sum(v == "fp4" for v in builtin.values()) > 0
+    assert fp4_table["model.layers.1.self_attn.kv_cache"] == "fp4" and fp4_table["model.layers.0.mlp.gate"] == "bf16"
+    assert set(bf16_table.values()) == {"bf16"}
+    _, problems = audit(CFG, build_model(CFG, "fp4-rne"), {"engine": builtin, "sglang": bf16_table})
+    assert any("q_proj" in p and "sglang=bf16" in p for p in problems)
+
+
+def test_the_trainer_reproduces_sglangs_rounding_from_its_guidance(sd, rollouts):
+    """Fed SGLang's dense guidance and routed experts, the trace-mode trainer makes every one of
+    SGLang's FP4 rounding decisions (TP1 and TP2 engines); its log-probs then differ only by BF16
+    arithmetic order (SGLang's norms, rotary and router are not the trainer's code), far less
+    than without guidance."""
+    for name in ("fp4", "fp4-tp2"):
+        out = rollouts[name][0]
+        got = spawn(run_trainer, {}, sd=sd, samples=out.samples, guidance=out.guidance)[0]
+        engine_lp = [s.logprobs for s in out.samples]
+        guided, rates = got["fp4-guided"]
+        assert rates["residual_flip_rate"] == 0.0 and rates["flip_rate"] > 0, (name, rates)
+        k3 = mismatch_metrics(guided, engine_lp)["k3_kl"]
+        k3_unguided = mismatch_metrics(got["fp4-rne"][0], engine_lp)["k3_kl"]
+        assert k3 < 1e-4 and k3 < k3_unguided / 10, (name, k3, k3_unguided)
+
+
+def test_tp2_rounds_as_tp1_up_to_the_first_all_reduce(rollouts):
+    """SGLang's TP2 shards the FP4 sites (heads, columns) and quantizes each row with its whole
+    row's global scale, so what it captures before any all-reduce is byte for byte TP1's,
+    prompts and samples alike; after the attention output's all-reduce, BF16 partial sums make
+    the two differ as any tensor-parallel engine's do (the trainer follows either exactly)."""
+    tp1, tp2 = rollouts["fp4"][0], rollouts["fp4-tp2"][0]
+    owners = [(tp1.guidance.groups[g], tp2.guidance.groups[g]) for g in ("g0", "g1")]
+    owners += [(tp1.guidance.samples[a.sample_id], tp2.guidance.samples[b.sample_id])
+               for a, b in zip(tp1.samples, tp2.samples, strict=True) if a.tokens == b.tokens]
+    assert len(owners) > 2
+    for one, two in owners:
+        for site in BEFORE_FIRST_REDUCTION:
+            r1, r2 = one.records[(0, site)], two.records[(0, site)]
+            assert all(torch.equal(r1.payload[k], r2.payload[k]) for k in r1.payload), site
+    later = [(one.records[(1, "qkv")], two.records[(1, "qkv")]) for one, two in owners]
+    assert any(not torch.equal(a.payload["bits"], b.payload["bits"]) for a, b in later)  # the test can tell
+
+
+def test_sglangs_fp4_differs_from_the_built_in_engines_by_rounding_flips(sd, rollouts):
+    """The same weights and tokens scored by the built-in engine: in BF16 the two engines agree
+    to BF16 noise; in FP4 other operation orders flip FP4 codes, and the gap grows by orders of
+    magnitude (guidance exists for this: the trainer follows the engine it is given)."""
+    k3 = {}
+    for precision in ("bf16", "fp4"):
+        out = rollouts[precision][0]
+        builtin = TraceEngine(CFG, BuiltinConfig(precision=precision, block_size=4, num_blocks=128))
+        builtin.update_weights(sd, 0)
+        scored = [builtin.score(list(REQUESTS[int(s.group_id[1])].prompt_ids) + s.tokens)[s.prompt_len - 1:]
+                  for s in out.samples]
+        k3[precision] = mismatch_metrics(scored, [s.logprobs for s in out.samples])["k3_kl"]
+    assert k3["bf16"] < 1e-3 and k3["fp4"] > 10 * k3["bf16"], k3
+
+
+def test_a_layout_sglang_would_pad_is_refused():
+    with pytest.raises(ValueError, match="pads each rank's part to a multiple of 32"):
+        SGLangEngine(PRESETS["tiny"], EngineConfig(precision="fp4", tp_size=2))
