@@ -67,13 +67,17 @@ def check_layout(model_cfg, cfg: EngineConfig) -> None:
 
 def server_args(model_dir: str, cfg: EngineConfig) -> dict:
     """sglang.Engine's arguments for this config (cfg.sglang's entries win)."""
-    cpu = cfg.device == "cpu"
+    cpu, fp4 = cfg.device == "cpu", cfg.precision is EnginePrecision.FP4
     args = dict(model_path=model_dir, load_format="dummy", device=cfg.device, tp_size=cfg.tp_size, dtype="bfloat16",
                 skip_tokenizer_init=True, random_seed=0, log_level="error",
                 max_total_tokens=cfg.num_blocks * cfg.block_size, enable_return_routed_experts=True,
-                quantization="trace_fp4" if cfg.precision is EnginePrecision.FP4 else None,
+                quantization="trace_fp4" if fp4 else None,
                 custom_weight_loader=[LOADER], sampling_backend="pytorch",
-                attention_backend="torch_native" if cpu else "triton")
+                # TRACE's FP4 KV cache is read as dequantized rows, which SGLang's torch_native
+                # attention gathers; its GPU kernels read the pool directly (not wired yet)
+                attention_backend="torch_native" if cpu or fp4 else "triton")
+    if fp4 and cfg.guide != "none":
+        args["disable_cuda_graph"] = True  # guidance capture runs in Python, outside any graph
     if cpu:
         # CPU: no CUDA graphs; the overlap scheduler's host copies alias the device buffers on the
         # CPU and corrupt routed experts (docs/notes/sglang-integration.md)

@@ -18,6 +18,7 @@ logger = logging.getLogger(__name__)
 KV_POOL_BUILDER = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_mha_kv_pool"
 QUANTIZED_KV_WRITE = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._set_quantized_kv_buffer"
 MODEL_FORWARD = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
+FUSED_KV_WRITE = "sglang.srt.models.utils.enable_fused_set_kv_buffer"
 REQUEST_FINISHED = ("sglang.srt.managers.scheduler_components.batch_result_processor."
                     "SchedulerBatchResultProcessor._maybe_collect_routed_experts")
 SEEDED = "TRACE_SGLANG_SEEDED"
@@ -40,6 +41,7 @@ def register() -> None:
     add_quantization_method_choices([NAME])
     HookRegistry.register(KV_POOL_BUILDER, _build_kv_pool, HookType.AROUND)
     HookRegistry.register(QUANTIZED_KV_WRITE, _write_quantized_kv, HookType.AROUND)
+    HookRegistry.register(FUSED_KV_WRITE, _fused_kv_write, HookType.AROUND)
     if os.environ.get(SEEDED) == "1":
         _seed_sampling()
     from sglang.srt.managers.scheduler import Scheduler
@@ -65,6 +67,15 @@ def _build_kv_pool(original, configurator, *args, quant_method=None, **kwargs):
         quant_method = TraceNVFP4KVMethod()
         logger.info("trace_fp4: the KV cache is TRACE's NVFP4 (one global scale per token and KV head)")
     return original(configurator, *args, quant_method=quant_method, **kwargs)
+
+
+def _fused_kv_write(original, *args, **kwargs) -> bool:
+    """No K/V write fused into the rotary kernel in an engine TRACE started: a quantized pool must
+    quantize the write (SGLang checks only the pool's compute dtype), and sgl_kernel's fallback
+    rotary for small head dims refuses a fused write."""
+    if os.environ.get(SEEDED) == "1":
+        return False
+    return original(*args, **kwargs)
 
 
 def _write_quantized_kv(original, pool, layer_id, global_layer_id, *args, **kwargs):
