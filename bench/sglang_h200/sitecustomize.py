@@ -106,30 +106,9 @@ if _Finder.active:
 if "flashinfer" in _Finder.active:
     os.environ.setdefault("SGLANG_IS_FLASHINFER_AVAILABLE", "false")
 
-# transformers 5.17 (on the GPU machine) already defines model_type "qwen3_asr"/"qwen3_asr_thinker";
-# sglang 0.5.17 (pinned to transformers 5.12.1) registers its own at import (srt/configs/qwen3_asr.py:167)
-# and AutoConfig.register raises ValueError. Make registration of an already-known name a no-op override.
+# transformers 5.17 (on the GPU machine) already defines model_type "qwen3_asr", which sglang 0.5.17
+# (pinned to transformers 5.12.1) registers at import: the project's compat shim
 if os.environ.get("SGL_TF_COMPAT", "1") == "1":
-    class _TfHook:
-        @classmethod
-        def find_spec(cls, fullname, path=None, target=None):
-            if fullname != "transformers.models.auto.configuration_auto":
-                return None
-            sys.meta_path.remove(cls)
-            spec = importlib.util.find_spec(fullname)
-            _orig_exec = spec.loader.exec_module
-            def _exec(module):
-                _orig_exec(module)
-                _reg = module.AutoConfig.register
-                def register(model_type, config, exist_ok=False):
-                    return _reg(model_type, config, exist_ok=True)
-                module.AutoConfig.register = staticmethod(register)
-                _log("patched AutoConfig.register(exist_ok=True)")
-            spec.loader.exec_module = _exec
-            return spec
-    import importlib.util
-    sys.meta_path.insert(0, _TfHook)
+    from sglang_rollout.sglang import compat
 
-# Optional extra shims for a CPU-only test harness (never on the GPU machine)
-if os.environ.get("SGL_CPU_HARNESS"):
-    import sgl_cpu_harness  # noqa: F401
+    compat.install()

@@ -12,9 +12,7 @@ importing sglang. No file of SGLang is edited. Each shim names the error that fo
    ("operator torchvision::nms does not exist"); installed, it would also break transformers'
    model imports in the same environment. So it is not installed: a stub package stands in,
    whose every attribute is a stub that raises when called (text models never call it).
-2. transformers' `AutoConfig.register` made idempotent: SGLang pins transformers 5.12.1 and
-   registers `qwen3_asr`, which transformers 5.24.0 already defines ("'qwen3_asr' is already
-   used by a Transformers config").
+2. transformers newer than SGLang's pin (`compat`: also needed on the GPU machine).
 3. `sgl_kernel` (no CPU build): the same kind of stub, so imports that are never used on the
    CPU path succeed and a call is an error, never a silent no-op.
 4. `pin_memory=True` dropped from `torch.zeros` (the routed-experts host buffer asks for it; CPU
@@ -24,9 +22,10 @@ importing sglang. No file of SGLang is edited. Each shim names the error that fo
 from __future__ import annotations
 
 import importlib.machinery
-import importlib.util
 import sys
 import types
+
+from . import compat
 
 _installed = False
 STUBBED = ("sgl_kernel", "torchvision")  # packages served by a stub when no real one is installed
@@ -39,34 +38,11 @@ def install() -> bool:
 
     if _installed or torch.cuda.is_available():
         return _installed
-    sys.meta_path.insert(0, _IdempotentAutoConfig)
+    compat.install()
     sys.meta_path.append(_StubFinder)
     _drop_pin_memory(torch)
     _installed = True
     return True
-
-
-class _IdempotentAutoConfig:
-    """A one-shot import hook: after transformers' configuration_auto loads, its
-    AutoConfig.register accepts a model type that is already registered."""
-
-    MODULE = "transformers.models.auto.configuration_auto"
-
-    @classmethod
-    def find_spec(cls, fullname, path=None, target=None):
-        if fullname != cls.MODULE:
-            return None
-        sys.meta_path.remove(cls)
-        spec = importlib.util.find_spec(fullname)
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            register = module.AutoConfig.register
-            module.AutoConfig.register = staticmethod(lambda model_type, config, exist_ok=False:
-                                                      register(model_type, config, exist_ok=True))
-        spec.loader.exec_module = exec_module
-        return spec
 
 
 class _Stub:
