@@ -48,6 +48,15 @@ class GroupRequest:
     n: int = 1
 
 
+
+def check_group_ids(requests: list[GroupRequest]) -> None:
+    """ValueError naming the group ids that repeat within one generate call (sample ids, and
+    the guidance keyed by them, would collide)."""
+    ids = [req.group_id for req in requests]
+    repeated = sorted({i for i in ids if ids.count(i) > 1})
+    if repeated:
+        raise ValueError(f"group ids repeat within one generate call: {repeated}")
+
 @dataclass(kw_only=True)
 class SampleResult:
     """One generated sample.

@@ -20,7 +20,7 @@ from megatron_trace.checkpoint.audit import table_from_weights
 from megatron_trace.guidance import LayerPolicy
 from megatron_trace.model_config import ModelConfig
 from megatron_trace.modes import EnginePrecision
-from megatron_trace.rollout import GroupRequest, RolloutOutput, SamplingParams
+from megatron_trace.rollout import GroupRequest, RolloutOutput, SamplingParams, check_group_ids
 
 from .collector import RolloutCollector
 from .config import EngineConfig
@@ -150,6 +150,7 @@ class TraceEngine:
         streaming guidance to the trainer while the other groups still generate)."""
         if self.weight_version < 0:
             raise RuntimeError("the engine has no weights yet: call update_weights first")
+        check_group_ids(requests)
         collector = RolloutCollector(self.model_cfg, self.engine_cfg, self.weight_version, requests, on_group)
         for req in requests:
             error = self.scheduler.check(req, sampling)

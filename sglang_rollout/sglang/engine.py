@@ -17,6 +17,7 @@ import traceback
 
 import torch
 
+from megatron_trace.guidance import GuidanceBatch
 from megatron_trace.model_config import ModelConfig
 from megatron_trace.modes import EnginePrecision
 from megatron_trace.rollout import GroupRequest, RolloutOutput, SamplingParams
@@ -57,16 +58,19 @@ class SGLangEngine:
 
     def generate(self, requests: list[GroupRequest], sampling: SamplingParams, on_group=None) -> RolloutOutput:
         """Every request's samples, in request order, with their guidance; a bad request fails
-        alone. on_group(output), if given, receives each group's output (once the call is done:
-        SGLang's streaming is not used yet)."""
-        out = self._call(("generate", requests, sampling))
-        if on_group is not None:
-            start = 0
-            for req in requests:
-                group = out.samples[start:start + req.n]
-                start += req.n
-                on_group(RolloutOutput(group, out.guidance.subset(s.sample_id for s in group)))
-        return out
+        alone. on_group(output), if given, receives each group's output as soon as it is done
+        (the host process streams groups; this object puts them together in request order)."""
+        parts = {}
+
+        def take(part: RolloutOutput) -> None:
+            parts[part.samples[0].group_id if part.samples else None] = part
+            if on_group is not None:
+                on_group(part)
+        self._call(("generate", requests, sampling), on_part=take)
+        ordered = [parts[req.group_id] for req in requests if req.group_id in parts]
+        return RolloutOutput([s for part in ordered for s in part.samples],
+                             GuidanceBatch({k: v for part in ordered for k, v in part.guidance.groups.items()},
+                                           {k: v for part in ordered for k, v in part.guidance.samples.items()}))
 
     def quantization_table(self) -> dict[str, str]:
         """{HF module: "fp4" | "bf16"} of every linear and KV site as SGLang built them (the audit's view)."""
@@ -87,21 +91,33 @@ class SGLangEngine:
     def __del__(self):
         self.shutdown()
 
-    def _call(self, message, timeout: float | None = None):
+    def _call(self, message, timeout: float | None = None, on_part=None):
         """Send `message` (None: only wait for the host's next reply) and return its reply's value,
-        or raise the exception the host raised (same type and message)."""
+        or raise the exception the host raised (same type and message). Parts the host streams
+        before its reply go to on_part."""
         if message is not None:
             self._conn.send(message)
-        if timeout is not None and not self._conn.poll(timeout):
-            raise TimeoutError(f"the SGLang engine's host process did not answer within {timeout} s")
-        try:
-            kind, value = self._conn.recv()
-        except EOFError:
-            raise RuntimeError(f"the SGLang engine's host process died (exit code {self._host.exitcode})") from None
+        failed = None  # an exception of on_part: raised once the host has finished the call
+        while True:
+            if timeout is not None and not self._conn.poll(timeout):
+                raise TimeoutError(f"the SGLang engine's host process did not answer within {timeout} s")
+            try:
+                kind, value = self._conn.recv()
+            except EOFError:
+                raise RuntimeError(f"the SGLang engine's host process died (exit code {self._host.exitcode})") from None
+            if kind != "part":
+                break
+            if failed is None:
+                try:
+                    on_part(_unpack(value))
+                except Exception as e:  # noqa: BLE001 - re-raised below, after the call's last message
+                    failed = e
+        if failed is not None:
+            raise failed
         if kind == "error":
             cls, text = value
             raise (cls if isinstance(cls, type) and issubclass(cls, Exception) else RuntimeError)(text)
-        return None if value is None else torch.load(io.BytesIO(value), weights_only=False)
+        return _unpack(value)
 
 
 def _host_main(conn, model_cfg: ModelConfig, engine_cfg: EngineConfig) -> None:
@@ -118,7 +134,11 @@ def _host_main(conn, model_cfg: ModelConfig, engine_cfg: EngineConfig) -> None:
                 conn.send(("ok", None))
                 break
             try:
-                conn.send(("ok", _pack(getattr(session, name)(*args))))
+                if name == "generate":  # each group as it is done, then the end of the call
+                    session.generate(*args, on_group=lambda part: conn.send(("part", _pack(part))))
+                    conn.send(("ok", None))
+                else:
+                    conn.send(("ok", _pack(getattr(session, name)(*args))))
             except Exception as e:  # noqa: BLE001 - every failure goes back to the caller, which raises it
                 conn.send(("error", (type(e), _message(e))))
     except EOFError:  # the caller is gone
@@ -138,6 +158,10 @@ def _pack(value) -> bytes | None:
     buf = io.BytesIO()
     torch.save(value, buf)
     return buf.getvalue()
+
+
+def _unpack(value: bytes | None):
+    return None if value is None else torch.load(io.BytesIO(value), weights_only=False)
 
 
 def _message(e: Exception) -> str:

@@ -7,11 +7,14 @@ its own sampling seed (SGLang draws from a seed and the position, so a sample's 
 depend on its batch). After a sample finishes, its whole sequence is fed once more as a
 one-token extend that hits the radix cache (only the last token is computed), so that routed
 experts and guidance rows cover every token the trainer will see; the guidance rows of those
-feeds come from the scheduler processes in one file per tensor-parallel rank per call.
+feeds come from the scheduler processes in one file per tensor-parallel rank per group. Each
+group is an asyncio task on SGLang's event loop (all in flight together), so a group is handed
+on as soon as it is done while the others still generate.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import dataclasses
 import json
@@ -26,7 +29,7 @@ from megatron_trace.checkpoint.qwen3_moe import hf_config
 from megatron_trace.guidance import GroupGuidance, GuidanceBatch, LayerPolicy, SampleGuidance, capture_dense
 from megatron_trace.model_config import ModelConfig
 from megatron_trace.modes import EnginePrecision
-from megatron_trace.rollout import GroupRequest, RolloutOutput, SampleResult, SamplingParams
+from megatron_trace.rollout import GroupRequest, RolloutOutput, SampleResult, SamplingParams, check_group_ids
 from sglang_rollout.engine.sampler import sample_key
 
 from . import capture
@@ -101,21 +104,46 @@ class Session:
     # -- generation ---------------------------------------------------------------------------
     def generate(self, requests: list[GroupRequest], sampling: SamplingParams, on_group=None) -> RolloutOutput:
         """Every request's samples, in request order, with routed experts for every token and
-        guidance records for the guided layers (prompt records once per group)."""
+        guidance records for the guided layers (prompt records once per group). The groups run
+        together in SGLang's batches; on_group(output), if given, receives each group's output as
+        soon as its last sample is fed (a refused group at once)."""
         if self.weight_version < 0:
             raise RuntimeError("the engine has no weights yet: call update_weights first")
+        check_group_ids(requests)
         self._calls += 1
-        samples, errors = [], {}
-        for req in requests:
-            error = self._check(req, sampling)
-            if error:
-                errors[req.group_id] = error
-            samples += [(req, i, f"{req.group_id}/{i}") for i in range(req.n)]
-        run = [(req, i, sid) for req, i, sid in samples if req.group_id not in errors]
-        outs = self._generate(run, sampling) if run else []
-        feeds = self._feed(run, outs) if run else []
-        rows = self._guidance_rows([f"{capture.FEED_PREFIX}{self._rid(sid)}" for *_, sid in run]) if run else []
-        return self._assemble(requests, samples, errors, run, outs, feeds, rows, on_group)
+        parts = self.engine.loop.run_until_complete(self._run(requests, sampling, on_group))
+        return RolloutOutput([s for part in parts for s in part.samples],
+                             GuidanceBatch({k: v for part in parts for k, v in part.guidance.groups.items()},
+                                           {k: v for part in parts for k, v in part.guidance.samples.items()}))
+
+    async def _run(self, requests, sampling: SamplingParams, on_group) -> list[RolloutOutput]:
+        """Each request's output (in request order), every group a task of its own."""
+        async def one(req):
+            part = await self._group(req, sampling)
+            if on_group is not None:
+                on_group(part)
+            return part
+        parts = await asyncio.gather(*(one(req) for req in requests), return_exceptions=True)
+        failed = [p for p in parts if isinstance(p, BaseException)]
+        if failed:  # after every task has ended, so nothing of this call runs on into the next
+            raise failed[0]
+        return parts
+
+    async def _group(self, req: GroupRequest, sampling: SamplingParams) -> RolloutOutput:
+        """One group: its samples generated, each fed once more, their guidance rows gathered."""
+        sids = [f"{req.group_id}/{i}" for i in range(req.n)]
+        error = self._check(req, sampling)
+        if error:
+            return RolloutOutput([SampleResult(sample_id=sid, group_id=req.group_id, prompt_len=len(req.prompt_ids),
+                                               tokens=[], logprobs=torch.zeros(0), finish_reason="error",
+                                               weight_version=self.weight_version, error=error) for sid in sids])
+        outs = await self._generate(req, sids, sampling)
+        feeds = await self._feed(req, sids, outs)
+        rows = self._guidance_rows([f"{capture.FEED_PREFIX}{self._rid(sid)}" for sid in sids])
+        guidance = GuidanceBatch()
+        samples = [self._sample(req, sid, out, feed, row, guidance, first=i == 0)
+                   for i, (sid, out, feed, row) in enumerate(zip(sids, outs, feeds, rows, strict=True))]
+        return RolloutOutput(samples, guidance)
 
     def _rid(self, sample_id: str) -> str:
         return f"trace/{self._calls}/{sample_id}"
@@ -136,22 +164,23 @@ class Session:
                     f"{limit} tokens")
         return None
 
-    def _generate(self, run, sampling: SamplingParams) -> list[dict]:
+    async def _generate(self, req: GroupRequest, sids: list[str], sampling: SamplingParams) -> list[dict]:
         params = [{"max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
                    "top_p": sampling.top_p, "top_k": sampling.top_k or -1,
                    "stop_token_ids": list(sampling.stop_token_ids),
-                   "sampling_seed": sample_key(sampling.seed, sid)} for *_, sid in run]
-        return self.engine.generate(input_ids=[list(req.prompt_ids) for req, *_ in run], sampling_params=params,
-                                    return_logprob=True, rid=[self._rid(sid) for *_, sid in run])
+                   "sampling_seed": sample_key(sampling.seed, sid)} for sid in sids]
+        return await self.engine.async_generate(input_ids=[list(req.prompt_ids)] * len(sids), sampling_params=params,
+                                                return_logprob=True, rid=[self._rid(sid) for sid in sids])
 
-    def _feed(self, run, outs) -> list[dict]:
+    async def _feed(self, req: GroupRequest, sids: list[str], outs: list[dict]) -> list[dict]:
         """Each finished sample's sequence once more, one token computed (the rest cached): the
         routed experts and guidance rows of its last token."""
-        seqs = [list(req.prompt_ids) + list(out["output_ids"]) for (req, *_), out in zip(run, outs, strict=True)]
-        feeds = self.engine.generate(input_ids=seqs, return_routed_experts=True,
-                                     sampling_params={"max_new_tokens": 1, "temperature": 0.0, "sampling_seed": 0},
-                                     rid=[f"{capture.FEED_PREFIX}{self._rid(sid)}" for *_, sid in run])
-        for seq, feed, (_, _, sid) in zip(seqs, feeds, run, strict=True):
+        seqs = [list(req.prompt_ids) + list(out["output_ids"]) for out in outs]
+        feeds = await self.engine.async_generate(
+            input_ids=seqs, return_routed_experts=True,
+            sampling_params={"max_new_tokens": 1, "temperature": 0.0, "sampling_seed": 0},
+            rid=[f"{capture.FEED_PREFIX}{self._rid(sid)}" for sid in sids])
+        for seq, feed, sid in zip(seqs, feeds, sids, strict=True):
             cached = feed["meta_info"].get("cached_tokens", len(seq) - 1)
             if cached != len(seq) - 1:
                 raise RuntimeError(f"sample {sid}: its KV entries were evicted before its last token was fed "
@@ -159,32 +188,14 @@ class Session:
         return feeds
 
     def _guidance_rows(self, rids: list[str]) -> list[dict]:
-        """Per feed request, {(layer, site): (bits, scales, g)} of its whole sequence ([] unguided)."""
+        """Per feed request, {(layer, site): (bits, scales, g)} of its whole sequence ([] unguided).
+        One SGLang RPC (a short pause of the event loop: the scheduler answers between batches)."""
         if not self.guided_layers:
             return [{} for _ in rids]
         with tempfile.TemporaryDirectory(prefix="trace-guidance-", dir=_spill_dir()) as tmp:
             self.engine.collective_rpc("trace_dump_guidance", rids=rids, path=tmp)
             ranks = [torch.load(Path(tmp, f"rank{r}.pt"), weights_only=True) for r in range(self.engine_cfg.tp_size)]
         return [capture.merge_ranks([rank[rid] for rank in ranks], self.model_cfg.num_key_value_heads) for rid in rids]
-
-    def _assemble(self, requests, samples, errors, run, outs, feeds, rows, on_group) -> RolloutOutput:
-        index = {sid: j for j, (*_, sid) in enumerate(run)}
-        results, guidance = [], GuidanceBatch()
-        for req in requests:
-            group = []
-            for i in range(req.n):
-                sid = f"{req.group_id}/{i}"
-                if req.group_id in errors:
-                    group.append(SampleResult(sample_id=sid, group_id=req.group_id, prompt_len=len(req.prompt_ids),
-                                              tokens=[], logprobs=torch.zeros(0), finish_reason="error",
-                                              weight_version=self.weight_version, error=errors[req.group_id]))
-                    continue
-                j = index[sid]
-                group.append(self._sample(req, sid, outs[j], feeds[j], rows[j], guidance, first=i == 0))
-            results += group
-            if on_group is not None:
-                on_group(RolloutOutput(group, guidance.subset(s.sample_id for s in group)))
-        return RolloutOutput(results, guidance)
 
     def _sample(self, req, sid, out, feed, rows, guidance, first: bool) -> SampleResult:
         meta = out["meta_info"]

@@ -8,6 +8,8 @@ are kept, each test loading its weights as a newer version).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -173,6 +175,33 @@ def test_finished_groups_are_handed_over_once_each(new_backend, sd):
             assert (sorted(part.guidance.samples) == sorted(ids)
                     and list(part.guidance.groups) == [part.samples[0].group_id])
 
+
+
+def test_a_group_that_finishes_first_is_handed_over_first(new_backend, sd):
+    """Streaming, not a loop at the end: a group listed second but stopped after one token
+    reaches on_group before the group listed ahead of it, which runs to max_new_tokens."""
+    backend = loaded(new_backend, sd)
+    greedy = SamplingParams(max_new_tokens=12, temperature=0)
+    slow = GroupRequest("slow", (7, 8, 9, 10, 11, 12, 13), n=2)
+    drawn = set(backend.generate([slow], greedy).samples[0].tokens)
+    for start in range(1, 40):  # a prompt whose first greedy token the slow group never draws
+        fast = GroupRequest("fast", (start, start + 1), n=2)
+        stop = backend.generate([fast], greedy).samples[0].tokens[0]
+        if stop not in drawn:
+            break
+    else:
+        pytest.fail("no prompt found whose first token the slow group never draws")
+    streamed = []
+    out = backend.generate([slow, fast], dataclasses.replace(greedy, stop_token_ids=(stop,)),
+                           on_group=lambda part: streamed.append(part.samples[0].group_id))
+    assert {s.group_id: len(s.tokens) for s in out.samples} == {"slow": 12, "fast": 1}
+    assert streamed == ["fast", "slow"] and [s.group_id for s in out.samples] == ["slow"] * 2 + ["fast"] * 2
+
+
+def test_repeated_group_ids_are_refused(new_backend, sd):
+    backend = loaded(new_backend, sd)
+    with pytest.raises(ValueError, match="repeat.*'g0'"):
+        backend.generate([REQUESTS[0], REQUESTS[1], REQUESTS[0]], SamplingParams(max_new_tokens=2))
 
 @pytest.mark.parametrize("precision, guide", [("bf16", "none"), ("fp4", "all"), ("fp4", "deep:1")])
 def test_guidance_covers_every_token_the_trainer_will_see(new_backend, sd, precision, guide):
