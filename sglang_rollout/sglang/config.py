@@ -16,7 +16,8 @@ class EngineConfig:
     guide / coding: the guidance policy and coding recorded (as the built-in engine's;
     "dense" only for now). model_id: written into every record. device: "cpu" or "cuda".
     num_blocks x block_size: the KV cache's token capacity (SGLang's max_total_tokens).
-    tp_size: SGLang's tensor parallelism. sglang: SGLang's own ServerArgs options, passed through
+    tp_size: SGLang's tensor parallelism. weight_bucket_mb: the most a weight update sends in one
+    SGLang call (a packed FP4 weight's parts travel together). sglang: SGLang's own ServerArgs options, passed through
     (they override what this config derives)."""
 
     precision: EnginePrecision = EnginePrecision.FP4
@@ -27,7 +28,12 @@ class EngineConfig:
     num_blocks: int = 512
     block_size: int = 16
     tp_size: int = 1
+    weight_bucket_mb: float = 512
     sglang: dict = field(default_factory=dict)
+
+    @property
+    def weight_bucket_bytes(self) -> int:
+        return int(self.weight_bucket_mb * (1 << 20))
 
     def __post_init__(self) -> None:
         try:
@@ -40,6 +46,8 @@ class EngineConfig:
                              f"got {self.coding!r}")
         if self.guide != "none" and self.precision is not EnginePrecision.FP4:
             raise ValueError("EngineConfig.guide needs precision='fp4': guidance records FP4 rounding")
+        if not self.weight_bucket_mb > 0:
+            raise ValueError(f"EngineConfig.weight_bucket_mb must be > 0, got {self.weight_bucket_mb}")
         for name in ("num_blocks", "block_size", "tp_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")

@@ -23,6 +23,8 @@ from megatron_trace.modes import EnginePrecision
 from megatron_trace.rollout import GroupRequest, RolloutOutput, SamplingParams
 
 from .config import EngineConfig, check_layout
+from .weight_group import broadcast_bucket, close_group, free_port, open_group
+from .weight_payload import buckets, check_update, flatten, pack_bucket
 
 __all__ = ["EngineConfig", "SGLangEngine"]
 START_TIMEOUT_S = 600
@@ -35,6 +37,7 @@ class SGLangEngine:
         check_layout(model_cfg, engine_cfg)  # before starting anything
         self.model_cfg, self.engine_cfg = model_cfg, engine_cfg
         self.weight_version = -1
+        self._group, self._group_device = None, "cpu"  # the weight group (connect_weight_group)
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._host = ctx.Process(target=_host_main, args=(child, model_cfg, engine_cfg), daemon=False,
@@ -49,12 +52,43 @@ class SGLangEngine:
 
     def update_weights(self, state_dict, version: int) -> None:
         """Load a full (or partial) Megatron state dict (BF16, or FP4 QTensors for the FP4 sites)
-        as `version`. ValueError for a version not newer than the current one, or a tensor that
-        does not fit the model (then the old weights stay)."""
+        as `version`: through the weight group once `connect_weight_group` opened one (the
+        tensors broadcast from this process, bucket by bucket), else through SGLang's
+        update_weights_from_tensor. ValueError for a version not newer than the current one, or
+        a tensor that does not fit the model; both are checked before anything is sent, so the
+        old weights stay."""
         if version <= self.weight_version:
             raise ValueError(f"weight version {version} is not newer than the engine's {self.weight_version}")
-        self._call(("update_weights", state_dict, version))
+        if self._group is None:
+            self._call(("update_weights", state_dict, version))
+        else:
+            check_update(self.model_cfg, state_dict, self.precision is EnginePrecision.FP4)
+            parts = buckets(state_dict, self.engine_cfg.weight_bucket_bytes)
+            for i, bucket in enumerate(parts):
+                flat, names, dtypes, shapes = pack_bucket(flatten(bucket), device=self._group_device)
+                self._conn.send(("receive_weights", names, dtypes, shapes, version, i == len(parts) - 1))
+                broadcast_bucket(flat, self._group)
+                self._call(None)
         self.weight_version = version
+
+    def connect_weight_group(self, *, backend: str | None = None, master_address: str = "127.0.0.1",
+                             master_port: int | None = None, group_name: str = "trace-weights",
+                             timeout_s: float = 300) -> None:
+        """Open a weight group between this process (rank 0) and SGLang's scheduler processes
+        (SGLang's init_weights_update_group; the disaggregated layout): later updates broadcast
+        from here instead of passing through the host process. backend: "nccl" (default on
+        CUDA: this process's current GPU sends) or "gloo" (default on the CPU)."""
+        if self._group is not None:
+            raise RuntimeError("connect_weight_group: this engine already has a weight group")
+        cuda = self.engine_cfg.device == "cuda"
+        backend = backend or ("nccl" if cuda else "gloo")
+        port = master_port or free_port()
+        world = 1 + self.engine_cfg.tp_size
+        self._conn.send(("init_weights_update_group", master_address, port, world, group_name, backend))
+        group = open_group(master_address, port, world, 0, group_name, backend, timeout_s)
+        self._call(None, timeout=timeout_s)
+        self._group = group
+        self._group_device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
 
     def generate(self, requests: list[GroupRequest], sampling: SamplingParams, on_group=None) -> RolloutOutput:
         """Every request's samples, in request order, with their guidance; a bad request fails
@@ -79,6 +113,10 @@ class SGLangEngine:
     def shutdown(self) -> None:
         """Stop the host process and SGLang's processes under it."""
         host = getattr(self, "_host", None)
+        group, self._group = getattr(self, "_group", None), None
+        if group is not None:
+            with contextlib.suppress(RuntimeError, ValueError):
+                close_group(group)
         if host is None or not host.is_alive():
             return
         with contextlib.suppress(OSError, EOFError, RuntimeError, TimeoutError):  # already gone
@@ -104,6 +142,7 @@ class SGLangEngine:
             try:
                 kind, value = self._conn.recv()
             except EOFError:
+                self._host.join(5)
                 raise RuntimeError(f"the SGLang engine's host process died (exit code {self._host.exitcode})") from None
             if kind != "part":
                 break

@@ -19,6 +19,8 @@ KV_POOL_BUILDER = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurato
 QUANTIZED_KV_WRITE = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._set_quantized_kv_buffer"
 MODEL_FORWARD = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
 FUSED_KV_WRITE = "sglang.srt.models.utils.enable_fused_set_kv_buffer"
+DISTRIBUTED_UPDATE = ("sglang.srt.model_executor.model_runner_components.weight_updater."
+                      "WeightUpdater.update_weights_from_distributed")
 REQUEST_FINISHED = ("sglang.srt.managers.scheduler_components.batch_result_processor."
                     "SchedulerBatchResultProcessor._maybe_collect_routed_experts")
 SEEDED = "TRACE_SGLANG_SEEDED"
@@ -42,6 +44,7 @@ def register() -> None:
     HookRegistry.register(KV_POOL_BUILDER, _build_kv_pool, HookType.AROUND)
     HookRegistry.register(QUANTIZED_KV_WRITE, _write_quantized_kv, HookType.AROUND)
     HookRegistry.register(FUSED_KV_WRITE, _fused_kv_write, HookType.AROUND)
+    HookRegistry.register(DISTRIBUTED_UPDATE, _update_from_distributed, HookType.AROUND)
     if os.environ.get(SEEDED) == "1":
         _seed_sampling()
     from sglang.srt.managers.scheduler import Scheduler
@@ -76,6 +79,29 @@ def _fused_kv_write(original, *args, **kwargs) -> bool:
     if os.environ.get(SEEDED) == "1":
         return False
     return original(*args, **kwargs)
+
+
+def _update_from_distributed(original, updater, names, dtypes, shapes, group_name, load_format=None):
+    """update_weights_from_distributed with a custom weight loader (SGLang's own path calls only
+    the model's loader): the tensors arrive as one flat bucket (weight_payload.pack_bucket), one
+    broadcast from the trainer, and go to the loader named by load_format (TRACE's packs FP4 in
+    place). Other load formats take SGLang's path."""
+    if load_format not in updater.custom_weight_loaders:
+        return original(updater, names, dtypes, shapes, group_name, load_format)
+    import torch
+    from sglang.srt.utils import dynamic_import
+
+    from .weight_group import broadcast_bucket
+    from .weight_payload import bucket_layout, unpack_bucket
+
+    try:
+        flat = torch.empty(bucket_layout(dtypes, shapes)[1], dtype=torch.uint8, device=updater.device)
+        broadcast_bucket(flat, updater._model_update_group[group_name])
+        dynamic_import(load_format)(updater.get_model(), unpack_bucket(flat, names, dtypes, shapes))
+    except Exception as e:  # noqa: BLE001 - SGLang's convention: (success, message) back to the caller
+        logger.exception("trace: weight update from the trainer's group failed")
+        return False, f"trace: weight update failed ({type(e).__name__}: {e}); the weights may be partly updated"
+    return True, f"trace: {len(names)} tensors loaded from group {group_name}"
 
 
 def _write_quantized_kv(original, pool, layer_id, global_layer_id, *args, **kwargs):

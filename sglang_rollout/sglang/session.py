@@ -35,7 +35,7 @@ from sglang_rollout.engine.sampler import sample_key
 from . import capture
 from .config import EngineConfig, check_layout, server_args
 from .plugin import SEEDED
-from .weight_payload import LOADER, MODEL_ENV, check_update, flatten
+from .weight_payload import LOADER, MODEL_ENV, buckets, check_update, flatten
 
 CPU_SITE = Path(__file__).with_name("cpu_site")
 
@@ -83,16 +83,49 @@ class Session:
     # -- weights ------------------------------------------------------------------------------
     def update_weights(self, state_dict, version: int) -> None:
         """Load a full (or partial) Megatron state dict (BF16, or FP4 QTensors for the FP4 sites)
-        as `version`. ValueError for a version not newer than the current one, or a tensor that
-        does not fit the model (then the old weights stay: the loader checks before writing)."""
+        as `version`, in buckets of at most EngineConfig.weight_bucket_mb (SGLang's
+        update_weights_from_tensor each). ValueError for a version not newer than the current
+        one, or a tensor that does not fit the model: checked before any bucket goes, so then
+        the old weights stay."""
+        self._check_update(state_dict, version)
+        parts = buckets(state_dict, self.engine_cfg.weight_bucket_bytes)
+        for i, bucket in enumerate(parts):
+            self._applied(self.engine.update_weights_from_tensor(flatten(bucket), load_format=LOADER,
+                                                                 flush_cache=i == len(parts) - 1))
+        self.weight_version = version
+
+    def init_weights_update_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
+                                  backend: str) -> None:
+        """Join SGLang's scheduler processes to the trainer's weight group (SGLang's
+        init_weights_update_group: tensor-parallel rank r becomes rank 1 + r)."""
+        self._applied(self.engine.init_weights_update_group(master_address, master_port, 1, world_size, group_name,
+                                                            backend), what="the weight group")
+        self._group_name = group_name
+
+    def receive_weights(self, names: list, dtypes: list, shapes: list, version: int, last: bool) -> None:
+        """Receive one bucket the trainer broadcasts over the weight group (SGLang's
+        update_weights_from_distributed with TRACE's loader); `version` holds once the last is in.
+        The caller checked the whole update first (weight_payload.check_update)."""
+        if getattr(self, "_group_name", None) is None:
+            raise RuntimeError("receive_weights before init_weights_update_group")
+        self._torn = True  # until the last bucket is in, the weights are neither the old nor the new ones
+        self._applied(self.engine.update_weights_from_distributed(names, dtypes, shapes, self._group_name,
+                                                                  flush_cache=last, load_format=LOADER))
+        if last:
+            self._torn = False
+            self.weight_version = version
+
+    def _check_update(self, state_dict, version: int) -> None:
         if version <= self.weight_version:
             raise ValueError(f"weight version {version} is not newer than the engine's {self.weight_version}")
         check_update(self.model_cfg, state_dict, self.precision is EnginePrecision.FP4)
-        result = self.engine.update_weights_from_tensor(flatten(state_dict), load_format=LOADER)
+
+    @staticmethod
+    def _applied(result, what: str = "the weights") -> None:
+        """Raise for SGLang's (success, message) result of a weight call that failed."""
         ok, message = (result[0], result[1]) if isinstance(result, (tuple, list)) else (bool(result), str(result))
         if not ok:
-            raise ValueError(f"SGLang refused the weights: {message}")
-        self.weight_version = version
+            raise ValueError(f"SGLang refused {what}: {message}")
 
     def quantization_table(self) -> dict[str, str]:
         """{HF module: "fp4" | "bf16"} of every linear and KV site, as SGLang's model holds them
@@ -109,6 +142,8 @@ class Session:
         soon as its last sample is fed (a refused group at once)."""
         if self.weight_version < 0:
             raise RuntimeError("the engine has no weights yet: call update_weights first")
+        if getattr(self, "_torn", False):
+            raise RuntimeError("the engine's last weight update stopped part way: send a whole update first")
         check_group_ids(requests)
         self._calls += 1
         parts = self.engine.loop.run_until_complete(self._run(requests, sampling, on_group))

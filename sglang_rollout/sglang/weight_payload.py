@@ -55,3 +55,65 @@ def check_update(model_cfg: ModelConfig, state_dict: dict, fp4: bool) -> None:
             raise ValueError(f"weight update: {name} has shape {tuple(t.shape)}, the model's is {tuple(shapes[name])}")
         if isinstance(t, QTensor) and (not fp4 or fp4_site_of(name) is None):
             raise ValueError(f"weight update: {name} arrived as FP4, but the engine holds it in BF16")
+
+
+ALIGN = 16  # bytes: every tensor of a flat bucket starts at a multiple of this (any dtype's view)
+
+
+def bucket_layout(dtypes: list, shapes: list) -> tuple[list[int], int]:
+    """Byte offset of each tensor in a flat bucket, and the bucket's size (the same on both sides)."""
+    offsets, size = [], 0
+    for dtype, shape in zip(dtypes, shapes, strict=True):
+        offsets.append(size)
+        nbytes = torch.Size(shape).numel() * _dtype(dtype).itemsize
+        size += -(-nbytes // ALIGN) * ALIGN
+    return offsets, size
+
+
+def pack_bucket(named: list[tuple[str, torch.Tensor]], device=None) -> tuple[torch.Tensor, list, list, list]:
+    """One flat uint8 tensor holding `named`'s tensors (see bucket_layout), with their names,
+    dtype names and shapes, for update_weights_from_distributed."""
+    names = [n for n, _ in named]
+    dtypes = [str(t.dtype).removeprefix("torch.") for _, t in named]
+    shapes = [list(t.shape) for _, t in named]
+    offsets, size = bucket_layout(dtypes, shapes)
+    device = device if device is not None else (named[0][1].device if named else "cpu")
+    flat = torch.zeros(size, dtype=torch.uint8, device=device)
+    for (_, t), start in zip(named, offsets, strict=True):
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        flat[start:start + raw.numel()].copy_(raw)
+    return flat, names, dtypes, shapes
+
+
+def unpack_bucket(flat: torch.Tensor, names: list, dtypes: list, shapes: list) -> list[tuple[str, torch.Tensor]]:
+    """`pack_bucket`'s tensors, as views of `flat`."""
+    offsets, size = bucket_layout(dtypes, shapes)
+    if flat.numel() != size:
+        raise ValueError(f"weight bucket of {flat.numel()} bytes, its {len(names)} tensors need {size}")
+    out = []
+    for name, dtype, shape, start in zip(names, dtypes, shapes, offsets, strict=True):
+        dt = _dtype(dtype)
+        n = torch.Size(shape).numel() * dt.itemsize
+        out.append((name, flat[start:start + n].view(dt).reshape(shape)))
+    return out
+
+
+def buckets(state_dict: dict, max_bytes: int) -> list[dict]:
+    """`state_dict` cut into consecutive parts of at most max_bytes each (a tensor larger than
+    that alone; a packed FP4 weight's parts stay together)."""
+    out, size = [{}], 0
+    for name, t in state_dict.items():
+        nbytes = (t.codes.nbytes + t.block_scales.nbytes + 4) if isinstance(t, QTensor) else t.nbytes
+        if out[-1] and size + nbytes > max_bytes:
+            out.append({})
+            size = 0
+        out[-1][name] = t
+        size += nbytes
+    return [b for b in out if b]
+
+
+def _dtype(name) -> torch.dtype:
+    dt = name if isinstance(name, torch.dtype) else getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"weight bucket: unknown dtype {name!r}")
+    return dt

@@ -13,13 +13,15 @@ import torch
 
 from megatron_trace.checkpoint.audit import audit
 from megatron_trace.megatron.spawn import spawn
-from megatron_trace.model_config import PRESETS
+from megatron_trace.model_config import FP4_WEIGHT_SUFFIXES, PRESETS
 from megatron_trace.rl.metrics import mismatch_metrics
 from megatron_trace.rollout import GroupRequest, SamplingParams
 from sglang_rollout.engine import EngineConfig as BuiltinConfig
 from sglang_rollout.engine import TraceEngine
 from sglang_rollout.sglang import EngineConfig, SGLangEngine
+from sglang_rollout.sglang.weight_payload import buckets
 from tests.support import scenarios as sc
+from trace_kernels.fp4 import quantize
 
 CFG = PRESETS["tiny"].replace(moe_intermediate_size=64)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on the GPU machine: the same tests on CUDA
@@ -155,6 +157,50 @@ def test_sglangs_fp4_differs_from_the_built_in_engines_by_rounding_flips(sd, rol
                   for s in out.samples]
         k3[precision] = mismatch_metrics(scored, [s.logprobs for s in out.samples])["k3_kl"]
     assert k3["bf16"] < 1e-3 and k3["fp4"] > 10 * k3["bf16"], k3
+
+
+def test_weights_broadcast_over_a_weight_group_equal_a_fresh_load(sd, rollouts):
+    """The disaggregated path: this process opens a weight group with SGLang's scheduler
+    processes (gloo on the CPU, NCCL on a GPU; TP2 where it runs) and broadcasts each update in
+    buckets. Other weights in BF16 first, then `sd` packed in FP4: the engine then generates
+    exactly what an engine loaded with `sd` through update_weights_from_tensor generated, tokens,
+    log-probs and guidance bytes; a stale or misfit update is refused before anything is sent."""
+    name = "fp4-tp2" if "fp4-tp2" in rollouts else "fp4"
+    packed = {k: quantize(v, "nvfp4") if k.endswith(FP4_WEIGHT_SUFFIXES) else v for k, v in sd.items()}
+    assert len(buckets(packed, 1 << 15)) > 2  # several buckets, a packed weight's parts in one
+    engine = SGLangEngine(CFG, EngineConfig(device=DEVICE, precision="fp4", guide="all", weight_bucket_mb=1 / 32,
+                                            tp_size=2 if name == "fp4-tp2" else 1))
+    try:
+        engine.connect_weight_group()
+        other = sc.random_full_state_dict(CFG, seed=5)
+        engine.update_weights(other, 0)
+        first = engine.generate(REQUESTS, SAMPLING)
+        engine.update_weights(packed, 1)
+        got = engine.generate(REQUESTS, SAMPLING)
+        with pytest.raises(ValueError, match="not newer"):
+            engine.update_weights(other, 1)
+        misfit = dict(other, **{"output_layer.weight": other["output_layer.weight"][:, :32]})
+        with pytest.raises(ValueError, match="output_layer.weight"):
+            engine.update_weights(misfit, 2)
+        again = engine.generate(REQUESTS, SAMPLING)
+    finally:
+        engine.shutdown()
+    want = rollouts[name][0]
+    assert [sample_key(s) for s in first.samples] != [sample_key(s) for s in want.samples]
+    for out in (got, again):
+        assert [sample_key(s) for s in out.samples] == [sample_key(s) for s in want.samples]
+        assert {s.weight_version for s in out.samples} == {1}
+        for owners in ("groups", "samples"):
+            mine, theirs = getattr(out.guidance, owners), getattr(want.guidance, owners)
+            assert mine.keys() == theirs.keys()
+            for owner, g in mine.items():
+                for site, record in g.records.items():
+                    ref = theirs[owner].records[site].payload
+                    assert all(torch.equal(record.payload[k], ref[k]) for k in ref), (owner, site)
+
+
+def sample_key(sample):
+    return sample.sample_id, tuple(sample.tokens), tuple(sample.logprobs.tolist()), sample.finish_reason
 
 
 def test_a_layout_sglang_would_pad_is_refused():
