@@ -140,17 +140,29 @@ def dump(rids: list[str], path: str, rank: int) -> None:
     tmp.replace(final)
 
 
-def merge_ranks(per_rank: list[dict], heads: int) -> dict:
+def merge_ranks(per_rank: list[dict], heads: int, ep_size: int = 1, experts: dict | None = None,
+                num_experts: int = 0) -> dict:
     """One request's {(layer, site): (bits, scales, g)} of every TP rank (in rank order) as the
-    whole rows an unsharded engine would have captured (heads: KV heads in all)."""
+    whole rows an unsharded engine would have captured (heads: KV heads in all). Under SGLang's
+    expert parallelism (ep_size > 1: rank r is moe-TP rank r % (tp / ep) of EP rank
+    r // (tp / ep)) each fc2 row (token, slot) is taken from the EP rank holding the expert it was
+    routed to: experts {layer: global expert ids int64 [tokens, k]} of num_experts in all."""
     if len(per_rank) == 1:
         return per_rank[0]
+    moe_tp = len(per_rank) // ep_size
     out = {}
     for key, first in per_rank[0].items():
-        site = key[1]
+        layer, site = key
         parts = [r[key] for r in per_rank]
-        if SLICED.get(site) == "cols":  # each rank its columns; g is the same everywhere
-            out[key] = (torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1), first[2])
+        if site == "fc2" and ep_size > 1:
+            if experts is None or layer not in experts:
+                raise ValueError(f"guidance merge: layer {layer} fc2 under EP {ep_size} needs its routed experts")
+            groups = [_join_cols(parts[e * moe_tp:(e + 1) * moe_tp]) for e in range(ep_size)]
+            owner = experts[layer].reshape(-1) // (num_experts // ep_size)
+            rows = torch.arange(owner.numel())
+            out[key] = tuple(torch.stack([grp[i] for grp in groups])[owner, rows] for i in range(3))
+        elif SLICED.get(site) == "cols":  # each rank its columns; g is the same everywhere
+            out[key] = _join_cols(parts)
         elif SLICED.get(site) == "heads":  # each rank its KV heads, rows (token, head)
             local = heads // len(parts)
 
@@ -160,3 +172,8 @@ def merge_ranks(per_rank: list[dict], heads: int) -> dict:
         else:
             out[key] = first
     return out
+
+
+def _join_cols(parts: list[tuple]) -> tuple:
+    """Column slices of the same rows (bits, scales; g the same in each) as whole rows."""
+    return torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1), parts[0][2]

@@ -81,9 +81,8 @@ def server_args(model_dir: str, cfg: EngineConfig) -> dict:
                 max_total_tokens=cfg.num_blocks * cfg.block_size, enable_return_routed_experts=True,
                 quantization="trace_fp4" if fp4 else None,
                 custom_weight_loader=[LOADER], sampling_backend="pytorch",
-                # TRACE's FP4 KV cache is read as dequantized rows, which SGLang's torch_native
-                # attention gathers; its GPU kernels read the pool directly (not wired yet)
-                attention_backend="torch_native" if cpu or fp4 else "triton")
+                # TRACE's FP4 KV cache is read by TRACE's attention backend (the plugin's)
+                attention_backend="trace_fp4" if fp4 else "torch_native" if cpu else "triton")
     if fp4 and cfg.guide != "none":
         args["disable_cuda_graph"] = True  # guidance capture runs in Python, outside any graph
     if cpu:

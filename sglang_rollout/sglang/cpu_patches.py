@@ -17,6 +17,10 @@ importing sglang. No file of SGLang is edited. Each shim names the error that fo
    CPU path succeed and a call is an error, never a silent no-op.
 4. `pin_memory=True` dropped from `torch.zeros` (the routed-experts host buffer asks for it; CPU
    torch has no pinned allocator: "pin_memory=True requires a CUDA or other accelerator backend").
+5. SGLang picks its Triton metadata kernels (req_to_token writes) by the attention backend's
+   name (`support_triton`: every backend but torch_native and intel_amx); on the CPU they run in
+   Triton's interpreter and fail ("only 0-dimensional arrays can be converted to Python
+   scalars"), so TRACE's `trace_fp4` backend takes SGLang's torch path there, as torch_native does.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ def install() -> bool:
     compat.install()
     sys.meta_path.append(_StubFinder)
     _drop_pin_memory(torch)
+    _torch_metadata_for("trace_fp4")
     _installed = True
     return True
 
@@ -104,3 +109,14 @@ def _drop_pin_memory(torch) -> None:
             kwargs["pin_memory"] = False
         return zeros(*args, **kwargs)
     torch.zeros = zeros_unpinned
+
+
+def _torch_metadata_for(backend_name: str) -> None:
+    from sglang.srt import utils
+    from sglang.srt.utils import common
+
+    original = common.support_triton
+
+    def support_triton(backend: str) -> bool:
+        return backend != backend_name and original(backend)
+    common.support_triton = utils.support_triton = support_triton

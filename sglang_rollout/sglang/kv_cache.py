@@ -5,10 +5,11 @@ use other scales (a static per-layer global scale; power-of-two block scales), s
 this method through SGLang's KV-cache quantization interface (`KVCacheQuantMethodBase`).
 
 Per layer, for S slots, G KV heads (this rank's), D head dim: codes uint8 [S, G, D/2] (the pool's
-k_buffer / v_buffer) and scales uint8 [S, G, D/16 + 4] (the pool's scale buffers: the E4M3
-block-scale bytes, then the float32 global scale's four bytes). Attention reads dequantized
-BF16 rows: `dequantize_kv_tensor` returns a view that dequantizes the rows it is indexed with
-(SGLang's torch_native backend gathers each request's slots from it).
+k_buffer / v_buffer), block-scale bytes uint8 [S, G, D/16] (the pool's scale buffers) and global
+scales float32 [S, G] (held by this method beside them: SGLang's pool knows two buffers per
+layer and side; `global_scales` finds the third), the layout trace_kernels' paged attention
+reads (`cache_of`). SGLang's torch_native attention may read it too: `dequantize_kv_tensor`
+returns a view that dequantizes the rows it is indexed with.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ class TraceNVFP4KVMethod(KVCacheQuantMethodBase):
     name = "trace_nvfp4"
     SCALE_BLOCK_SIZE = 16
 
+    def __init__(self):
+        self._globals: dict[int, torch.Tensor] = {}  # scale buffer's data_ptr -> its global scales [S, G]
+
     def needs_plain_kv_dequant_read(self) -> bool:
         return True
 
@@ -43,19 +47,35 @@ class TraceNVFP4KVMethod(KVCacheQuantMethodBase):
         return torch.bfloat16
 
     def create_buffers(self, size: int, head_num: int, head_dim: int, layer_num: int, device) -> dict:
-        """Codes [size, G, D/2] and scales + global scale [size, G, D/16 + 4], K and V, per layer."""
+        """Codes [size, G, D/2], block scales [size, G, D/16] and global scales [size, G], K and V,
+        per layer."""
         if head_dim % 16:
             raise ValueError(f"trace_nvfp4 KV cache: head dim {head_dim} is not whole NVFP4 blocks of 16")
 
-        def per_layer(width):
-            return [torch.zeros(size, head_num, width, dtype=torch.uint8, device=device) for _ in range(layer_num)]
-        return {"k_buffer": per_layer(head_dim // 2), "v_buffer": per_layer(head_dim // 2),
-                "k_scale_buffer": per_layer(head_dim // 16 + 4), "v_scale_buffer": per_layer(head_dim // 16 + 4),
-                "store_dtype": torch.uint8}
+        def per_layer(width, dtype=torch.uint8):
+            return [torch.zeros(size, head_num, *width, dtype=dtype, device=device) for _ in range(layer_num)]
+        out = {"k_buffer": per_layer((head_dim // 2,)), "v_buffer": per_layer((head_dim // 2,)),
+               "k_scale_buffer": per_layer((head_dim // 16,)), "v_scale_buffer": per_layer((head_dim // 16,)),
+               "store_dtype": torch.uint8}
+        for scales in out["k_scale_buffer"] + out["v_scale_buffer"]:
+            self._globals[scales.data_ptr()] = torch.ones(size, head_num, dtype=torch.float32, device=device)
+        return out
 
     def compute_cell_size(self, head_num: int, head_dim: int, num_layers: int, kv_size: int) -> int:
         """Bytes per token slot, K and V of every layer."""
         return 2 * num_layers * head_num * (head_dim // 2 + head_dim // 16 + 4)
+
+    def global_scales(self, scales: torch.Tensor) -> torch.Tensor:
+        """The global scales float32 [S, G] that go with one of this method's scale buffers."""
+        try:
+            return self._globals[scales.data_ptr()]
+        except KeyError:
+            raise ValueError("trace_nvfp4 KV cache: not a scale buffer of this method") from None
+
+    def cache_of(self, codes: torch.Tensor, scales: torch.Tensor) -> dict:
+        """One layer's K or V as trace_kernels' paged attention reads it: codes [S, G, D/2],
+        scales [S, G, D/16] (E4M3 bytes), g float32 [S, G, 1]."""
+        return {"codes": codes, "scales": scales, "g": self.global_scales(scales)[..., None]}
 
     def quantize_and_store(self, k_buffer, v_buffer, k_scale_buffer, v_scale_buffer, loc, cache_k, cache_v,
                            k_scale=None, v_scale=None) -> None:
@@ -63,34 +83,33 @@ class TraceNVFP4KVMethod(KVCacheQuantMethodBase):
         for codes, scales, rows, site in ((k_buffer, k_scale_buffer, cache_k, "k"),
                                           (v_buffer, v_scale_buffer, cache_v, "v")):
             q = quantize(rows, "nvfp4", scale="row", check_finite=False)
-            g_bytes = q.global_scale.reshape(*rows.shape[:-1], 1).contiguous().view(torch.uint8)
             codes[loc] = q.codes
-            scales[loc] = torch.cat([q.block_scales.view(torch.uint8), g_bytes], -1)
+            scales[loc] = q.block_scales.view(torch.uint8)
+            self.global_scales(scales)[loc] = q.global_scale.reshape(rows.shape[:-1])
             layer = capture.current_layer()
             if layer is not None and capture.wants(layer, site):
                 capture.record(layer, site, rows.reshape(-1, rows.shape[-1]), capture.dense_parts(q))
 
     def dequantize_kv_tensor(self, fp4_tensor, scales, layer_id: int, dtype=None):
         """The layer's K or V as rows to index: `view[slots]` -> BF16 [n, G, D]."""
-        return DequantizedRows(fp4_tensor, scales, dtype or torch.bfloat16)
+        return DequantizedRows(fp4_tensor, scales, self.global_scales(scales), dtype or torch.bfloat16)
 
     def dequantize_prev_kv(self, k_fp4, k_scales, v_fp4, v_scales, layer_id: int):
-        return (DequantizedRows(k_fp4, k_scales)[...], DequantizedRows(v_fp4, v_scales)[...])
+        return (self.dequantize_kv_tensor(k_fp4, k_scales, layer_id)[...],
+                self.dequantize_kv_tensor(v_fp4, v_scales, layer_id)[...])
 
 
 class DequantizedRows:
-    """A layer's stored K or V (codes [S, G, D/2], scales + g [S, G, D/16 + 4]) that dequantizes
+    """A layer's stored K or V (codes [S, G, D/2], scales [S, G, D/16], g [S, G]) that dequantizes
     only the slots it is indexed with: rows[slots] -> [n, G, D] in `dtype`."""
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16):
-        self.codes, self.scales, self.dtype = codes, scales, dtype
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, g: torch.Tensor, dtype=torch.bfloat16):
+        self.codes, self.scales, self.g, self.dtype = codes, scales, g, dtype
         self.shape = torch.Size((*codes.shape[:-1], 2 * codes.shape[-1]))
         self.device = codes.device
 
     def __getitem__(self, index) -> torch.Tensor:
-        codes, packed = self.codes[index], self.scales[index]
-        d = 2 * codes.shape[-1]
-        g = packed[..., d // 16:].contiguous().view(torch.float32)
-        q = QTensor(codes, packed[..., :d // 16].contiguous().view(torch.float8_e4m3fn), g, Format.NVFP4,
-                    torch.Size((*codes.shape[:-1], d)))
+        codes = self.codes[index]
+        q = QTensor(codes, self.scales[index].view(torch.float8_e4m3fn), self.g[index][..., None], Format.NVFP4,
+                    torch.Size((*codes.shape[:-1], 2 * codes.shape[-1])))
         return dequantize(q, self.dtype)

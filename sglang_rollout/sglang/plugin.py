@@ -1,7 +1,8 @@
 """TRACE's SGLang plugin, loaded by SGLang (entry point group `sglang.srt.plugins`, setup.cfg) in
 its engine process and in every scheduler process before a model is built. It registers the
-`trace_fp4` quantization method and hooks SGLang's KV-pool construction so that an engine asked
-for `quantization="trace_fp4"` stores its KV cache in TRACE's NVFP4 (`kv_cache`). Engines that
+`trace_fp4` quantization method and the `trace_fp4` attention backend (`attention`: it reads
+TRACE's NVFP4 KV cache), and hooks SGLang's KV-pool construction so that an engine asked for
+`quantization="trace_fp4"` stores its KV cache in TRACE's NVFP4 (`kv_cache`). Engines that
 ask for anything else are untouched. In the processes of an engine TRACE started (`SEEDED` set),
 a request's `sampling_seed` fixes its draws (SGLang reads it only in its deterministic mode,
 which its CPU attention does not support); with guidance asked for (capture.ENV), the capturer
@@ -41,6 +42,13 @@ def register() -> None:
 
     QUANTIZATION_METHODS[NAME] = TraceFP4Config
     add_quantization_method_choices([NAME])
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.server_args import add_attention_backend_choices
+
+    from . import attention
+
+    ATTENTION_BACKENDS[attention.NAME] = attention.create
+    add_attention_backend_choices([attention.NAME])
     HookRegistry.register(KV_POOL_BUILDER, _build_kv_pool, HookType.AROUND)
     HookRegistry.register(QUANTIZED_KV_WRITE, _write_quantized_kv, HookType.AROUND)
     HookRegistry.register(FUSED_KV_WRITE, _fused_kv_write, HookType.AROUND)
@@ -73,10 +81,15 @@ def _build_kv_pool(original, configurator, *args, quant_method=None, **kwargs):
 
 
 def _fused_kv_write(original, *args, **kwargs) -> bool:
-    """No K/V write fused into the rotary kernel in an engine TRACE started: a quantized pool must
-    quantize the write (SGLang checks only the pool's compute dtype), and sgl_kernel's fallback
-    rotary for small head dims refuses a fused write."""
-    if os.environ.get(SEEDED) == "1":
+    """No K/V write fused into the rotary kernel into TRACE's NVFP4 pool (SGLang checks only the
+    pool's compute dtype, and a fused write would store BF16 rows), nor in an engine TRACE
+    started (sgl_kernel's fallback rotary for small head dims refuses a fused write)."""
+    from sglang.srt.model_executor.forward_context import get_token_to_kv_pool
+
+    from .kv_cache import TraceNVFP4KVMethod
+
+    if os.environ.get(SEEDED) == "1" or isinstance(getattr(get_token_to_kv_pool(), "quant_method", None),
+                                                   TraceNVFP4KVMethod):
         return False
     return original(*args, **kwargs)
 

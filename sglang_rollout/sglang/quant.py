@@ -244,6 +244,12 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
         x_TH = dispatch_output.hidden_states
         gate_Tk, experts_Tk, _ = dispatch_output.topk_output
         t, k = experts_Tk.shape
+        if getattr(layer, "moe_ep_size", 1) > 1:
+            # SGLang's dispatcher marks other ranks' experts -1: those pairs run through local
+            # expert 0 with gate 0 (exact zeros in the sum, static shapes for CUDA graphs); the
+            # guidance merge takes each fc2 row from its expert's rank (capture.merge_ranks)
+            local = experts_Tk >= 0
+            experts_Tk, gate_Tk = torch.where(local, experts_Tk, 0), torch.where(local, gate_Tk, 0)
         backend = kernel_backend(x_TH)
         keep1, keep2 = capture.wants(self.layer, "fc1"), capture.wants(self.layer, "fc2")
         h_in, kept = quantize_input_rows(x_TH, None, keep1)

@@ -174,10 +174,12 @@ class Session:
                                                weight_version=self.weight_version, error=error) for sid in sids])
         outs = await self._generate(req, sids, sampling)
         feeds = await self._feed(req, sids, outs)
-        rows = self._guidance_rows([f"{capture.FEED_PREFIX}{self._rid(sid)}" for sid in sids])
+        experts = [_routed_experts(feed["meta_info"]["routed_experts"], len(req.prompt_ids) + len(out["output_ids"]),
+                                   self.model_cfg) for feed, out in zip(feeds, outs, strict=True)]
+        rows = self._guidance_rows([f"{capture.FEED_PREFIX}{self._rid(sid)}" for sid in sids], experts)
         guidance = GuidanceBatch()
-        samples = [self._sample(req, sid, out, feed, row, guidance, first=i == 0)
-                   for i, (sid, out, feed, row) in enumerate(zip(sids, outs, feeds, rows, strict=True))]
+        samples = [self._sample(req, sid, out, routed, row, guidance, first=i == 0)
+                   for i, (sid, out, routed, row) in enumerate(zip(sids, outs, experts, rows, strict=True))]
         return RolloutOutput(samples, guidance)
 
     def _rid(self, sample_id: str) -> str:
@@ -222,24 +224,26 @@ class Session:
                                    f"({cached} of {len(seq) - 1} cached): give the engine more KV blocks")
         return feeds
 
-    def _guidance_rows(self, rids: list[str]) -> list[dict]:
-        """Per feed request, {(layer, site): (bits, scales, g)} of its whole sequence ([] unguided).
-        One SGLang RPC (a short pause of the event loop: the scheduler answers between batches)."""
+    def _guidance_rows(self, rids: list[str], experts: list[dict]) -> list[dict]:
+        """Per feed request, {(layer, site): (bits, scales, g)} of its whole sequence ([] unguided;
+        experts: each request's routed experts, which tell an EP rank's fc2 rows). One SGLang RPC
+        (a short pause of the event loop: the scheduler answers between batches)."""
         if not self.guided_layers:
             return [{} for _ in rids]
         with tempfile.TemporaryDirectory(prefix="trace-guidance-", dir=_spill_dir()) as tmp:
             self.engine.collective_rpc("trace_dump_guidance", rids=rids, path=tmp)
             ranks = [torch.load(Path(tmp, f"rank{r}.pt"), weights_only=True) for r in range(self.engine_cfg.tp_size)]
-        return [capture.merge_ranks([rank[rid] for rank in ranks], self.model_cfg.num_key_value_heads) for rid in rids]
+        ep = int(self.engine_cfg.sglang.get("ep_size", 1))
+        return [capture.merge_ranks([rank[rid] for rank in ranks], self.model_cfg.num_key_value_heads, ep, routed,
+                                    self.model_cfg.num_experts) for rid, routed in zip(rids, experts, strict=True)]
 
-    def _sample(self, req, sid, out, feed, rows, guidance, first: bool) -> SampleResult:
+    def _sample(self, req, sid, out, experts, rows, guidance, first: bool) -> SampleResult:
         meta = out["meta_info"]
         tokens = list(out["output_ids"])
         logprobs = torch.tensor([lp for lp, _, _ in meta["output_token_logprobs"]], dtype=torch.float32)
         reason = meta["finish_reason"]
         reason = reason["type"] if isinstance(reason, dict) else str(reason)
         p = len(req.prompt_ids)
-        experts = _routed_experts(feed["meta_info"]["routed_experts"], p + len(tokens), self.model_cfg)
         if first:
             guidance.add_group(GroupGuidance(group_id=req.group_id, prompt_len=p,
                                              records=self._records(rows, 0, p, req.group_id),

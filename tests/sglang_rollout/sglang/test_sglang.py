@@ -37,13 +37,15 @@ def sd():
 
 @pytest.fixture(scope="module")
 def rollouts(sd):
-    """{name: (RolloutOutput, quantization table)} of SGLang engines in FP4 (TP1 and TP2, guidance
-    on every layer) and BF16, one engine alive at a time (TP2 on a GPU machine: with 2 GPUs)."""
+    """{name: (RolloutOutput, quantization table)} of SGLang engines in FP4 (TP1, TP2 and TP2 with
+    SGLang's EP2, guidance on every layer) and BF16, one engine alive at a time (TP2 on a GPU
+    machine: with 2 GPUs)."""
     out = {}
     configs = {"fp4": dict(precision="fp4", guide="all"), "fp4-tp2": dict(precision="fp4", guide="all", tp_size=2),
+               "fp4-ep2": dict(precision="fp4", guide="all", tp_size=2, sglang={"ep_size": 2}),
                "bf16": dict(precision="bf16")}
     if DEVICE == "cuda" and torch.cuda.device_count() < 2:
-        del configs["fp4-tp2"]
+        del configs["fp4-tp2"], configs["fp4-ep2"]
     for name, options in configs.items():
         engine = SGLangEngine(CFG, EngineConfig(device=DEVICE, **options))
         try:
@@ -108,10 +110,10 @@ def test_every_fp4_site_runs_trace_fp4_and_the_kv_cache_is_nvfp4(rollouts):
 
 def test_the_trainer_reproduces_sglangs_rounding_from_its_guidance(sd, rollouts):
     """Fed SGLang's dense guidance and routed experts, the trace-mode trainer makes every one of
-    SGLang's FP4 rounding decisions (TP1 and TP2 engines); its log-probs then differ only by BF16
-    arithmetic order (SGLang's norms, rotary and router are not the trainer's code), far less
-    than without guidance."""
-    for name in ("fp4", "fp4-tp2"):
+    SGLang's FP4 rounding decisions (TP1, TP2 and EP2 engines: under EP each fc2 row comes from
+    its expert's rank); its log-probs then differ only by BF16 arithmetic order (SGLang's norms,
+    rotary and router are not the trainer's code), far less than without guidance."""
+    for name in ("fp4", "fp4-tp2", "fp4-ep2"):
         if name not in rollouts:
             continue
         out = rollouts[name][0]
@@ -124,14 +126,19 @@ def test_the_trainer_reproduces_sglangs_rounding_from_its_guidance(sd, rollouts)
         assert k3 < 1e-4 and k3 < k3_unguided / 10, (name, k3, k3_unguided)
 
 
-def test_tp2_rounds_as_tp1_up_to_the_first_all_reduce(rollouts):
-    """SGLang's TP2 shards the FP4 sites (heads, columns) and quantizes each row with its whole
-    row's global scale, so what it captures before any all-reduce is byte for byte TP1's,
-    prompts and samples alike; after the attention output's all-reduce, BF16 partial sums make
-    the two differ as any tensor-parallel engine's do (the trainer follows either exactly)."""
+def test_tp2_and_ep2_round_as_tp1_up_to_the_first_all_reduce(rollouts):
+    """SGLang's TP2 shards the FP4 sites (heads, columns; with EP2 the experts go whole to one
+    rank each) and quantizes each row with its whole row's global scale, so what it captures
+    before any all-reduce is byte for byte TP1's, prompts and samples alike; after the attention
+    output's all-reduce, BF16 partial sums make the two differ as any tensor-parallel engine's
+    do (the trainer follows either exactly)."""
     if "fp4-tp2" not in rollouts:
         pytest.skip("TP2 on a GPU machine needs 2 GPUs")
-    tp1, tp2 = rollouts["fp4"][0], rollouts["fp4-tp2"][0]
+    for name in ("fp4-tp2", "fp4-ep2"):
+        _same_bytes_before_the_first_all_reduce(rollouts["fp4"][0], rollouts[name][0])
+
+
+def _same_bytes_before_the_first_all_reduce(tp1, tp2):
     owners = [(tp1.guidance.groups[g], tp2.guidance.groups[g]) for g in ("g0", "g1")]
     owners += [(tp1.guidance.samples[a.sample_id], tp2.guidance.samples[b.sample_id])
                for a, b in zip(tp1.samples, tp2.samples, strict=True) if a.tokens == b.tokens]
@@ -161,17 +168,18 @@ def test_sglangs_fp4_differs_from_the_built_in_engines_by_rounding_flips(sd, rol
 
 def test_weights_broadcast_over_a_weight_group_equal_a_fresh_load(sd, rollouts):
     """The disaggregated path: this process opens a weight group with SGLang's scheduler
-    processes (gloo on the CPU, NCCL on a GPU; TP2 where it runs) and broadcasts each update in
-    buckets. Other weights in BF16 first, then `sd` packed in FP4: the engine then generates
-    exactly what an engine loaded with `sd` through update_weights_from_tensor generated, tokens,
-    log-probs and guidance bytes; a stale or misfit update is refused before anything is sent."""
+    processes (gloo: on a GPU machine this process and the engine share a GPU, which NCCL
+    refuses; TP2 where it runs) and broadcasts each update in buckets. Other weights in BF16
+    first, then `sd` packed in FP4: the engine then generates exactly what an engine loaded with
+    `sd` through update_weights_from_tensor generated, tokens, log-probs and guidance bytes;
+    a stale or misfit update is refused before anything is sent."""
     name = "fp4-tp2" if "fp4-tp2" in rollouts else "fp4"
     packed = {k: quantize(v, "nvfp4") if k.endswith(FP4_WEIGHT_SUFFIXES) else v for k, v in sd.items()}
     assert len(buckets(packed, 1 << 15)) > 2  # several buckets, a packed weight's parts in one
     engine = SGLangEngine(CFG, EngineConfig(device=DEVICE, precision="fp4", guide="all", weight_bucket_mb=1 / 32,
                                             tp_size=2 if name == "fp4-tp2" else 1))
     try:
-        engine.connect_weight_group()
+        engine.connect_weight_group(backend="gloo")  # NCCL refuses two ranks on one GPU, as here on a GPU machine
         other = sc.random_full_state_dict(CFG, seed=5)
         engine.update_weights(other, 0)
         first = engine.generate(REQUESTS, SAMPLING)

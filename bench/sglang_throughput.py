@@ -1,0 +1,125 @@
+"""Rollout throughput of SGLang: BF16, FP8 (its own `fp8` + FP8 KV cache) and TRACE's FP4
+(`trace_fp4`: W4A4 at every FP4 site, TRACE's NVFP4 KV cache, TRACE's attention backend), one
+method for all: the same random prompts through `sglang.Engine.generate`, timed the same way.
+
+The model is Qwen3-30B-A3B's shape (`--layers` of it) with SGLang's dummy (random) weights,
+CUDA graphs for decode only (SGLang's piecewise prefill graphs compile the model with
+torch.compile: minutes of start-up, and not for TRACE's kernels), no radix cache (each
+phase's prompts are new anyway), every request generating exactly its `max_new_tokens`
+(ignore_eos). Phases, each with `--batch` requests:
+  generate  P:N   whole generate of P-token prompts and N new tokens: N * batch / seconds;
+  decode    C     (after one unmeasured prefill of C-token prompts, which warms its kernels)
+                  prompts of C tokens generating 1 token, then other prompts of C tokens
+                  generating 1 + `--decode-tokens`: decode tok/s = batch * decode_tokens / (t2 - t1)
+                  (the second call's whole generate is reported too).
+One engine per process (`--engine`); JSON lines appended to `--out`.
+
+    bash .sglrun/run.sh bench/sglang_throughput.py --engine trace_fp4 --out $OUT/sglang.jsonl  # GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINES = {
+    "bf16": {},
+    "fp8": {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"},
+    "trace_fp4": {"quantization": "trace_fp4", "attention_backend": "trace_fp4"},
+}
+
+
+def prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, length), generator=g).tolist()
+
+
+def timed(engine, ids, new_tokens: int) -> float:
+    """Seconds of one generate call; checks that every request got all its tokens."""
+    params = {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True}
+    t0 = time.perf_counter()
+    outs = engine.generate(input_ids=ids, sampling_params=params)
+    seconds = time.perf_counter() - t0
+    short = [len(o["output_ids"]) for o in outs if len(o["output_ids"]) != new_tokens]
+    if short:
+        raise RuntimeError(f"requests ended early: {short[:4]} of {new_tokens} tokens")
+    return seconds
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--engine", choices=sorted(ENGINES), required=True)
+    p.add_argument("--layers", type=int, default=48)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--generate", default="128:128", help="P:N cases, comma-separated ('' for none)")
+    p.add_argument("--decode", default="1024,8192", help="contexts, comma-separated ('' for none)")
+    p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--attention", default="flashinfer", help="attention backend of the bf16 and fp8 engines")
+    p.add_argument("--mem-fraction", type=float, default=0.85)
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args()
+    sys.path.insert(0, str(ROOT))
+    import sglang
+    import torch
+
+    from megatron_trace.checkpoint.qwen3_moe import hf_config
+    from megatron_trace.model_config import PRESETS
+
+    cfg = PRESETS["qwen3-30b-a3b"].replace(num_layers=args.layers)
+    contexts = [int(c) for c in args.decode.split(",") if c]
+    cases = [tuple(int(x) for x in c.split(":")) for c in args.generate.split(",") if c]
+    longest = max([c + args.decode_tokens + 1 for c in contexts] + [a + b for a, b in cases])
+    record = {"engine": args.engine, "gpu": torch.cuda.get_device_name(), "layers": args.layers, "batch": args.batch,
+              "sglang": sglang.__version__, "date": time.strftime("%Y-%m-%d")}
+    with tempfile.TemporaryDirectory() as model_dir:
+        Path(model_dir, "config.json").write_text(json.dumps(hf_config(cfg) | {"max_position_embeddings": 40960}))
+        options = dict(model_path=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+                       random_seed=0, log_level="error", disable_radix_cache=True, attention_backend=args.attention,
+                       mem_fraction_static=args.mem_fraction, max_running_requests=args.batch,
+                       cuda_graph_max_bs_decode=args.batch,
+                       cuda_graph_backend_prefill="disabled", context_length=longest + 16,
+                       max_total_tokens=args.batch * (longest + 16)) | ENGINES[args.engine]
+        t0 = time.perf_counter()
+        engine = sglang.Engine(**options)
+        record["start_s"] = round(time.perf_counter() - t0, 1)
+        print(json.dumps(record), flush=True)
+        try:
+            timed(engine, prompts(args.batch, 64, cfg.vocab_size, 1), 8)  # warm-up
+            seed = 10
+            for p_len, n in cases:
+                seconds = timed(engine, prompts(args.batch, p_len, cfg.vocab_size, seed), n)
+                seed += 1
+                row = record | {"phase": "generate", "prompt": p_len, "new": n, "seconds": round(seconds, 3),
+                                "tok_s": round(args.batch * n / seconds, 1)}
+                print(json.dumps(row), flush=True)
+                _append(args.out, row)
+            for c in contexts:
+                timed(engine, prompts(args.batch, c, cfg.vocab_size, seed + 100), 1)  # this prefill's kernels warm
+                t1 = timed(engine, prompts(args.batch, c, cfg.vocab_size, seed), 1)
+                t2 = timed(engine, prompts(args.batch, c, cfg.vocab_size, seed + 1), 1 + args.decode_tokens)
+                seed += 2
+                row = record | {"phase": "decode", "context": c, "new": args.decode_tokens, "prefill_s": round(t1, 3),
+                                "generate_s": round(t2, 3),
+                                "tok_s": round(args.batch * args.decode_tokens / (t2 - t1), 1) if t2 > t1 else None,
+                                "generate_tok_s": round(args.batch * (1 + args.decode_tokens) / t2, 1)}
+                print(json.dumps(row), flush=True)
+                _append(args.out, row)
+        finally:
+            engine.shutdown()
+
+
+def _append(path: Path, row: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()

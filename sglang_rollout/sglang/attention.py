@@ -1,0 +1,137 @@
+"""SGLang attention over TRACE's NVFP4 KV cache (attention backend "trace_fp4").
+
+Decode runs trace_kernels' paged FP4 attention (`paged_decode_attention`: on a GPU the kernels
+the built-in engine runs, which dequantize K and V tiles in registers to the trainer's BF16
+values; on the CPU its torch reference). SGLang's pool is paged by its page size P, so a
+sequence's block table is every P-th slot of its row of req_to_token, divided by P. Extend
+(prefill, and the feed of a finished sample) dequantizes each request's cached rows, the new
+ones included (what was just stored, so what decode reads too), and runs torch's SDPA with the
+causal mask shifted by the cached prefix. Under CUDA graphs the decode block tables and lengths
+live in buffers of a fixed address, refilled before each replay.
+
+Shapes: T tokens of the forward, B requests, Hq / Hkv this rank's query / KV heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+from trace_kernels.fp4.paged_attention import paged_decode_attention, read_cache_rows
+
+NAME = "trace_fp4"
+
+
+class TraceFP4AttnBackend(AttentionBackend):
+    """Attention that reads `kv_cache.TraceNVFP4KVMethod`'s pool (see the module docstring)."""
+
+    needs_cpu_seq_lens = True
+
+    def __init__(self, runner):
+        super().__init__()
+        self.pool, self.req_to_token = runner.token_to_kv_pool, runner.req_to_token_pool.req_to_token
+        self.token_to_kv_pool = self.pool  # SGLang's forward context reads the pool off the backend
+        self.method = getattr(self.pool, "quant_method", None)
+        if not hasattr(self.method, "cache_of"):
+            raise ValueError(f"attention backend {NAME!r} reads TRACE's NVFP4 KV cache: start the engine with "
+                             "quantization='trace_fp4'")
+        self.page = runner.page_size
+        self.device = runner.device
+        self.backend = "auto" if str(self.device).startswith("cuda") else "torch"
+        self.meta = None
+        self.graph_tables = self.graph_lens = None
+
+    # -- metadata -----------------------------------------------------------------------------
+    def _tables(self, req_pool_indices: torch.Tensor) -> torch.Tensor:
+        """Block tables int32 [B, max_pages]: page p of request b is its slot p * P over P."""
+        return (self.req_to_token[req_pool_indices.long(), ::self.page] // self.page).to(torch.int32)
+
+    def init_forward_metadata(self, forward_batch) -> None:
+        """Eager forwards: decode's block tables and lengths, fresh each time."""
+        if forward_batch.forward_mode.is_decode_or_idle():
+            self.meta = (self._tables(forward_batch.req_pool_indices), forward_batch.seq_lens.to(torch.int32))
+        else:
+            self.meta = None
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        width = self._tables(torch.zeros(1, dtype=torch.long, device=self.req_to_token.device)).shape[1]
+        self.graph_tables = torch.zeros(max_bs, width, dtype=torch.int32, device=self.device)
+        self.graph_lens = torch.ones(max_bs, dtype=torch.int32, device=self.device)
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
+        """Before capturing or replaying a decode graph: its requests' tables into the fixed buffers."""
+        if not forward_batch.forward_mode.is_decode_or_idle():
+            raise ValueError(f"attention backend {NAME!r}: CUDA graphs of {forward_batch.forward_mode} "
+                             "forwards are not supported")
+        bs = forward_batch.batch_size
+        self.graph_tables[:bs].copy_(self._tables(forward_batch.req_pool_indices[:bs]))
+        self.graph_lens[:bs].copy_(forward_batch.seq_lens[:bs])
+        self.meta = (self.graph_tables[:bs], self.graph_lens[:bs])
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return 1
+
+    # -- attention ----------------------------------------------------------------------------
+    def _caches(self, layer) -> tuple[dict, dict]:
+        i = layer.layer_id - self.pool.start_layer
+        return (self.method.cache_of(self.pool.k_buffer[i], self.pool.k_scale_buffer[i]),
+                self.method.cache_of(self.pool.v_buffer[i], self.pool.v_scale_buffer[i]))
+
+    def _store(self, layer, forward_batch, k, v, save_kv_cache: bool) -> None:
+        _check_layer(layer)
+        if save_kv_cache and k is not None and v is not None:
+            self.pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, None), k, v)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True) -> torch.Tensor:
+        """q [B, Hq * D] (one new token per request) -> [B, Hq * D]."""
+        self._store(layer, forward_batch, k, v, save_kv_cache)
+        tables, lens = self.meta
+        kc, vc = self._caches(layer)
+        q_ = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        out = paged_decode_attention(q_.contiguous(), kc, vc, tables, lens, self.page, scale=layer.scaling,
+                                     backend=self.backend)
+        return out.reshape(q_.shape[0], -1)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True) -> torch.Tensor:
+        """q [T, Hq * D] (each request's new tokens, after its cached prefix) -> [T, Hq * D]."""
+        self._store(layer, forward_batch, k, v, save_kv_cache)
+        kc, vc = self._caches(layer)
+        hq, d = layer.tp_q_head_num, layer.qk_head_dim
+        q_ = q.reshape(-1, hq, d)
+        out = torch.empty_like(q_)
+        start = 0
+        for b, (prefix, new) in enumerate(zip(forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu,
+                                              strict=True)):
+            n = prefix + new
+            slots = self.req_to_token[forward_batch.req_pool_indices[b], :n].long()
+            keys, values = (read_cache_rows(c, slots, self.backend).transpose(0, 1)[None] for c in (kc, vc))
+            query = q_[start:start + new].transpose(0, 1)[None]
+            if prefix == 0:
+                o = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=layer.scaling,
+                                                   enable_gqa=True)
+            else:
+                mask = torch.arange(n, device=q.device)[None, :] <= prefix + torch.arange(new, device=q.device)[:, None]
+                o = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=layer.scaling,
+                                                   enable_gqa=True)
+            out[start:start + new] = o[0].transpose(0, 1)
+            start += new
+        return out.reshape(q_.shape[0], -1)
+
+    def support_triton(self) -> bool:
+        return False
+
+
+def _check_layer(layer) -> None:
+    """ValueError for attention this backend does not compute (it would be silently wrong)."""
+    window = getattr(layer, "sliding_window_size", None)
+    if layer.is_cross_attention or (window is not None and window > -1) or getattr(layer, "logit_cap", 0) > 0 \
+            or layer.qk_head_dim != layer.v_head_dim:
+        raise ValueError(f"attention backend {NAME!r}: layer {layer.layer_id} needs cross attention, a sliding "
+                         "window, a logit cap or another V head dim, which it does not compute")
+
+
+def create(runner) -> TraceFP4AttnBackend:
+    """SGLang's attention registry entry."""
+    return TraceFP4AttnBackend(runner)
