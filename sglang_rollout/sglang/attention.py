@@ -21,13 +21,13 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from trace_kernels.fp4.paged_attention import paged_decode_attention, read_cache_rows
 
+from .quant import kernel_backend
+
 NAME = "trace_fp4"
 
 
 class TraceFP4AttnBackend(AttentionBackend):
     """Attention that reads `kv_cache.TraceNVFP4KVMethod`'s pool (see the module docstring)."""
-
-    needs_cpu_seq_lens = True
 
     def __init__(self, runner):
         super().__init__()
@@ -39,7 +39,6 @@ class TraceFP4AttnBackend(AttentionBackend):
                              "quantization='trace_fp4'")
         self.page = runner.page_size
         self.device = runner.device
-        self.backend = "auto" if str(self.device).startswith("cuda") else "torch"
         self.meta = None
         self.graph_tables = self.graph_lens = None
 
@@ -91,7 +90,7 @@ class TraceFP4AttnBackend(AttentionBackend):
         kc, vc = self._caches(layer)
         q_ = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         out = paged_decode_attention(q_.contiguous(), kc, vc, tables, lens, self.page, scale=layer.scaling,
-                                     backend=self.backend)
+                                     backend=kernel_backend(q_))
         return out.reshape(q_.shape[0], -1)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True) -> torch.Tensor:
@@ -106,7 +105,7 @@ class TraceFP4AttnBackend(AttentionBackend):
                                               strict=True)):
             n = prefix + new
             slots = self.req_to_token[forward_batch.req_pool_indices[b], :n].long()
-            keys, values = (read_cache_rows(c, slots, self.backend).transpose(0, 1)[None] for c in (kc, vc))
+            keys, values = (read_cache_rows(c, slots, kernel_backend(q_)).transpose(0, 1)[None] for c in (kc, vc))
             query = q_[start:start + new].transpose(0, 1)[None]
             if prefix == 0:
                 o = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=layer.scaling,

@@ -17,8 +17,8 @@ class EngineConfig:
     "dense" only for now). model_id: written into every record. device: "cpu" or "cuda".
     num_blocks x block_size: the KV cache's token capacity (SGLang's max_total_tokens).
     tp_size: SGLang's tensor parallelism. weight_bucket_mb: the most a weight update sends in one
-    SGLang call (a packed FP4 weight's parts travel together). sglang: SGLang's own ServerArgs options, passed through
-    (they override what this config derives)."""
+    SGLang call (a packed FP4 weight's parts travel together). sglang: SGLang's own ServerArgs
+    options, passed through (they override what this config derives)."""
 
     precision: EnginePrecision = EnginePrecision.FP4
     guide: str = "none"
@@ -61,6 +61,8 @@ def check_layout(model_cfg, cfg: EngineConfig) -> None:
     ep = int(cfg.sglang.get("ep_size", 1))
     if cfg.tp_size % ep:
         raise ValueError(f"EngineConfig: tp_size {cfg.tp_size} is not a multiple of SGLang's ep_size {ep}")
+    if model_cfg.num_experts % ep:
+        raise ValueError(f"EngineConfig: SGLang's ep_size {ep} does not divide the {model_cfg.num_experts} experts")
     moe_tp = cfg.tp_size // ep
     width = model_cfg.moe_intermediate_size
     if moe_tp > 1 and (width % moe_tp or (width // moe_tp) % MOE_PADDING):

@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 from sglang.srt.layers.quantization.fp4_kv_cache_quant_method import KVCacheQuantMethodBase
 
-from trace_kernels.fp4 import Format, QTensor, dequantize, quantize
+from trace_kernels.fp4 import quantize
+from trace_kernels.fp4.paged_attention import read_cache_rows
 
 from . import capture
 
@@ -92,7 +93,7 @@ class TraceNVFP4KVMethod(KVCacheQuantMethodBase):
 
     def dequantize_kv_tensor(self, fp4_tensor, scales, layer_id: int, dtype=None):
         """The layer's K or V as rows to index: `view[slots]` -> BF16 [n, G, D]."""
-        return DequantizedRows(fp4_tensor, scales, self.global_scales(scales), dtype or torch.bfloat16)
+        return DequantizedRows(self.cache_of(fp4_tensor, scales), dtype or torch.bfloat16)
 
     def dequantize_prev_kv(self, k_fp4, k_scales, v_fp4, v_scales, layer_id: int):
         return (self.dequantize_kv_tensor(k_fp4, k_scales, layer_id)[...],
@@ -100,16 +101,14 @@ class TraceNVFP4KVMethod(KVCacheQuantMethodBase):
 
 
 class DequantizedRows:
-    """A layer's stored K or V (codes [S, G, D/2], scales [S, G, D/16], g [S, G]) that dequantizes
-    only the slots it is indexed with: rows[slots] -> [n, G, D] in `dtype`."""
+    """A layer's stored K or V (`TraceNVFP4KVMethod.cache_of`) that dequantizes only the slots it
+    is indexed with: rows[slots] -> [n, G, D] in `dtype` (what paged attention reads)."""
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, g: torch.Tensor, dtype=torch.bfloat16):
-        self.codes, self.scales, self.g, self.dtype = codes, scales, g, dtype
+    def __init__(self, cache: dict, dtype=torch.bfloat16):
+        self.cache, self.dtype = cache, dtype
+        codes = cache["codes"]
         self.shape = torch.Size((*codes.shape[:-1], 2 * codes.shape[-1]))
         self.device = codes.device
 
     def __getitem__(self, index) -> torch.Tensor:
-        codes = self.codes[index]
-        q = QTensor(codes, self.scales[index].view(torch.float8_e4m3fn), self.g[index][..., None], Format.NVFP4,
-                    torch.Size((*codes.shape[:-1], 2 * codes.shape[-1])))
-        return dequantize(q, self.dtype)
+        return read_cache_rows(self.cache, index).to(self.dtype)

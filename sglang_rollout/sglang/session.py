@@ -48,6 +48,8 @@ class Session:
         check_layout(model_cfg, engine_cfg)
         self.model_cfg, self.engine_cfg = model_cfg, engine_cfg
         self.weight_version = -1
+        self._group_name = None  # the trainer's weight group, once joined (init_weights_update_group)
+        self._torn = False  # a bucketed update from the group stopped part way
         self.guided_layers = sorted(LayerPolicy.parse(engine_cfg.guide).select(model_cfg.num_layers))
         self._dir = tempfile.TemporaryDirectory(prefix="trace-sglang-")
         Path(self._dir.name, "config.json").write_text(json.dumps(hf_config(model_cfg)))
@@ -106,7 +108,7 @@ class Session:
         """Receive one bucket the trainer broadcasts over the weight group (SGLang's
         update_weights_from_distributed with TRACE's loader); `version` holds once the last is in.
         The caller checked the whole update first (weight_payload.check_update)."""
-        if getattr(self, "_group_name", None) is None:
+        if self._group_name is None:
             raise RuntimeError("receive_weights before init_weights_update_group")
         self._torn = True  # until the last bucket is in, the weights are neither the old nor the new ones
         self._applied(self.engine.update_weights_from_distributed(names, dtypes, shapes, self._group_name,
@@ -142,7 +144,7 @@ class Session:
         soon as its last sample is fed (a refused group at once)."""
         if self.weight_version < 0:
             raise RuntimeError("the engine has no weights yet: call update_weights first")
-        if getattr(self, "_torn", False):
+        if self._torn:
             raise RuntimeError("the engine's last weight update stopped part way: send a whole update first")
         check_group_ids(requests)
         self._calls += 1

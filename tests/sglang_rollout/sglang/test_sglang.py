@@ -214,3 +214,5 @@ def sample_key(sample):
 def test_a_layout_sglang_would_pad_is_refused():
     with pytest.raises(ValueError, match="pads each rank's part to a multiple of 32"):
         SGLangEngine(PRESETS["tiny"], EngineConfig(precision="fp4", tp_size=2))
+    with pytest.raises(ValueError, match="ep_size 4 does not divide the 6 experts"):
+        SGLangEngine(CFG.replace(num_experts=6), EngineConfig(precision="fp4", tp_size=4, sglang={"ep_size": 4}))
