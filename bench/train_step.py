@@ -128,16 +128,36 @@ def _expert_order(top: torch.Tensor):
     return order // top.shape[1], order % top.shape[1]
 
 
+def packed_batch(cfg, tokens: int, seq_len: int, dev):
+    """Random token ids as tokens // seq_len packed sequences: (input_ids, position_ids int64
+    [1, tokens], PackedSeqParams, labels = next token int64 [1, tokens])."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    n_seq = tokens // seq_len
+    ids = torch.randint(0, cfg.vocab_size, (1, tokens), device=dev)
+    pos = torch.arange(seq_len, device=dev).repeat(n_seq)[None]
+    cu = (torch.arange(n_seq + 1, device=dev) * seq_len).int()
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=seq_len,
+                          max_seqlen_kv=seq_len)
+    return ids, pos, psp, torch.roll(ids, -1, 1)
+
+
 def _gib(v):
     return "" if v is None else f"{v:.1f}"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def shape_parser(doc: str) -> argparse.ArgumentParser:
+    """The arguments every training-step benchmark takes: --model, --layers, --tokens, --seq-len."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--seq-len", type=int, default=128)
+    return ap
+
+
+def main() -> None:
+    ap = shape_parser(__doc__)
     ap.add_argument("--modes", default="bf16,fp4-rne,fp4-guided", help="trainer precisions")
     ap.add_argument("--micro-batches", default="1",
                     help="comma list: forward+backward passes per optimizer step (weights quantized once per step)")
@@ -151,7 +171,6 @@ def main() -> None:
         sys.exit(f"--tokens {args.tokens} must be a multiple of --seq-len {args.seq_len}")
 
     _init()
-    from megatron.core.packed_seq_params import PackedSeqParams
     from tqdm import tqdm
 
     from megatron_trace.megatron.model import build_model, set_precision
@@ -162,13 +181,7 @@ def main() -> None:
     dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     model = build_model(cfg, "bf16", grouped_gemm=not args.sequential_experts)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, **({"fused": True} if dev.type == "cuda" else {}))
-    n_seq = args.tokens // args.seq_len
-    ids = torch.randint(0, cfg.vocab_size, (1, args.tokens), device=dev)
-    pos = torch.arange(args.seq_len, device=dev).repeat(n_seq)[None]
-    cu = (torch.arange(n_seq + 1, device=dev) * args.seq_len).int()
-    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=args.seq_len,
-                          max_seqlen_kv=args.seq_len)
-    labels = torch.roll(ids, -1, 1)
+    ids, pos, psp, labels = packed_batch(cfg, args.tokens, args.seq_len, dev)
     guidance, captured = own_guidance(model, ids, pos, psp, cfg)
     print(f"guided forward reproduces every captured code: {reproduces(model, ids, pos, psp, guidance, captured)}")
 

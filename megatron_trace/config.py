@@ -192,6 +192,36 @@ class RLSection(Section):
 
 
 @dataclass(frozen=True, kw_only=True)
+class OptimSection(Section):
+    """The trainer's optimizer: Megatron-core's DistributedDataParallel and `get_megatron_optimizer`
+    (AdamW on FP32 main parameters of the BF16 model); the learning rates are sft.lr and rl.lr."""
+
+    NAME: ClassVar[str] = "optim"
+
+    clip_grad: float = 1.0
+    """Gradient clipping to this global L2 norm (Megatron's clip_grad); 0: no clipping."""
+    distributed: bool = True
+    """Megatron's distributed optimizer: FP32 main parameters and AdamW moments sharded over the
+    data-parallel ranks (expert parameters over the expert-data-parallel ranks)."""
+    cpu_offload: bool = False
+    """Megatron's optimizer_cpu_offload (the optimizer state and its step on the host): modelled by
+    `trace-rl plan`; training refuses it (megatron-core 0.19.2's offload fails on FP32 norm weights)."""
+    overlap_grad_reduce: bool = True
+    """Reduce gradients bucket by bucket while backward runs (with data parallelism)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    megatron: dict = field(default_factory=dict)
+    """Further fields of megatron.core's OptimizerConfig or DistributedDataParallelConfig, passed
+    through as given (e.g. `{adam_beta2: 0.95, bucket_size: 40000000}`); checked against them at start."""
+
+    def check(self) -> None:
+        require(self.clip_grad >= 0, "optim.clip_grad", ">= 0")
+        require(self.weight_decay >= 0, "optim.weight_decay", ">= 0")
+        require(self.distributed or not self.cpu_offload, "optim.cpu_offload", "false without optim.distributed")
+        require(all(isinstance(k, str) for k in self.megatron), "optim.megatron", "a mapping with string keys")
+
+
+@dataclass(frozen=True, kw_only=True)
 class CheckpointSection(Section):
     """When the run checkpoints, and whether it resumes (`rl.run_checkpoint`)."""
 
@@ -233,11 +263,14 @@ class DistSection(Section):
     """Trainer activation recompute: `none`, `full` (every layer) or `selective` (the MoE layers)."""
     engine_tp: int = 1
     """GPUs per engine; the built-in engine runs on one (more: for `trace-rl plan`, until the SGLang backend)."""
+    sync_bucket_mb: float = 256.0
+    """Weight sync: the largest packed bucket a trainer rank holds and sends at a time (MiB)."""
 
     def check(self) -> None:
         require(self.engine_ranks >= 0, "dist.engine_ranks", ">= 0")
         require(min(self.tp, self.ep, self.pp, self.etp) >= 1, "dist.tp / ep / pp / etp", ">= 1")
         require(self.engine_tp >= 1, "dist.engine_tp", ">= 1")
+        require(self.sync_bucket_mb > 0, "dist.sync_bucket_mb", "> 0")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -256,7 +289,13 @@ class ClusterSection(Section):
     gpu_memory_gib: float = 141.0
     """Memory per GPU (H200: 141)."""
     host_memory_gib: float = 2000.0
-    """Memory per node (trainer rank 0 gathers the full weights there for the sync)."""
+    """Memory per node (guidance waits there; `optim.cpu_offload` puts the optimizer state there)."""
+    network_gbps: float = 400.0
+    """Network between nodes per GPU, Gb/s each way (H100/H200 nodes: 8 x 400 Gb/s InfiniBand NDR,
+    a NIC per GPU); `trace-rl plan` turns the traffic between nodes into time with it."""
+    nvlink_gbs: float = 450.0
+    """NVLink per GPU inside a node, GB/s each way (H100/H200: 450; NVIDIA's 900 GB/s counts both
+    directions); `trace-rl plan` turns the traffic inside a node into time with it."""
     partition: str = ""
     """SLURM partition (empty: the cluster's default)."""
     account: str = ""
@@ -280,10 +319,12 @@ class ClusterSection(Section):
                 "between 0 and cluster.nodes - 1 (trainer nodes are the rest)")
         require(self.gpu_memory_gib > 0 and self.host_memory_gib > 0, "cluster.gpu_memory_gib / host_memory_gib",
                 "> 0")
+        require(self.network_gbps > 0 and self.nvlink_gbs > 0, "cluster.network_gbps / nvlink_gbs", "> 0")
 
 
 SECTIONS: dict[str, type[Section]] = {cls.NAME: cls for cls in (
-    ModelSection, TaskSection, SFTSection, RLSection, CheckpointSection, DistSection, ClusterSection)}
+    ModelSection, TaskSection, SFTSection, RLSection, OptimSection, CheckpointSection, DistSection,
+    ClusterSection)}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -294,6 +335,7 @@ class TrainConfig:
     task: TaskSection = field(default_factory=TaskSection)
     sft: SFTSection = field(default_factory=SFTSection)
     rl: RLSection = field(default_factory=RLSection)
+    optim: OptimSection = field(default_factory=OptimSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     dist: DistSection = field(default_factory=DistSection)
     cluster: ClusterSection = field(default_factory=ClusterSection)
@@ -313,9 +355,11 @@ class TrainConfig:
 
 TOP_LEVEL = ("engine", "output_dir", "seed")
 
-# settings a resumed run may change: how long it runs and how it checkpoints
+# settings a resumed run may change: how long it runs, how it checkpoints, and the trainer's
+# parallel layout (model and optimizer state are Megatron distributed checkpoints)
 RESUMABLE = ("sft.steps", "rl.steps", "checkpoint.every", "checkpoint.sft_every", "checkpoint.keep",
-             "checkpoint.resume", "output_dir")
+             "checkpoint.resume", "output_dir", "dist.tp", "dist.pp", "dist.ep", "dist.etp", "dist.engine_ranks",
+             "dist.bridge", "dist.recompute", "dist.sync_bucket_mb", "optim.overlap_grad_reduce")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
@@ -426,6 +470,13 @@ def _coerce(value, tp, key: str):
         ok = isinstance(value, int if tp is int else (int, float)) and not isinstance(value, bool)
         require(ok, key, f"{'an int' if tp is int else 'a number'}, got {value!r}")
         return tp(value)
+    if tp is dict:
+        if isinstance(value, str):  # from --set: a YAML mapping
+            import yaml
+
+            value = yaml.safe_load(value) or {}
+        require(isinstance(value, dict), key, f"a mapping {{key: value}}, got {value!r}")
+        return dict(value)
     if tp is str:
         require(isinstance(value, str), key, f"a string, got {type(value).__name__} {value!r} (quote it in YAML)")
         return value
@@ -465,7 +516,7 @@ def reference_markdown() -> str:
         rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
         for f in dataclasses.fields(cls):
             if f.name in names:
-                default = _plain(f.default)
+                default = _plain(f.default_factory() if f.default is dataclasses.MISSING else f.default)
                 rows.append(f"| `{prefix}{f.name}` | {_type_name(hints[f.name])} | `{default!r}` | {docs[f.name]} |")
         return rows
 

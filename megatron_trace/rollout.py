@@ -6,6 +6,7 @@ backend will implement the same protocol for large runs.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -97,6 +98,14 @@ class RolloutBackend(Protocol):
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Replace the weights (full Megatron key names; BF16 tensors, or FP4 packed as QTensor)
         in place and take `version` (which must be newer)."""
+
+    def update_weights_from_buckets(self, buckets: Iterable[torch.Tensor], version: int) -> None:
+        """Take `version` from flat weight buckets (`megatron_trace.weight_buckets`: whole weights
+        or slices of them, FP4 sites packed), consumed as they arrive. The version is committed
+        only once every weight arrived complete; ValueError naming the weight for a bucket that
+        does not fit or an incomplete update, and a backend that already wrote part of it
+        refuses to generate until a complete version arrives. Under torchrun every trainer rank
+        calls it with the buckets it sends (`rl.weight_sync`)."""
 
     def generate(self, requests: list[GroupRequest], sampling: SamplingParams, on_group=None) -> RolloutOutput:
         """Generate every request's samples; a bad request fails alone (finish_reason "error").

@@ -60,7 +60,7 @@ _SKIPPED_BYTES = re.compile(r"(^common_state|\._extra_state)/shard_[\d._]+$")
 # ---- saving and loading under a parallel layout ------------------------------------------------
 
 
-def _results_queue_in_process() -> None:
+def results_queue_in_process() -> None:
     """Megatron's filesystem writer reports its results through a `multiprocessing.Manager`
     queue: a server process, spawned at the first save, that outlives a killed trainer (an
     orphan importing torch, one per rank). `save_model` saves synchronously, so the writes run on
@@ -107,7 +107,7 @@ def save_model(model: torch.nn.Module, model_cfg: ModelConfig, directory: str | 
     plain = [k for k, v in sharded.items() if not isinstance(v, ShardedBase)]
     if plain:
         raise ValueError(f"state outside sharded tensors would go to Megatron's common state: {plain}")
-    _results_queue_in_process()
+    results_queue_in_process()
     dist_checkpointing.save(sharded, str(tmp))
     if torch.distributed.get_rank() == 0:
         for name, content in {CONFIG_FILE: dataclasses.asdict(model_cfg), **(extra_files or {})}.items():

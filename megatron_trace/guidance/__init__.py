@@ -1,7 +1,7 @@
 """TRACE guidance (docs/design.md section 4): capture on the engine, reconstruction on the trainer,
 the compact cache's record and batch formats, layer policies and flip-rate metrics."""
 
-from .batch import GroupGuidance, GuidanceBatch, SampleGuidance
+from .batch import GroupGuidance, GuidanceBatch, SampleGuidance, expert_id_dtype
 from .capture import DEFAULT_TAU, capture, capture_dense, guided_inputs
 from .codec import GuidanceFormatError, decode_positions, encode_positions
 from .metrics import FlipStats, calibrate_tau, code_flips
@@ -11,5 +11,6 @@ from .record import FORMAT_VERSION, SITES, Coding, GuidanceRecord, RecordHeader
 __all__ = [
     "DEFAULT_TAU", "FORMAT_VERSION", "SITES", "Coding", "FlipStats", "GroupGuidance", "GuidanceBatch",
     "GuidanceFormatError", "GuidanceRecord", "LayerPolicy", "RecordHeader", "SampleGuidance", "calibrate_tau",
-    "capture", "capture_dense", "code_flips", "decode_positions", "encode_positions", "guided_inputs",
+    "capture", "capture_dense", "code_flips", "decode_positions", "encode_positions", "expert_id_dtype",
+    "guided_inputs",
 ]

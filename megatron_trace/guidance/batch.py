@@ -28,6 +28,13 @@ MAGIC = b"TRACEGD\x01"
 SiteKey = tuple[int, str]  # (layer, site)
 
 
+def expert_id_dtype(num_experts: int) -> torch.dtype:
+    """The smallest integer type that holds expert ids 0..num_experts-1: routed experts travel
+    from the engine to the trainer in it (uint8 up to 256 experts, int16 up to 32768); the
+    trainer widens them where it indexes with them (`MicroBatchGuidance.from_batch`)."""
+    return torch.uint8 if num_experts <= 256 else torch.int16 if num_experts <= 2**15 else torch.int32
+
+
 def _check_experts(experts: dict[int, torch.Tensor], tokens: int, owner: str) -> None:
     for layer, ids in experts.items():
         if ids.dim() != 2 or ids.shape[0] != tokens or ids.dtype.is_floating_point:
@@ -42,7 +49,8 @@ class GroupGuidance:
     group_id: str
     prompt_len: int
     records: dict[SiteKey, GuidanceRecord] = field(default_factory=dict)
-    routed_experts: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> int [prompt_len, top_k]
+    # layer -> [prompt_len, top_k] expert ids, in expert_id_dtype as the engines send them
+    routed_experts: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(kw_only=True)
@@ -54,7 +62,7 @@ class SampleGuidance:
     response_len: int
     weight_version: int
     records: dict[SiteKey, GuidanceRecord] = field(default_factory=dict)
-    routed_experts: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> int [response_len, top_k]
+    routed_experts: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [response_len, top_k] (ditto)
 
 
 @dataclass

@@ -4,7 +4,8 @@ Test-harness / CPU-launch-path only: the patches replace parts of ``torch.cuda``
 megatron-core for the whole process.  megatron-core itself is not modified on disk.  On a machine
 with CUDA, :func:`apply_cpu_patches` does nothing.
 
-See docs/notes/megatron-core-on-cpu.md for the background (patch names P1..P7 follow it).
+See docs/notes/megatron-core-on-cpu.md for the background (patch names P1..P7 follow it; P8 is from
+docs/notes/scale-trainer-deepspeed-te.md).
 P3 is fixed in 0.19; P5 (norms under sequence parallelism) is not a CPU matter and is solved
 in the model itself (`spec.TraceRMSNorm`), so it is not patched here.
 
@@ -398,6 +399,32 @@ def _patch_p7_uneven_collectives() -> None:
 
 
 # --------------------------------------------------------------------------------------------------
+# P8: Tensor.type() names CPU tensors as CUDA ones (the optimizer's dtype checks)
+# --------------------------------------------------------------------------------------------------
+
+
+def _patch_p8_tensor_type() -> None:
+    """P8: Megatron's distributed optimizer (``distrib_optimizer.py`` ~466-481), its
+    mixed-precision optimizer (``optimizer.py`` ~1033) and gradient clipping (``clip_grads.py``
+    ~174) check dtypes with ``tensor.type()`` strings such as ``"torch.cuda.FloatTensor"`` and
+    refuse CPU tensors. ``Tensor.type()`` called with no argument now reports the
+    ``torch.cuda.*`` name of a CPU tensor; with an argument (a conversion) it is unchanged.
+    See docs/notes/scale-trainer-deepspeed-te.md."""
+    orig = torch.Tensor.type
+
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs:
+            name = orig(self)
+            if self.device.type == "cpu" and name.startswith("torch.") and not name.startswith("torch.cuda."):
+                _hit("p8_tensor_type")
+                return "torch.cuda." + name[len("torch."):]
+            return name
+        return orig(self, dtype, non_blocking, **kwargs)
+
+    _replace(torch.Tensor, "type", type_, key="torch.Tensor.type")
+
+
+# --------------------------------------------------------------------------------------------------
 # public API
 # --------------------------------------------------------------------------------------------------
 
@@ -412,6 +439,7 @@ def apply_cpu_patches() -> None:
     _patch_p1_rng()
     _patch_p6_move_to_cpu()
     _patch_p7_uneven_collectives()
+    _patch_p8_tensor_type()
     _APPLIED = True
 
 

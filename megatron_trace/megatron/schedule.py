@@ -17,6 +17,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+from megatron.core.utils import unwrap_model
 
 from .context import MicroBatchGuidance
 
@@ -38,10 +39,12 @@ class MicroBatch:
 def run_microbatches(model, batches: list[MicroBatch],
                      loss_fn: Callable[[int, torch.Tensor], tuple[torch.Tensor, dict]], *,
                      forward_only: bool = False) -> list[dict]:
-    """Forward (and, unless forward_only, backward accumulating into .grad) of each micro-batch,
-    through Megatron's schedule (1F1B across pipeline stages).
+    """Forward (and, unless forward_only, backward) of each micro-batch, through Megatron's
+    schedule (1F1B across pipeline stages).
 
     Args:
+        model: a TraceGPTModel, or to train, the `ddp` of its `optimizer.TrainerOptimizer`
+            (gradients accumulate in its buffers and are reduced after the last micro-batch).
         loss_fn(i, logp): on the last stage, for micro-batch i with logp float32 [T_i] =
             log p(targets[t] | ids[:t+1]); returns (scalar loss to backpropagate as is, info
             dict of plain values). Megatron divides each loss by the number of micro-batches;
@@ -49,11 +52,12 @@ def run_microbatches(model, batches: list[MicroBatch],
     Returns:
         each micro-batch's info, on every rank of the pipeline.
     """
+    inner = unwrap_model(model)  # a TraceGPTModel, or Megatron's DDP over one (training)
     lengths = {b.input_ids.shape[1] for b in batches}
-    if len(lengths) > 1 and ps.get_pipeline_model_parallel_world_size() > 1 and not model.config.variable_seq_lengths:
+    if len(lengths) > 1 and ps.get_pipeline_model_parallel_world_size() > 1 and not inner.config.variable_seq_lengths:
         raise ValueError("micro-batches of differing lengths across pipeline stages need the alltoall token dispatcher")
-    offset = get_transformer_layer_offset(model.config)
-    layers = range(offset, offset + len(model.decoder.layers))
+    offset = get_transformer_layer_offset(inner.config)
+    layers = range(offset, offset + len(inner.decoder.layers))
     infos = {}
     n = len(batches)
 

@@ -2,7 +2,8 @@
 
 The full form is what a one-process model's `state_dict()` holds: global layer numbers and
 global expert numbers in the keys, whole tensors. `load_full_state_dict` copies this rank's
-slice of each tensor into a model built under any TP/EP/PP layout:
+slice of each tensor into a model built under any TP/EP/PP layout; `held_slices` says which
+slices of the full tensors a rank holds and sends in a weight sync:
 
 | parameter | split over | dim |
 |---|---|---|
@@ -85,44 +86,29 @@ def load_full_state_dict(model: torch.nn.Module, full: dict[str, torch.Tensor]) 
         param.copy_(part)
 
 
-def _gather_shards(local: torch.Tensor, name: str) -> torch.Tensor:
-    """The full tensor of parameter `name` from this rank's slice (collective over its TP or
-    expert-TP group; the inverse of `shard_of`)."""
+def held_slices(name: str, local: torch.Tensor) -> list[tuple[int, int, tuple[int, ...], torch.Tensor]]:
+    """(dim, start, full shape, values) of each slice of the full tensor of parameter `name`
+    (global name) that this rank's `local` holds and sends in a weight sync: full[start : start +
+    len] along dim (gate and up of a gated fc1 are two slices); [] when another rank sends it.
+    A tensor is sent by its first data-parallel replica (expert-data-parallel for experts), each
+    tensor-parallel (expert-TP) rank its slice, a replicated tensor by tensor-parallel rank 0."""
     group, dim, gated = _split_rule(name)
+    expert = ".local_experts." in name
+    dp_rank = ps.get_expert_data_parallel_rank() if expert else ps.get_data_parallel_rank()
     if group is None:
-        return local
-    pg = ps.get_tensor_model_parallel_group() if group == "tp" else ps.get_expert_tensor_parallel_group()
-    size = torch.distributed.get_world_size(pg)
+        tp_rank = ps.get_expert_tensor_parallel_rank() if expert else ps.get_tensor_model_parallel_rank()
+        return [(0, 0, tuple(local.shape), local)] if dp_rank == 0 and tp_rank == 0 else []
+    if dp_rank != 0:
+        return []
+    size = ps.get_tensor_model_parallel_world_size() if group == "tp" else ps.get_expert_tensor_parallel_world_size()
+    rank = ps.get_tensor_model_parallel_rank() if group == "tp" else ps.get_expert_tensor_parallel_rank()
     if size == 1:
-        return local
-    parts = [torch.empty_like(local) for _ in range(size)]
-    torch.distributed.all_gather(parts, local.contiguous(), group=pg)
-    if gated:  # each rank holds [gate_r; up_r]
-        halves = [p.chunk(2, dim) for p in parts]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim)
-    return torch.cat(parts, dim)
-
-
-@torch.no_grad()
-def gather_full_state_dict(model: torch.nn.Module, dst: int = 0) -> dict[str, torch.Tensor] | None:
-    """The full state dict (CPU tensors) on global rank `dst` of the trainers' world, None elsewhere;
-    call on every rank. The inverse of `load_full_state_dict`: tensor-parallel slices are
-    gathered, and each tensor is contributed once (by the first TP / expert-TP and data-parallel
-    replica of its stage and experts)."""
-    mine = {}
-    for local, param in model.state_dict(keep_vars=True).items():
-        if local.endswith("_extra_state"):
-            continue
-        name = global_name(local, model)
-        full = _gather_shards(param.detach(), name)
-        expert = ".local_experts." in name
-        first = (ps.get_expert_tensor_parallel_rank() == 0 and ps.get_expert_data_parallel_rank() == 0) if expert \
-            else (ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0)
-        if first:
-            mine[name] = full.cpu()
-    world = torch.distributed.get_world_size()
-    gathered = [None] * world if torch.distributed.get_rank() == dst else None
-    torch.distributed.gather_object(mine, gathered, dst=dst)
-    if gathered is None:
-        return None
-    return {k: v for part in gathered for k, v in part.items()}
+        return [(0, 0, tuple(local.shape), local)]
+    full = list(local.shape)
+    full[dim] *= size
+    if not gated:
+        n = local.shape[dim]
+        return [(dim, rank * n, tuple(full), local)]
+    half = local.shape[dim] // 2  # this rank's [gate_r; up_r]; the full tensor is [gate; up]
+    return [(dim, rank * half, tuple(full), local.narrow(dim, 0, half)),
+            (dim, full[dim] // 2 + rank * half, tuple(full), local.narrow(dim, half, half))]

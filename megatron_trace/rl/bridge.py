@@ -5,7 +5,8 @@ state lives in) and ranks [T, T + E) run engines. `Bridge` is a process group of
 all T + E ranks (NCCL when every rank has a GPU of its own, else gloo), carrying the requests,
 the weights and the guidance; it is built from torchrun's rendezvous store under a prefix, so it
 never enters the trainers' world.
-Objects travel in torch.save's format: a size, then the bytes.
+Objects travel in torch.save's format: a size, then the bytes; flat buffers (weight buckets) as
+they are, a size, then the buffer.
 """
 
 from __future__ import annotations
@@ -86,18 +87,28 @@ class Bridge:
         """Send `obj` to rank `dst`; returns the bytes sent."""
         buf = io.BytesIO()
         torch.save(obj, buf)  # torch's format: any tensor dtype (FP8 scales, packed codes), views included
-        data = torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8).to(self.device)
+        return self.send_buffer(torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8), dst)
+
+    def recv(self, src: int):
+        """The next object `src` sent."""
+        data = self.recv_buffer(src)
+        return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=False)  # from our own ranks
+
+    def send_buffer(self, data: torch.Tensor, dst: int) -> int:
+        """Send a flat uint8 tensor to rank `dst` as it is (no serialisation; copied only if it is
+        not on the bridge's device); returns the bytes sent."""
+        data = data.to(self.device)
         self.pg.send([torch.tensor([data.numel()], dtype=torch.int64, device=self.device)], dst, 0).wait()
         self.pg.send([data], dst, 1).wait()
         return data.numel()
 
-    def recv(self, src: int):
-        """The next object `src` sent."""
+    def recv_buffer(self, src: int) -> torch.Tensor:
+        """The next flat uint8 tensor `src` sent (send or send_buffer), on the bridge's device."""
         size = torch.empty(1, dtype=torch.int64, device=self.device)
         self.pg.recv([size], src, 0).wait()
         data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
         self.pg.recv([data], src, 1).wait()
-        return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=False)  # from our own ranks
+        return data
 
 
 def _nodes() -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..config import RLSection
+from ..config import DistSection, RLSection
 from ..guidance import GuidanceBatch, LayerPolicy
 from ..modes import EnginePrecision, RunMode
 from ..rollout import SamplingParams
@@ -33,14 +33,14 @@ def bytes_per_token_by_layer(guidance: GuidanceBatch, num_layers: int) -> dict[i
 
 
 def resolve_budget(rl: RLSection, trainer, make_engine, prompts: list[tuple[int, ...]], sampling: SamplingParams,
-                   num_layers: int):
+                   num_layers: int, sync_bucket_mb: float = DistSection.sync_bucket_mb):
     """("layers:i,j" or "none", {layer: flip rate}, {layer: bytes per token}) for rl.guide's
     budget in rl.coding, on any trainer layout (every trainer rank counts its own rows; the
-    counts are summed)."""
+    counts are summed). The measurement engines get the weights in buckets of sync_bucket_mb MiB."""
     policy, coding = rl.guide, rl.coding
     measure = dataclasses.replace(rl, mode=RunMode.FP4_QAT, dynamic_sampling=False)
     engine = make_engine(EnginePrecision.FP4, "all", "dense")
-    sync_weights(trainer, engine, 0)
+    sync_weights(trainer, engine, 0, sync_bucket_mb)
     batch = rollout(engine, prompts, lambda prompt, response: 0.0, rl.group_size, sampling, -1)
     counter = FlipCounter()
     response_logprobs(trainer, batch, measure, observer=counter)
@@ -48,7 +48,7 @@ def resolve_budget(rl: RLSection, trainer, make_engine, prompts: list[tuple[int,
     guidance = batch.out.guidance
     if coding != "dense":  # what the run's coding costs
         engine = make_engine(EnginePrecision.FP4, "all", coding)
-        sync_weights(trainer, engine, 0)
+        sync_weights(trainer, engine, 0, sync_bucket_mb)
         guidance = rollout(engine, prompts, lambda prompt, response: 0.0, rl.group_size, sampling, -1).out.guidance
     cost = bytes_per_token_by_layer(guidance, num_layers)
     layers = LayerPolicy.parse(policy).select(num_layers, flips, cost)

@@ -7,10 +7,12 @@ The RL loop is the colocated one (`rl.step`); the trainer ranks see the engines 
                      experts, guidance records) to the trainer ranks whose data-parallel rank
                      trains on it (contiguous shares of the step's groups) while the other
                      groups still generate, then an end marker;
-    update_weights:  the trainers gather the full weights on rank 0 (FP4 sites packed by the
-                     shared quantizer when the engines run FP4), which sends them to every engine.
+    update_weights:  every trainer rank quantizes and packs the weights it holds into buckets
+                     (`rl.weight_sync`); rank 0 tells each engine the version and which ranks
+                     send how many buckets, the senders send theirs straight to every engine,
+                     which writes them in place and answers ("ok", version) or an error.
 Engine ranks run `serve_engine` until the trainers say stop. Gradients are reduced across the
-trainer's groups by `megatron.grads.finalize_grads` before each optimizer step.
+trainer's groups by Megatron's DDP (`megatron.optimizer`).
 Trainer layouts: any TP / EP / PP / DP (the step runs Megatron's pipeline schedule).
 """
 
@@ -68,15 +70,40 @@ class RemoteEngine:
                                            {k: v for p in ordered for k, v in p.guidance.samples.items()}))
 
     def update_weights(self, state_dict: dict | None, version: int) -> None:
-        """`state_dict`: the full weights on trainer rank 0 (None on the others)."""
-        if dist.get_rank() == 0:
-            for e in self.bridge.roles.engines:
-                self.bridge.send(("weights", state_dict, version), e)
-            for e in self.bridge.roles.engines:
-                reply = self.bridge.recv(e)
-                if reply != ("ok", version):
-                    raise RuntimeError(f"engine rank {e} refused weights version {version}: {reply}")
-        dist.barrier()
+        """`state_dict`: the full weights on trainer rank 0 (None on the others), sent from there
+        in buckets. Collective over the trainer ranks."""
+        from ..config import DistSection
+        from ..weight_buckets import state_dict_buckets
+
+        buckets = state_dict_buckets(state_dict or {}, int(DistSection.sync_bucket_mb * 2**20),
+                                     fp4=self.precision is EnginePrecision.FP4)
+        self.update_weights_from_buckets(buckets, version)
+
+    def update_weights_from_buckets(self, buckets, version: int) -> None:
+        """Every trainer rank's `buckets` (a sized iterable, made as iterated) to every engine:
+        the bucket counts are gathered first (no collective runs between the sends), rank 0
+        announces the update, each rank sends its buckets, rank 0 collects the engines' answers.
+        Collective over the trainer ranks; RuntimeError on every rank when an engine refused."""
+        engines, rank0 = self.bridge.roles.engines, dist.get_rank() == 0
+        counts = [None] * dist.get_world_size()
+        dist.all_gather_object(counts, len(buckets))
+        if rank0:
+            senders = [(rank, n) for rank, n in enumerate(counts) if n]
+            for e in engines:
+                self.bridge.send(("weights", version, senders), e)
+        for flat in buckets:
+            flat = flat.to(self.bridge.device)
+            for e in engines:
+                self.bridge.send_buffer(flat, e)
+            del flat
+        refused = [None]
+        if rank0:
+            replies = [(e, self.bridge.recv(e)) for e in engines]
+            refused = [next((f"engine rank {e} refused weights version {version}: {reply}"
+                             for e, reply in replies if reply != ("ok", version)), None)]
+        dist.broadcast_object_list(refused, src=0)
+        if refused[0] is not None:
+            raise RuntimeError(refused[0])
         self.weight_version = version
 
 
@@ -92,13 +119,17 @@ def serve_engine(bridge: Bridge, make_engine) -> None:
             engine = None  # free the old one first
             engine = make_engine(*msg[1:])
             continue
-        if msg[0] == "weights":
-            _, state_dict, version = msg
+        if msg[0] == "weights":  # buckets from each sender in turn, written as they arrive
+            _, version, senders = msg
+            incoming = (bridge.recv_buffer(rank) for rank, count in senders for _ in range(count))
             try:
-                engine.update_weights(state_dict, version)
-                bridge.send(("ok", version), 0)
+                engine.update_weights_from_buckets(incoming, version)
+                reply = ("ok", version)
             except ValueError as e:
-                bridge.send(("error", str(e)), 0)
+                reply = ("error", str(e))
+            for _ in incoming:  # the buckets still on their way after a refusal
+                pass
+            bridge.send(reply, 0)
             continue
         _, requests, sampling, first, total, dp_size, dp_of_rank = msg
         index = {r.group_id: first + i for i, r in enumerate(requests)}  # in the step's `total` groups
@@ -113,43 +144,21 @@ def serve_engine(bridge: Bridge, make_engine) -> None:
             bridge.send("end", rank)
 
 
-class ReducingOptimizer:
-    """An optimizer whose step first reduces the gradients across the trainer's groups."""
-
-    def __init__(self, optimizer, model: torch.nn.Module):
-        self.optimizer, self.model = optimizer, model
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none)
-
-    def step(self) -> None:
-        from ..megatron.grads import finalize_grads
-
-        finalize_grads(self.model)
-        self.optimizer.step()
-
-    def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state)
-
-
-SENT_BY_RANK0 = ("weight_sync_bytes",)  # the other ranks report 0: the job's figure is rank 0's
+SUMMED = ("weight_sync_bytes",)  # each rank reports what it sent: the job's figure is the sum
 
 
 def average_metrics(m: dict) -> dict:
-    """Every numeric metric (and per-layer dict) averaged over the trainer ranks."""
+    """Every numeric metric (and per-layer dict) averaged over the trainer ranks (SUMMED ones summed)."""
     dev = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces device tensors only
     flat = {k: float(v) for k, v in m.items() if isinstance(v, (int, float)) and k != "step"}
-    keys = sorted(k for k in flat if k not in SENT_BY_RANK0)
+    keys = sorted(k for k in flat if k not in SUMMED)
     t = torch.tensor([flat[k] for k in keys], dtype=torch.float64, device=dev)
     dist.all_reduce(t)
     out = dict(m) | {k: float(v) / dist.get_world_size() for k, v in zip(keys, t.tolist(), strict=True)}
-    for k in SENT_BY_RANK0:
+    for k in SUMMED:
         if k in flat:
             x = torch.tensor(flat[k], dtype=torch.float64, device=dev)
-            dist.all_reduce(x, op=dist.ReduceOp.MAX)
+            dist.all_reduce(x)
             out[k] = float(x)
     for k, v in m.items():
         if isinstance(v, dict):

@@ -8,13 +8,12 @@ from pathlib import Path
 
 from ..checkpoint.dist import load_model, read_config, save_model
 from ..checkpoint.hf import HFCheckpoint
-from ..config import ModelSection, RLSection, TaskSection
+from ..config import ModelSection, OptimSection, RLSection, TaskSection
 from ..guidance import Coding
 from ..model_config import PRESETS, ModelConfig
 from ..modes import RunMode
 from .architecture import PLAN_ONLY
-from .optim import MasterAdamW
-from .ranks import distributed_trainer, is_rank0
+from .ranks import is_rank0
 from .rewards import load_reward
 from .tasks import ArithmeticTask, CharTokenizer, HFTokenizer, JsonlTask
 
@@ -39,14 +38,11 @@ def make_task(task: TaskSection, seed: int):
     return JsonlTask(task.path, tokenizer, load_reward(task.reward), seed=seed)
 
 
-def make_optimizer(trainer, lr: float):
-    """AdamW on FP32 masters; across trainer ranks its step first reduces the gradients."""
-    opt = MasterAdamW(trainer.parameters(), lr=lr, weight_decay=0.0)
-    if distributed_trainer():
-        from .disaggregated import ReducingOptimizer
+def make_optimizer(trainer, lr: float, optim: OptimSection):
+    """Megatron's DDP and optimizer over the trainer (`megatron.optimizer.TrainerOptimizer`)."""
+    from ..megatron.optimizer import TrainerOptimizer  # here: `trace-rl plan` imports this module, not Megatron
 
-        return ReducingOptimizer(opt, trainer)
-    return opt
+    return TrainerOptimizer(trainer, lr, optim)
 
 
 def make_reference(trainer, model_cfg: ModelConfig, path: Path, resumed: bool):

@@ -1,25 +1,38 @@
 """`trace-rl plan`: per-GPU memory and per-step traffic of a run, before it runs.
 
-From the run's own config (model, `dist` layout, `rl` batch shape, `cluster` machines) it counts
-what each rank holds, as this code base holds it:
+From the run's own config (model, `dist` layout, `rl` batch shape, `optim`, `cluster` machines
+and network) it counts what each rank holds, as the trainer holds it on Megatron-core's
+DistributedDataParallel and `get_megatron_optimizer` (`megatron/optimizer.py`):
 
-- trainer GPU (the pipeline stage holding the most): BF16 parameters and gradients, FP32
-  masters and AdamW moments (`rl/optim.py`, not sharded over data-parallel ranks), the FP32
-  gradient copies of the optimizer step, QAT's dequantized weight copies and STE masks kept for
-  backward, the KL reference's weights, activations of the rank's one micro-batch (all its
-  samples packed, sequence-parallel under TP; with recompute only layer inputs plus one layer),
-  the logits, and the guidance of the micro-batches in flight;
-- engine GPU: FP4 weights (codes + E4M3 block scales) or BF16, and the FP4 KV cache of a
-  step's in-flight samples (prompts stored once per group);
-- host memory per node: trainer rank 0 gathers the full BF16 weights for the sync and packs
-  them; guidance waits on the host (records leave the engine's GPU layer by layer, and a
-  trainer moves one micro-batch's to its GPU at a time);
-- per step: weight-sync bytes (rank 0 sends the packed weights to every engine rank) and
-  guidance bytes.
+- trainer GPU (the pipeline stage holding the most): BF16 parameters (norms FP32); DDP's
+  contiguous FP32 gradient buffer (`grad_reduce_in_fp32`; full on every rank, reduce-scattered
+  under the distributed optimizer); the optimizer's FP32 main parameters (4 B per BF16
+  parameter; an FP32 one is its own) and AdamW moments (8 B per parameter), with
+  `optim.distributed` a 1/DP shard of the dense parameters' and a 1/expert-DP shard of the
+  experts', with `optim.cpu_offload` only the FP32 main shard (moments and the step on the
+  host); QAT's dequantized weight copies and STE masks kept for backward; the KL reference's
+  weights; activations of the rank's largest micro-batch (all its samples packed, sequence-
+  parallel under TP; with recompute only layer inputs plus one layer); the logits; the decoded
+  guidance of the micro-batches in flight; and, while the weights sync, one packed bucket;
+- engine GPU: FP4 weights (codes + E4M3 block scales) or BF16, the FP4 KV cache of a step's
+  in-flight samples (prompts stored once per group) and one received sync bucket;
+- host memory per node: one sync bucket per trainer rank (each rank quantizes and sends its own
+  shards in buckets of `dist.sync_bucket_mb` to the engines: no rank holds the whole model),
+  the offloaded optimizer state, and the guidance waiting for the trainers / recorded by the
+  engines, in its wire form;
+- per step, in bytes and in seconds on the cluster's network (`cluster.network_gbps` per GPU
+  between nodes, `cluster.nvlink_gbs` inside one): the weight sync (every engine receives the
+  packed model), the guidance in the configured coding (sparse: its measured size, see
+  `SPARSE_KEPT`), the routed expert ids (uint8 up to 256 experts, else int16) and each GPU's
+  gradient reduction (an all-reduce, or under the distributed optimizer a reduce-scatter of the
+  gradients and an all-gather of the updated parameters).
 
-Activation counts are estimates (what autograd saves per token in our layer, in BF16); the rest
-is exact. A layout that does not fit is refused with the shortfall. `choose_layout` searches the
-TP/EP/PP layouts of the trainer GPUs for the one that fits with the least model parallelism.
+Activation counts are estimates (what autograd saves per token in our layer, in BF16); the
+memory is otherwise exact up to Megatron's buffer padding (64 elements per parameter). Seconds
+are at the link rate, spread evenly over the GPUs that send and receive: lower bounds (NCCL
+reaches ~80-90 % of it; overlap hides part of the gradient reduction). A layout that does not
+fit is refused with the shortfall. `choose_layout` searches the TP/EP/PP layouts of the trainer
+GPUs for the one that fits with the least model parallelism.
 """
 
 from __future__ import annotations
@@ -29,12 +42,22 @@ import math
 from dataclasses import dataclass
 
 from ..guidance import LayerPolicy
+from ..guidance.record import Coding
 from ..modes import EnginePrecision, RunMode
 from .architecture import PLAN_ONLY, Architecture
 from .factories import resolve_model_config
 
-GiB = 1024**3
+GiB, MiB = 1024**3, 1024**2
 USABLE = 0.92  # of GPU memory: what the CUDA context, NCCL buffers and fragmentation leave
+# Sparse guidance on the wire (guidance/record.py, the engine's defaults tau 2 and scale coding
+# "lsb"): per row a float32 g, every block scale's last bit (1/16 bit per element), and per kept
+# element a one-byte position gap plus its mantissa bit. The kept fraction is measured: 2.94 % of
+# elements lie within 2 BF16 ulps of an E2M1 rounding boundary (bench/results/guidance_bytes_2026-11-30.md,
+# row "sparse tau=2, scale LSBs": 0.343 bits per element at 2048 columns, which these give back:
+# 32/2048 + 1/16 + 0.0294 x 9); for the tiny model's narrow sites they give 1.23 bits per element
+# against the 1.25 its rollouts measured (bench/results/mismatch_tiny_sparse_2026-11-30.json).
+SPARSE_KEPT = 0.0294
+SPARSE_BITS_PER_KEPT = 9  # a one-byte gap (a gap of 255 or more takes another byte: rare at 3 %) + the bit
 
 
 # -- the run's shape -------------------------------------------------------------------------
@@ -71,15 +94,20 @@ def layout_errors(arch: Architecture, lay: Layout, trainer_gpus: int) -> list[st
 
 @dataclass(kw_only=True)
 class Plan:
-    """Bytes per GPU by item (trainer and engine), bytes per step, and what does not fit."""
+    """Bytes per GPU by item (trainer and engine), per host, per step (and the step's seconds on
+    the network), and what does not fit."""
 
     arch: Architecture
     layout: Layout
     trainer_gpus: int
     engine_gpus: int
+    dp: int
+    expert_dp: int
+    optimizer: str  # how the optimizer state is held, in words
     trainer: dict[str, float]
     engine: dict[str, float]
     traffic: dict[str, float]
+    seconds: dict[str, float]  # the traffic's items, as time on the cluster's network
     host: dict[str, float]
     limits: dict[str, float]
     problems: list[str]
@@ -97,31 +125,50 @@ class Plan:
         return sum(self.engine.values())
 
 
+SYNC_BUCKET = "weight sync bucket (packed)"
+
+
 def _peak(items: dict[str, float]) -> float:
-    """The larger of the forward-backward and the optimizer-step working sets."""
-    step_only = items.get("optimizer step: FP32 gradient copies", 0.0)
+    """The larger of the forward-backward and the weight-sync working sets."""
+    sync_only = items.get(SYNC_BUCKET, 0.0)
     fwd_only = sum(v for k, v in items.items() if k.startswith(("activations", "logits", "QAT", "guidance")))
-    static = sum(items.values()) - step_only - fwd_only
-    return static + max(step_only, fwd_only)
+    static = sum(items.values()) - sync_only - fwd_only
+    return static + max(sync_only, fwd_only)
 
 
-def guidance_bytes_per_token(arch: Architecture, layer_count: int, decoded_sparse: bool = False) -> float:
-    """Guidance bytes per token for `layer_count` guided layers: dense records (per row a float32
-    global scale, an E4M3 scale per 16 elements and a mantissa bit per element). Sparse records
-    carry fewer (only near-tie elements' bits); the plan counts them as dense, an upper bound.
-    `decoded_sparse`: the trainer's decoded form of sparse guidance, which adds known-bit and
-    known-scale masks (guidance.rows)."""
-    h = arch.hidden
+def _site_shapes(arch: Architecture) -> list[tuple[int, int]]:
+    """(rows per token, columns) of one layer's FP4 sites: qkv, proj, fc1, fc2 (a row per routed
+    expert), k and v (a row per KV head)."""
     head = arch.kv_width // (2 * arch.kv_heads)
-    sites = [(1, h), (1, arch.attn_out_width), (1, h), (arch.top_k, arch.moe_ffn), (arch.kv_heads, head),
-             (arch.kv_heads, head)]
-    per_row = (lambda c: 4 + 2 * (c // 16) + 2 * (c // 8)) if decoded_sparse else (lambda c: 4 + c // 16 + c // 8)
-    return layer_count * sum(rows * per_row(cols) for rows, cols in sites)
+    return [(1, arch.hidden), (1, arch.attn_out_width), (1, arch.hidden), (arch.top_k, arch.moe_ffn),
+            (arch.kv_heads, head), (arch.kv_heads, head)]
+
+
+def guidance_bytes_per_token(arch: Architecture, layer_count: int, coding: Coding | str = Coding.DENSE,
+                             decoded: bool = False) -> float:
+    """Guidance bytes per token for `layer_count` guided layers (guidance/record.py). Dense: per
+    row a float32 global scale, an E4M3 scale per 16 elements and a mantissa bit per element
+    (exact). Sparse, on the wire: per row the float32 g and a scale bit per 16 elements, and
+    `SPARSE_BITS_PER_KEPT` for each of the `SPARSE_KEPT` elements near a rounding boundary (the
+    measured fraction). `decoded`: the trainer's decoded form of sparse guidance, dense tensors
+    plus known-bit and known-scale masks (guidance/rows.py)."""
+    if Coding(coding) is Coding.DENSE:
+        per_row = lambda c: 4 + c // 16 + c // 8
+    elif decoded:
+        per_row = lambda c: 4 + 2 * (c // 16) + 2 * (c // 8)
+    else:
+        per_row = lambda c: 4 + c / 128 + c * SPARSE_KEPT * SPARSE_BITS_PER_KEPT / 8
+    return layer_count * sum(rows * per_row(cols) for rows, cols in _site_shapes(arch))
+
+
+def expert_id_bytes(arch: Architecture) -> int:
+    """Bytes of one routed expert id as the ids travel: the smallest integer type that holds them."""
+    return 1 if arch.experts <= 256 else 2
 
 
 def routed_expert_bytes_per_token(arch: Architecture) -> int:
-    """Bytes per token of the routed expert ids the engine records (int64, every MoE layer)."""
-    return arch.moe_layers * arch.top_k * 8  # int64 ids, as the engine records them
+    """Bytes per token of the routed expert ids (every MoE layer's top-k, uint8 or int16)."""
+    return arch.moe_layers * arch.top_k * expert_id_bytes(arch)
 
 
 KV_BLOCK = 16  # tokens per KV-cache block of the built-in engine (EngineConfig.block_size)
@@ -143,13 +190,13 @@ def engine_kv_blocks(cfg, engine_tp: int | None = None) -> int:
     return kv_blocks(math.ceil(rl.prompts_per_step / instances), rl.group_size, rl.max_prompt_tokens, rl.max_new_tokens)
 
 
-def _guided_layers(policy: str, arch: Architecture, mode: RunMode) -> int:
+def _guided_layers(policy: str, arch: Architecture, mode: RunMode, coding: Coding | str) -> int:
     """Layers whose guidance the trainer receives (a budget: as many as its bytes allow)."""
     if not mode.applies_guidance:
         return 0
     pol = LayerPolicy.parse(policy)
     if pol.kind == "budget":
-        return min(arch.layers, int(pol.budget_bytes_per_token // guidance_bytes_per_token(arch, 1)))
+        return min(arch.layers, int(pol.budget_bytes_per_token // guidance_bytes_per_token(arch, 1, coding)))
     return len(pol.select(arch.layers))
 
 
@@ -169,68 +216,179 @@ def gpu_counts(cfg) -> tuple[int, int]:
     return trainers, engines
 
 
+# -- what one trainer GPU holds ----------------------------------------------------------------
+@dataclass(frozen=True)
+class Held:
+    """Parameters one trainer GPU of the fullest pipeline stage holds, by how they replicate."""
+
+    dense: float  # over the DP ranks: attention, dense FFNs, routers, norms, embedding and head
+    norms: float  # of which FP32 (Megatron keeps norm weights in float32)
+    expert: float  # over the expert-DP ranks: the routed experts' shard
+    fp4: float  # of both, at FP4 sites
+
+    @property
+    def total(self) -> float:
+        return self.dense + self.expert
+
+
+def held_params(arch: Architecture, lay: Layout) -> Held:
+    """The parameters of the first (fullest) pipeline stage's layers on one GPU, dense leading
+    layers included; the embedding and, when not tied or without PP, the output layer."""
+    h = arch.hidden
+    dense = expert = fp4 = 0.0
+    stage_layers = math.ceil(arch.layers / lay.pp)
+    for layer in range(stage_layers):
+        ep_params, tp_params = arch.ffn_params(layer)
+        dense += (arch.attn_params + tp_params) / lay.tp + arch.norm_params + (arch.experts * h if ep_params else 0)
+        expert += ep_params / (lay.ep * lay.etp)
+        fp4 += (arch.attn_params + tp_params) / lay.tp + ep_params / (lay.ep * lay.etp)
+    dense += arch.vocab * h / lay.tp * (1 if lay.pp > 1 or arch.tie_embeddings else 2) + h
+    return Held(dense=dense, norms=stage_layers * arch.norm_params + h, expert=expert, fp4=fp4)
+
+
+def optimizer_bytes(held: Held, dp: int, expert_dp: int, distributed: bool, offload: bool) -> tuple[float, float]:
+    """(GPU bytes, host bytes) of one rank's optimizer state under Megatron's optimizers: FP32
+    main parameters (4 B per BF16 parameter; an FP32 parameter is its own main parameter) and
+    AdamW's exp_avg and exp_avg_sq (8 B per parameter). Distributed: the rank holds 1/dp of the
+    dense parameters' and 1/expert_dp of the experts'. Offloaded (HybridDeviceOptimizer, all of
+    it): the GPU keeps the FP32 main shard, which the host's updated copy is written back into;
+    the host holds that copy, the moments and an FP32 gradient copy, 16 B per sharded parameter."""
+    if not distributed:
+        dp = expert_dp = 1
+    shard = held.dense / dp + held.expert / expert_dp
+    main = 4 * (shard - held.norms / dp)
+    return (main, 16 * shard) if offload else (main + 8 * shard, 0.0)
+
+
+def grad_reduction_bytes(held: Held, dp: int, expert_dp: int, distributed: bool) -> float:
+    """Bytes one GPU sends per step to reduce its gradients, as NCCL's ring algorithms send
+    them: an all-reduce of the FP32 buffer over n ranks sends 2 (n-1)/n x 4 B per parameter;
+    under the distributed optimizer a reduce-scatter of it and an all-gather of the updated
+    parameters send (n-1)/n x (4 + 2) B per BF16 parameter (4 + 4 per FP32 one). Dense
+    parameters over the DP ranks, experts over the expert-DP ranks."""
+    def over(n: int, numel: float, fp32: float) -> float:
+        share = (n - 1) / n
+        return share * (6 * numel + 2 * fp32) if distributed else 2 * share * 4 * numel
+    return over(dp, held.dense, held.norms) + over(expert_dp, held.expert, 0.0)
+
+
+def link_bytes_per_s(cluster, within_node: bool) -> float:
+    """One GPU's link each way: NVLink inside a node, the network between nodes."""
+    return cluster.nvlink_gbs * 1e9 if within_node else cluster.network_gbps * 1e9 / 8
+
+
 def make_plan(cfg, arch: Architecture, layout: Layout | None = None) -> Plan:
     """The plan of the run `cfg` (a TrainConfig) for `arch` under `layout` (default: cfg.dist's)."""
-    dist, rl, cl = cfg.dist, cfg.rl, cfg.cluster
+    dist, rl, cl, optim = cfg.dist, cfg.rl, cfg.cluster, cfg.optim
     lay = layout or Layout(dist.tp, dist.ep, dist.pp, dist.etp)
     trainer_gpus, engine_gpus = gpu_counts(cfg)
     colocated = engine_gpus == 0
     problems = layout_errors(arch, lay, trainer_gpus)
     dp = max(1, trainer_gpus // (lay.tp * lay.pp))
-    h, L = arch.hidden, arch.layers
-
-    # parameters of the fullest pipeline stage, on one GPU
-    stage_layers = math.ceil(L / lay.pp)
-    dense = expert = fp4 = 0.0
-    for layer in range(stage_layers):  # the first stage's layers (dense leading layers included)
-        ep_params, tp_params = arch.ffn_params(layer)
-        dense += (arch.attn_params + tp_params) / lay.tp + arch.norm_params + (arch.experts * h if ep_params else 0)
-        expert += ep_params / (lay.ep * lay.etp)
-        fp4 += (arch.attn_params + tp_params) / lay.tp + ep_params / (lay.ep * lay.etp)
-    ends = arch.vocab * h / lay.tp * (1 if lay.pp > 1 or arch.tie_embeddings else 2) + h
-    params = dense + expert + ends
+    expert_dp = max(1, trainer_gpus // (lay.pp * lay.ep * lay.etp))
+    held = held_params(arch, lay)
+    stage_layers = math.ceil(arch.layers / lay.pp)
     # the rank's samples (all packed up front, guidance included), then its largest micro-batch
     rank_tokens = math.ceil(rl.prompts_per_step * rl.group_size / dp) * (rl.max_prompt_tokens + rl.max_new_tokens)
     T = rank_tokens if not rl.max_tokens_per_microbatch else min(
         rank_tokens, max(rl.max_tokens_per_microbatch, rl.max_prompt_tokens + rl.max_new_tokens))
-    guided = _guided_layers(rl.guide, arch, rl.mode)
-    norms_stage = stage_layers * arch.norm_params + h  # Megatron keeps norm weights in float32
+    guided = _guided_layers(rl.guide, arch, rl.mode, rl.coding)
+    ids_stage = routed_expert_bytes_per_token(arch) * stage_layers / arch.layers
+    opt_gpu, opt_host = optimizer_bytes(held, dp, expert_dp, optim.distributed, optim.cpu_offload)
+    fp4_engine = rl.mode.engine_precision is EnginePrecision.FP4
+    packed_rank = held.fp4 * (0.5 + 1 / 16) + 2 * (held.total - held.fp4) if fp4_engine else 2 * held.total
+    bucket = min(dist.sync_bucket_mb * MiB, packed_rank)
     trainer = {
-        "parameters (BF16, norms FP32)": 2 * params + 2 * norms_stage,
-        "gradients (as the parameters)": 2 * params + 2 * norms_stage,
-        "FP32 masters + AdamW moments": 12 * params,
-        "optimizer step: FP32 gradient copies": 4 * params,
+        "parameters (BF16, norms FP32)": 2 * held.total + 2 * held.norms,
+        "gradient buffer (FP32 main_grad)": 4 * held.total,
+        "optimizer state (FP32 main params + AdamW moments)": opt_gpu,
     }
     if rl.mode.trainer_precision.quantizes:
-        trainer["QAT weight copies + STE masks"] = 3 * fp4
+        trainer["QAT weight copies + STE masks"] = 3 * held.fp4
     if rl.kl_coef:
-        trainer["KL reference weights (BF16)"] = 2 * params
+        trainer["KL reference weights (BF16)"] = 2 * held.total
     trainer["activations"] = _activation_bytes(arch, lay, T, stage_layers, dist.recompute)
     trainer["logits (FP32)"] = 3 * 4 * T * arch.vocab / lay.tp
-    guidance_per_token = (guidance_bytes_per_token(arch, min(guided, stage_layers), rl.coding == "sparse")
-                          + routed_expert_bytes_per_token(arch) * stage_layers / L)
     in_flight = min(lay.pp, math.ceil(rank_tokens / T))  # 1F1B keeps up to PP micro-batches alive
-    trainer["guidance (micro-batches in flight)"] = in_flight * T * guidance_per_token
+    trainer["guidance (micro-batches in flight)"] = in_flight * T * (
+        guidance_bytes_per_token(arch, min(guided, stage_layers), rl.coding, decoded=True) + ids_stage)
+    trainer[SYNC_BUCKET] = bucket
 
     # engine: one instance per dist.engine_tp GPUs, generating its share of the step
-    etp = dist.engine_tp
-    instances = 1 if colocated else max(1, engine_gpus // etp)
-    fp4_all = arch.fp4_params
-    other = arch.num_params - fp4_all
-    fp4_engine = rl.mode.engine_precision is EnginePrecision.FP4
-    kv_tokens = engine_kv_blocks(cfg) * KV_BLOCK
-    recorded = guided if rl.mode.applies_guidance else (L if rl.mode is RunMode.FP4_QAT and rl.measure_flips else 0)
-    engine = _engine_bytes(arch, fp4_engine, etp, kv_tokens)
-    packed = fp4_all * (0.5 + 1 / 16) + 2 * other if fp4_engine else 2 * arch.num_params
-    step_tokens = rl.prompts_per_step * rl.max_prompt_tokens + rl.prompts_per_step * rl.group_size * rl.max_new_tokens
-    traffic = {
-        "weight gather to trainer rank 0": 2 * arch.num_params * (0 if trainer_gpus == 1 else 1),
-        "weight sync, rank 0 to the engines": packed * (instances if not colocated else 0),
-        "guidance streamed to trainers": step_tokens * (guidance_bytes_per_token(arch, guided)
-                                                        + routed_expert_bytes_per_token(arch)) * (not colocated),
-    }
+    instances = 1 if colocated else max(1, engine_gpus // dist.engine_tp)
+    engine, engine_node = _engine_side(cfg, arch, guided, fp4_engine, colocated)
+    traffic, seconds = _traffic(cfg, arch, held, dp, expert_dp, guided, fp4_engine, instances,
+                                (trainer_gpus, engine_gpus))
+    local_trainers = min(cl.gpus_per_node, trainer_gpus)
+    host = {"trainer node: one sync bucket per rank": local_trainers * bucket}
+    if optim.cpu_offload:
+        host["trainer node: offloaded optimizer state"] = local_trainers * opt_host
+    host["trainer node: its ranks' rollout guidance"] = local_trainers * rank_tokens * (
+        guidance_bytes_per_token(arch, min(guided, stage_layers), rl.coding) + ids_stage)
+    host["engine node: its engines' recorded guidance"] = engine_node
     limits = {"gpu": cl.gpu_memory_gib * GiB * USABLE, "host": cl.host_memory_gib * GiB * USABLE}
-    t_peak = _peak(trainer) + (sum(engine.values()) if colocated else 0)
+    problems += _shortfalls(cfg, arch, fp4_engine, _peak(trainer), engine, host, limits, colocated)
+    if arch.implemented:
+        problems.append(f"{arch.name} is plan-only: {arch.implemented}")
+    how = ("distributed" if optim.distributed else "replicated") + (", offloaded" if optim.cpu_offload else "")
+    return Plan(arch=arch, layout=lay, trainer_gpus=trainer_gpus, engine_gpus=engine_gpus, dp=dp, expert_dp=expert_dp,
+                optimizer=how, trainer=trainer, engine=engine, traffic=traffic, seconds=seconds, host=host,
+                limits=limits, problems=problems)
+
+
+def _engine_side(cfg, arch: Architecture, guided: int, fp4_engine: bool, colocated: bool) -> tuple[dict, float]:
+    """One engine GPU's bytes (weights, KV cache, a received sync bucket) and the host bytes of an
+    engine node's recorded guidance (wire form; fp4-qat records dense guidance to measure flips)."""
+    rl, dist, cl = cfg.rl, cfg.dist, cfg.cluster
+    _, engine_gpus = gpu_counts(cfg)
+    kv_tokens = engine_kv_blocks(cfg) * KV_BLOCK
+    recorded = guided if rl.mode.applies_guidance else (
+        arch.layers if rl.mode is RunMode.FP4_QAT and rl.measure_flips else 0)
+    coding = rl.coding if rl.mode.applies_guidance else Coding.DENSE
+    engine = _engine_bytes(arch, fp4_engine, dist.engine_tp, kv_tokens)
+    if not colocated:
+        engine["weight sync bucket (received)"] = min(dist.sync_bucket_mb * MiB, sum(engine.values()))
+    per_node = max(1, min(cl.gpus_per_node, engine_gpus) // dist.engine_tp)
+    return engine, per_node * kv_tokens * (guidance_bytes_per_token(arch, recorded, coding)
+                                           + routed_expert_bytes_per_token(arch))
+
+
+def _traffic(cfg, arch: Architecture, held: Held, dp: int, expert_dp: int, guided: int, fp4_engine: bool,
+             instances: int, gpus: tuple[int, int]) -> tuple[dict[str, float], dict[str, float]]:
+    """Bytes moved per step and their seconds on the network. Trainers -> engines: every engine
+    instance receives the packed model (each of its GPUs its shard), guidance and routed ids come
+    back once per token (prompts once per group), spread over the sending and receiving GPUs;
+    inside one node over NVLink, else over the network. Colocated: in-process copies, none."""
+    rl, cl = cfg.rl, cfg.cluster
+    trainer_gpus, engine_gpus = gpus
+    colocated = engine_gpus == 0
+    packed = arch.fp4_params * (0.5 + 1 / 16) + 2 * (arch.num_params - arch.fp4_params) if fp4_engine \
+        else 2 * arch.num_params
+    step_tokens = rl.prompts_per_step * (rl.max_prompt_tokens + rl.group_size * rl.max_new_tokens)
+    coding = Coding(rl.coding).value if guided else "none"
+    moved = {f"weight sync to the engines ({'packed FP4' if fp4_engine else 'BF16'})": packed * instances,
+             f"guidance to the trainers ({coding})": step_tokens * guidance_bytes_per_token(arch, guided, rl.coding),
+             f"routed expert ids ({'uint8' if expert_id_bytes(arch) == 1 else 'int16'})":
+                 step_tokens * routed_expert_bytes_per_token(arch)}
+    moved = {k: 0.0 if colocated else v for k, v in moved.items()}
+    across = link_bytes_per_s(cl, within_node=cl.nodes == 1)
+    seconds = {k: v / (max(1, min(trainer_gpus, engine_gpus)) * across) for k, v in moved.items()}
+    name = ("gradient reduce-scatter + parameter all-gather" if cfg.optim.distributed else "gradient all-reduce")
+    name += ", per GPU"
+    moved[name] = grad_reduction_bytes(held, dp, expert_dp, cfg.optim.distributed)
+    # Megatron's rank order (TP, then DP or EP x expert-DP, PP outermost): a stage's GPUs are consecutive
+    seconds[name] = moved[name] / link_bytes_per_s(cl, within_node=trainer_gpus // cfg.dist.pp <= cl.gpus_per_node)
+    return moved, seconds
+
+
+def _shortfalls(cfg, arch: Architecture, fp4_engine: bool, trainer_peak: float, engine: dict[str, float],
+                host: dict[str, float], limits: dict[str, float], colocated: bool) -> list[str]:
+    """What does not fit: the trainer GPU (with a colocated engine), the engine GPU (naming an
+    engine TP that fits), a trainer or engine node's host memory."""
+    cl, etp = cfg.cluster, cfg.dist.engine_tp
+    _, engine_gpus = gpu_counts(cfg)
+    problems = []
+    t_peak = trainer_peak + (sum(engine.values()) if colocated else 0)
     if t_peak > limits["gpu"]:
         problems.append(f"trainer GPU needs {t_peak / GiB:.1f} GiB, {(t_peak - limits['gpu']) / GiB:.1f} GiB more "
                         f"than the {limits['gpu'] / GiB:.1f} GiB usable of {cl.gpu_memory_gib:g} GiB")
@@ -241,23 +399,12 @@ def make_plan(cfg, arch: Architecture, layout: Layout | None = None) -> Plan:
         problems.append(f"engine GPU needs {e / GiB:.1f} GiB, {(e - limits['gpu']) / GiB:.1f} GiB more than the "
                         f"{limits['gpu'] / GiB:.1f} GiB usable; "
                         + (f"dist.engine_tp={fitting[0]} fits" if fitting else "no engine_tp fits these engine GPUs"))
-    # host memory per node: guidance waits there (records leave the engine's GPU layer by layer)
-    local_trainers, local_engines = min(cl.gpus_per_node, trainer_gpus), min(cl.gpus_per_node, engine_gpus)
-    host = {"trainer node: rank 0's full BF16 weights + packed copy": 2 * arch.num_params + packed,
-            "trainer node: its ranks' rollout guidance": local_trainers * rank_tokens * guidance_per_token,
-            "engine node: its engines' recorded guidance": max(1, local_engines // etp) * kv_tokens * (
-                guidance_bytes_per_token(arch, recorded) + routed_expert_bytes_per_token(arch))}
-    trainer_node = sum(v for k, v in host.items() if k.startswith("trainer"))
-    for what, x in (("trainer node", trainer_node),
-                    ("engine node", host["engine node: its engines' recorded guidance"])):
+    for what in ("trainer node", "engine node"):
+        x = sum(v for k, v in host.items() if k.startswith(what))
         if x > limits["host"]:
             problems.append(f"{what} host memory: {x / GiB:.0f} GiB, {(x - limits['host']) / GiB:.0f} GiB more than "
-                            f"usable of {cl.host_memory_gib:g} GiB" + (" (the weight sync gathers the full model on "
-                            "rank 0; sharded sync is not built yet)" if what == "trainer node" else ""))
-    if arch.implemented:
-        problems.append(f"{arch.name} is plan-only: {arch.implemented}")
-    return Plan(arch=arch, layout=lay, trainer_gpus=trainer_gpus, engine_gpus=engine_gpus, trainer=trainer,
-                engine=engine, traffic=traffic, host=host, limits=limits, problems=problems)
+                            f"usable of {cl.host_memory_gib:g} GiB")
+    return problems
 
 
 def _engine_bytes(arch: Architecture, fp4: bool, engine_tp: int, kv_tokens: int) -> dict[str, float]:
@@ -318,24 +465,25 @@ def architecture(cfg) -> Architecture:
 
 
 def format_plan(plan: Plan) -> str:
-    """The plan as text tables, in GiB (MiB for a small model)."""
+    """The plan as text tables, in GiB (MiB for a small model); traffic with its seconds."""
     big = max(plan.trainer_peak, plan.engine_total, *plan.host.values()) >= GiB
-    unit, div = ("GiB", GiB) if big else ("MiB", 2**20)
+    unit, div = ("GiB", GiB) if big else ("MiB", MiB)
 
-    def rows(items):
-        return "\n".join(f"  {k:<48} {v / div:10.3f}" for k, v in items.items())
+    def rows(items, seconds=None):
+        return "\n".join(f"  {k:<56} {v / div:10.3f}" + (f" {seconds[k]:9.3f} s" if seconds else "")
+                         for k, v in items.items())
 
     a, lay = plan.arch, plan.layout
-    dp = max(1, plan.trainer_gpus // (lay.tp * lay.pp))
     lines = [f"model {a.name}: {a.num_params / 1e9:.3f} B parameters, {a.layers} layers, "
              f"{a.experts} experts top-{a.top_k}",
-             f"trainer: {plan.trainer_gpus} GPU(s), {lay}, DP{dp}; engines: "
+             f"trainer: {plan.trainer_gpus} GPU(s), {lay}, DP{plan.dp} (experts: DP{plan.expert_dp}), optimizer "
+             f"{plan.optimizer}; engines: "
              + (f"{plan.engine_gpus} GPU(s)" if plan.engine_gpus else "colocated on the trainer's GPU"),
              f"trainer GPU ({unit})", rows(plan.trainer),
-             f"  {'peak (forward-backward or optimizer step)':<48} {plan.trainer_peak / div:10.3f}",
-             f"engine GPU ({unit})", rows(plan.engine), f"  {'total':<48} {plan.engine_total / div:10.3f}",
-             f"per RL step ({unit} moved)", rows(plan.traffic),
-             f"host memory ({unit})", rows(plan.host),
+             f"  {'peak (forward-backward or weight sync)':<56} {plan.trainer_peak / div:10.3f}",
+             f"engine GPU ({unit})", rows(plan.engine), f"  {'total':<56} {plan.engine_total / div:10.3f}",
+             f"per RL step ({unit} moved, seconds at the link rate)", rows(plan.traffic, plan.seconds),
+             f"host memory per node ({unit})", rows(plan.host),
              f"usable: {plan.limits['gpu'] / GiB:.1f} GiB per GPU ({USABLE:.0%} of it), "
              f"{plan.limits['host'] / GiB:.0f} GiB per host"]
     lines += ["FITS" if plan.fits else "DOES NOT FIT:"] + [f"  - {p}" for p in plan.problems]
@@ -345,6 +493,7 @@ def format_plan(plan: Plan) -> str:
 def plan_json(plan: Plan) -> dict:
     """The plan as JSON-ready values (`trace-rl plan --json`)."""
     return {"model": plan.arch.name, "params": plan.arch.num_params, "layout": dataclasses.asdict(plan.layout),
-            "trainer_gpus": plan.trainer_gpus, "engine_gpus": plan.engine_gpus, "trainer_bytes": plan.trainer,
+            "trainer_gpus": plan.trainer_gpus, "engine_gpus": plan.engine_gpus, "dp": plan.dp,
+            "expert_dp": plan.expert_dp, "optimizer": plan.optimizer, "trainer_bytes": plan.trainer,
             "trainer_peak_bytes": plan.trainer_peak, "engine_bytes": plan.engine, "traffic_bytes": plan.traffic,
-            "host_bytes": plan.host, "fits": plan.fits, "problems": plan.problems}
+            "traffic_seconds": plan.seconds, "host_bytes": plan.host, "fits": plan.fits, "problems": plan.problems}

@@ -4,9 +4,12 @@ HF and Megatron conversion and FP4 export, are the `megatron_trace.checkpoint` p
 A checkpoint is a directory `<output_dir>/checkpoints/<phase>-<step>/` holding
     model/      the trainer as a Megatron distributed checkpoint (checkpoint.dist; loads under any
                 layout and exports with trace-export-fp4 --megatron),
-    state.pt    what else the run needs to continue exactly as it would have: the optimizer's
-                FP32 master weights and AdamW moments, the task's draw state and torch's RNG state, the
-                phase and next step, the engine's weight version, and the run's configuration.
+    optimizer/  the optimizer's FP32 main parameters and AdamW moments, a Megatron distributed
+                checkpoint too (`megatron.optimizer`): a run saved under one data-parallel size
+                and TP/PP layout resumes under another,
+    state.pt    what else the run needs to continue exactly as it would have: the task's draw
+                state and torch's RNG state, the phase and next step, the engine's weight
+                version, and the run's configuration.
 It is written into a hidden temporary directory and renamed into place; then the one-line file
 `checkpoints/latest` is replaced atomically. A run killed at any point resumes from the last
 complete checkpoint; metrics rows written after it are dropped and computed again.
@@ -26,6 +29,7 @@ import torch
 
 from ..checkpoint.dist import load_model, save_model
 from ..config import upgrade_flat_config
+from ..megatron.optimizer import has_optimizer_checkpoint
 
 LATEST = "latest"
 PHASES = ("sft", "rl")
@@ -52,8 +56,8 @@ def _rank() -> tuple[int, int]:
 def save_checkpoint(out_dir: str | os.PathLike, trainer, model_cfg, optimizer, task_state: dict, state: RunState,
                     run_config: dict, keep: int = 2) -> Path:
     """Write one checkpoint (see module docstring); keep the newest `keep`. Call on every trainer
-    rank: each writes its shards of the model and, past rank 0, its optimizer state
-    (`optimizer-rank<r>.pt`; a resumed run needs the same layout)."""
+    rank: each writes its shards of the model and of the optimizer state (`optimizer`: a
+    `megatron.optimizer.TrainerOptimizer`)."""
     rank, world = _rank()
     root = Path(out_dir) / "checkpoints"
     final = root / f"{state.phase}-{state.step:06d}"
@@ -64,11 +68,10 @@ def save_checkpoint(out_dir: str | os.PathLike, trainer, model_cfg, optimizer, t
     if rank == 0:
         tmp.mkdir(parents=True)
     save_model(trainer, model_cfg, tmp / "model")  # collective; its barriers order the mkdir above
+    optimizer.save(tmp / "optimizer")
     if rank == 0:
-        torch.save({"state": dataclasses.asdict(state), "optimizer": optimizer.state_dict(), "task": task_state,
-                    "torch_rng": torch.get_rng_state(), "config": run_config, "world": world}, tmp / "state.pt")
-    else:
-        torch.save(optimizer.state_dict(), tmp / f"optimizer-rank{rank}.pt")
+        torch.save({"state": dataclasses.asdict(state), "task": task_state, "torch_rng": torch.get_rng_state(),
+                    "config": run_config, "world": world}, tmp / "state.pt")
     if world > 1:
         torch.distributed.barrier()
     if rank == 0:
@@ -105,19 +108,17 @@ def latest_checkpoint(out_dir: str | os.PathLike) -> Path | None:
 
 
 def load_checkpoint(path: Path, trainer, run_config: dict, resumable_keys: tuple[str, ...]) -> dict:
-    """Load the trainer's weights from checkpoint `path`; return its state.pt contents (with this
-    rank's optimizer state).
+    """Load the trainer's weights from checkpoint `path`, under any layout; return its state.pt
+    contents and, as "path", `path` (the optimizer loads its state from path / "optimizer").
 
     Raises ValueError naming the first configuration key that differs from the checkpoint's,
     other than `resumable_keys` (e.g. the number of steps, which a resumed run may extend)."""
     saved = torch.load(path / "state.pt", weights_only=False)
     saved["config"] = upgrade_flat_config(saved["config"])
-    rank, world = _rank()
-    if saved.get("world", 1) != world:
-        raise ValueError(f"cannot resume from {path}: it was written by {saved.get('world', 1)} trainer ranks, "
-                         f"this run has {world}")
-    if rank > 0:
-        saved["optimizer"] = torch.load(path / f"optimizer-rank{rank}.pt", weights_only=False)
+    if not has_optimizer_checkpoint(path / "optimizer"):
+        raise ValueError(f"cannot resume from {path}: it has no optimizer/ distributed checkpoint (written by a "
+                         "TRACE before Megatron's optimizer; start a new output_dir or set checkpoint.resume=false)")
+    saved["path"] = path
     for key in sorted(set(saved["config"]) | set(run_config)):
         if key not in resumable_keys and saved["config"].get(key) != run_config.get(key):
             raise ValueError(f"cannot resume from {path}: config {key} was {saved['config'].get(key)!r}, "

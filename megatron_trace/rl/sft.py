@@ -16,8 +16,9 @@ from ..modes import TrainerPrecision
 
 def sft_step(trainer, optimizer, examples: list[tuple[list[int], list[bool]]],
              precision: TrainerPrecision | str = TrainerPrecision.BF16) -> float:
-    """One optimizer step on packed examples ((tokens, loss mask) pairs); returns the mean loss
-    over masked tokens. The mask marks tokens to predict (a token's log-prob sits one before)."""
+    """One step of `optimizer` (the trainer's `megatron.optimizer.TrainerOptimizer`) on packed
+    examples ((tokens, loss mask) pairs); returns the mean loss over masked tokens. The mask
+    marks tokens to predict (a token's log-prob sits one before)."""
     dev = next(trainer.parameters()).device
     seqs = [torch.tensor(t) for t, _ in examples]
     pad = sequence_padding(sum(len(q) for q in seqs))
@@ -30,7 +31,7 @@ def sft_step(trainer, optimizer, examples: list[tuple[list[int], list[bool]]],
     def loss_fn(logp):  # on the last pipeline stage
         loss = -(logp * mask).sum() / mask.sum().clamp(min=1)
         return loss, {"loss": float(loss.detach())}
-    optimizer.zero_grad(set_to_none=True)
-    info = run_microbatch(trainer, tokens, positions, targets, psp, loss_fn)
+    optimizer.zero_grad()
+    info = run_microbatch(optimizer.ddp, tokens, positions, targets, psp, loss_fn)
     optimizer.step()
     return info["loss"]

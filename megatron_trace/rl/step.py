@@ -13,8 +13,10 @@ import dataclasses
 import time
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
-from ..config import RLSection
+from ..config import DistSection, RLSection
 from ..guidance import GuidanceBatch
 from ..megatron import qat
 from ..megatron.model import set_precision
@@ -31,8 +33,10 @@ from .weight_sync import sync_weights
 
 
 def rl_step(trainer, optimizer, engine, prompts: list[tuple[int, ...]], reward_fn, rl: RLSection,
-            sampling: SamplingParams, step: int, more_prompts=None, reference=None) -> dict:
-    """Rollout, train on it, sync the new weights; returns the step's metrics.
+            sampling: SamplingParams, step: int, more_prompts=None, reference=None,
+            sync_bucket_mb: float = DistSection.sync_bucket_mb) -> dict:
+    """Rollout, train on it, sync the new weights (in buckets of at most sync_bucket_mb MiB);
+    returns the step's metrics (weight_sync_bytes: the bytes this rank sent).
 
     more_prompts(n) -> n further prompts: refills with dynamic sampling (else the step trains on
     the informative groups of its first round). reference: the frozen model of the KL penalty."""
@@ -57,7 +61,7 @@ def rl_step(trainer, optimizer, engine, prompts: list[tuple[int, ...]], reward_f
         batch = first.select([0])  # backward: a group of equal rewards has zero advantage, no gradient
     metrics = train_on(trainer, optimizer, batch, rl, reference) if batch.num_groups else {"skipped": 1.0}
     t2 = time.perf_counter()
-    metrics["weight_sync_bytes"] = sync_weights(trainer, engine, engine.weight_version + 1)
+    metrics["weight_sync_bytes"] = sync_weights(trainer, engine, engine.weight_version + 1, sync_bucket_mb)
     t3 = time.perf_counter()
     every = torch.cat([b.rewards for b in sampled])
     tokens = sum(len(s.tokens) for b in sampled for s in b.out.samples)
@@ -96,20 +100,35 @@ def _billed_bytes_per_token(g: GuidanceBatch, applied: bool) -> float:
     return (g.nbytes if applied else g.nbytes - g.guidance_nbytes) / max(1, g.num_tokens)
 
 
+def _dp_sum(values: list[float]) -> list[float]:
+    """`values` summed over the data-parallel ranks (as they are in one process)."""
+    if ps.get_data_parallel_world_size() == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, group=ps.get_data_parallel_group())
+    return t.tolist()
+
+
 def train_on(trainer, optimizer, batch: RolloutBatch, rl: RLSection, reference=None) -> dict:
     """GRPO update on one rollout, under any trainer layout, in micro-batches of at most
     rl.max_tokens_per_microbatch tokens (gradients accumulate; the loss is the token mean over
-    the whole rollout); returns reward, loss, clip/kept fractions, the mismatch and flip rates
-    (summed over trainer ranks). With rl.kl_coef > 0 the loss adds kl_coef times the token-mean
-    KL estimate to `reference` (a frozen model of the same architecture, quantized like the
-    policy's forward)."""
+    the whole rollout, over every data-parallel rank's share); `optimizer` is the trainer's
+    `megatron.optimizer.TrainerOptimizer`. Returns reward, loss, the gradient norm before
+    clipping, clip/kept fractions, the mismatch and flip rates (summed over trainer ranks). With
+    rl.kl_coef > 0 the loss adds kl_coef times the token-mean KL estimate to `reference` (a
+    frozen model of the same architecture, quantized like the policy's forward)."""
     out, rewards = batch.out, batch.rewards
     adv = grpo_advantages(rewards, rl.group_size)
     counting = rl.mode.trainer_precision.quantizes  # flips of the records the rollout has
     mbs = microbatches(trainer, batch, rl.max_tokens_per_microbatch, records=rl.mode.applies_guidance or counting)
     lengths = [len(s.tokens) for s in out.samples]
     start = [sum(lengths[:i]) for i in range(len(lengths))]  # of each sample's tokens in sample order
-    tokens = sum(lengths)  # every loss sums its kept tokens over this; rescaled below if some are dropped
+    tokens = sum(lengths)
+    # the loss is the token mean over every data-parallel rank's kept tokens: each rank sums its
+    # own over (global tokens / DP), DDP averages over DP, and the reduced gradients are rescaled
+    # by global tokens / global kept tokens once the kept ones are known
+    dp_tokens = _dp_sum([tokens])[0]
+    normalizer = dp_tokens / ps.get_data_parallel_world_size()
     logp_ref = None
     if rl.kl_coef:
         if reference is None:
@@ -125,13 +144,13 @@ def train_on(trainer, optimizer, batch: RolloutBatch, rl: RLSection, reference=N
                                           rl.correction_threshold)
         loss, info = policy_loss(logp, logp.detach(), adv.to(logp.device)[p.sample_of], clip_low=rl.clip_low,
                                  clip_high=rl.clip_high, weights=weights.to(logp.dtype), keep=keep,
-                                 normalizer=tokens)
-        info["loss_sum"] = float(loss.detach()) * tokens
+                                 normalizer=normalizer)
+        info["loss_sum"] = float(loss.detach()) * normalizer
         if logp_ref is not None:
             first = start[int(p.sample_of[0])]
             kl = kl_penalty(logp, logp_ref[first: first + len(p.index)].to(logp.device), rl.kl_kind)
             kl_sum = (kl * keep.to(kl.dtype)).sum()
-            loss = loss + rl.kl_coef * kl_sum / tokens
+            loss = loss + rl.kl_coef * kl_sum / normalizer
             info["kl_sum"] = float(kl_sum.detach())
             info["loss_sum"] += rl.kl_coef * info["kl_sum"]
         return loss * p.weight, {**info, "logp": logp.detach().cpu()}
@@ -142,25 +161,25 @@ def train_on(trainer, optimizer, batch: RolloutBatch, rl: RLSection, reference=N
     if counter is not None:
         qat.observers.append(counter)
     set_precision(trainer, rl.mode.trainer_precision)
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad()
     try:
-        infos = run_microbatches(trainer, [p.batch for p in mbs], loss_fn)
+        infos = run_microbatches(optimizer.ddp, [p.batch for p in mbs], loss_fn)
     finally:
         qat.observers.clear()
     real = [(p, info) for p, info in zip(mbs, infos, strict=True) if p.weight]
     kept = sum(info["kept_tokens"] for _, info in real)
-    if 0 < kept != tokens:  # rejected samples (mis) leave the token mean over the kept ones
-        for param in trainer.parameters():
-            if param.grad is not None:
-                param.grad.mul_(tokens / kept)
-    optimizer.step()
+    dp_kept = _dp_sum([kept])[0]
+    if 0 < dp_kept != dp_tokens:  # rejected samples (mis) leave the token mean over the kept ones
+        optimizer.scale_grads(dp_tokens / dp_kept)
+    stepped = optimizer.step()
     logp = torch.cat([info["logp"] for _, info in real])
     sample_of = torch.cat([p.sample_of for p, _ in real]).cpu()
     per_sample = [logp[sample_of == i] for i in range(len(out.samples))]
     denom = max(kept, 1.0)
     info = {"loss": sum(info["loss_sum"] for _, info in real) / denom,
             "clip_frac": sum(info["clipped_tokens"] for _, info in real) / denom, "kept_frac": kept / max(tokens, 1),
-            "microbatches": float(len(mbs)), **mismatch_metrics(per_sample, [s.logprobs for s in out.samples])}
+            "microbatches": float(len(mbs)), **stepped,
+            **mismatch_metrics(per_sample, [s.logprobs for s in out.samples])}
     if logp_ref is not None:
         info["kl_ref"] = sum(i["kl_sum"] for _, i in real) / denom
     flips = counter.rates(trainer.config.num_layers if distributed_trainer() else None) if counter is not None else {}

@@ -44,6 +44,7 @@ class Run:
     state: RunState
     saved: dict | None
     progress: bool
+    trainer_optimizer: object = None
 
     def checkpoint(self, optimizer, phase: str, step: int, weight_version: int) -> None:
         """Write a checkpoint of the run at `phase` / `step` (see rl.run_checkpoint)."""
@@ -52,11 +53,16 @@ class Run:
                         flat_config(self.cfg), self.cfg.checkpoint.keep)
 
     def optimizer(self, lr: float):
-        """A new optimizer, its state restored when the run resumed inside this phase."""
-        opt = make_optimizer(self.trainer, lr)
+        """The trainer's optimizer for a new phase at learning rate `lr` (Megatron's DDP is built
+        once per run, the optimizer afresh per phase), its state restored when the run resumed
+        inside this phase."""
+        if self.trainer_optimizer is None:
+            self.trainer_optimizer = make_optimizer(self.trainer, lr, self.cfg.optim)
+        else:
+            self.trainer_optimizer.restart(lr)
         if self.saved is not None:
-            opt.load_state_dict(self.saved["optimizer"])
-        return opt
+            self.trainer_optimizer.load(self.saved["path"] / "optimizer")
+        return self.trainer_optimizer
 
 
 def train(cfg: TrainConfig, make_engine, model_cfg: ModelConfig, progress: bool = True) -> list[dict]:
@@ -133,7 +139,7 @@ def run_rl(run: Run, optimizer, make_engine) -> list[dict]:
     if cfg.rl.mode.applies_guidance and cfg.rl.guide.startswith("budget:") and not state.guide:
         state.guide = _resolve_budget(run, make_engine)
     engine = make_engine(*engine_settings(cfg.rl, state.guide))
-    sync_weights(run.trainer, engine, state.weight_version)
+    sync_weights(run.trainer, engine, state.weight_version, cfg.dist.sync_bucket_mb)
     reference = make_reference(run.trainer, run.model_cfg, run.out_dir / "checkpoints" / "reference",
                                resumed=run.saved is not None) if cfg.rl.kl_coef else None
     log = MetricsLog(run.out_dir, state.step) if is_rank0() else None
@@ -146,7 +152,7 @@ def run_rl(run: Run, optimizer, make_engine) -> list[dict]:
         t0 = time.perf_counter()
         m = rl_step(run.trainer, optimizer, engine, prompts.draw(cfg.rl.prompts_per_step), prompts.reward, cfg.rl,
                     _sampling(cfg, run.task, cfg.seed * 100_003 + step), step, more_prompts=prompts.draw,
-                    reference=reference)
+                    reference=reference, sync_bucket_mb=cfg.dist.sync_bucket_mb)
         m["step_s"] = time.perf_counter() - t0
         if distributed_trainer():
             from .disaggregated import average_metrics
@@ -201,7 +207,8 @@ def _resolve_budget(run: Run, make_engine) -> str:
     prompts = [tuple(task.prompt_ids(p)) for p in task.problems(cfg.rl.prompts_per_step)]
     task.load_state_dict(snapshot)
     guide, flips, cost = resolve_budget(cfg.rl, run.trainer, make_engine, prompts,
-                                        _sampling(cfg, task, cfg.seed * 100_003 - 1), run.model_cfg.num_layers)
+                                        _sampling(cfg, task, cfg.seed * 100_003 - 1), run.model_cfg.num_layers,
+                                        cfg.dist.sync_bucket_mb)
     if is_rank0():
         print(f"{cfg.rl.guide}: guiding {guide} (flip rate by layer {', '.join(f'{v:.2%}' for v in flips.values())}; "
               f"bytes per token {', '.join(f'{v:.0f}' for v in cost.values())})")

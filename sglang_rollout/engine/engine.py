@@ -17,10 +17,11 @@ from dataclasses import dataclass
 import torch
 
 from megatron_trace.checkpoint.audit import table_from_weights
-from megatron_trace.guidance import LayerPolicy
+from megatron_trace.guidance import LayerPolicy, expert_id_dtype
 from megatron_trace.model_config import ModelConfig
 from megatron_trace.modes import EnginePrecision
 from megatron_trace.rollout import GroupRequest, RolloutOutput, SamplingParams, check_group_ids
+from megatron_trace.weight_buckets import Coverage, read_bucket
 
 from .collector import RolloutCollector
 from .config import EngineConfig
@@ -59,7 +60,7 @@ class LaunchedStep:
     """A launched forward whose results the host has not taken in: the scheduled work, each
     segment's new-token count, the draws made from its logits ((row, sequence)), the drawn
     tokens on the device (the next step's input), and host copies in flight (drawn tokens and
-    log-probs float64 [2, draws], routed experts [N, layers, top_k], captured rows), complete
+    log-probs float64 [2, draws], routed experts [N, layers, top_k] in expert_id_dtype, captured rows), complete
     once `done` fires (CUDA)."""
 
     work: ScheduledStep
@@ -87,6 +88,8 @@ class TraceEngine:
         # coding needs the rows themselves (their distance to rounding boundaries)
         self._capture_codes = fp4 and engine_cfg.coding == "dense"
         self.weight_version = -1
+        self._torn: str | None = None  # why the weights are a mix of versions (an update failed part-way)
+        self._expert_ids = expert_id_dtype(model_cfg.num_experts)
         # CUDA graphs for decode steps; their padding rows write K/V into a cache block kept
         # out of the scheduler's reach
         self.graphs = None
@@ -107,10 +110,43 @@ class TraceEngine:
 
         Raises ValueError for a version not newer than the current one, or weights that do not
         fit the model (then the old weights stay)."""
+        self._check_newer(version)
+        self.weights.load(state_dict)
+        self._torn, self.weight_version = None, version
+
+    def update_weights_from_buckets(self, buckets, version: int) -> None:
+        """Take `version` from weight buckets (megatron_trace.weight_buckets) as they arrive:
+        each bucket checked whole, then written into the weights in place (so an update costs a
+        bucket of memory); the version is committed once every weight has arrived complete,
+        each slice exactly once.
+
+        Raises ValueError (naming the weight) for a version not newer than the current one, a
+        bucket that does not fit, or an update that ends incomplete. Until a bucket has been
+        written the old weights stay; after that a failed (or interrupted) update leaves the
+        engine refusing to generate until a complete version arrives."""
+        self._check_newer(version)
+        coverage = Coverage(self.weights.shapes, self.weights.is_fp4)
+        try:
+            for flat in buckets:
+                self._write_bucket(flat, coverage, version)
+                del flat  # before the next one arrives
+            coverage.check_complete()
+        except BaseException as e:
+            if self._torn is not None:
+                self._torn = f"the update to weight version {version} failed part-way ({e})"
+            raise
+        self._torn, self.weight_version = None, version
+
+    def _write_bucket(self, flat, coverage: Coverage, version: int) -> None:
+        pieces = read_bucket(flat)
+        coverage.add(pieces)  # the whole bucket checked before any of it is written
+        self._torn = f"the update to weight version {version} stopped part-way"
+        for piece, parts in pieces:
+            self.weights.write(piece, parts)
+
+    def _check_newer(self, version: int) -> None:
         if version <= self.weight_version:
             raise ValueError(f"weight version {version} is not newer than the engine's {self.weight_version}")
-        self.weights.load(state_dict)
-        self.weight_version = version
 
     def quantization_table(self) -> dict[str, str]:
         """{HF module: "fp4" | "bf16"} for every linear and KV site (checkpoint.audit's view)."""
@@ -148,6 +184,9 @@ class TraceEngine:
         """Every request's samples, in request order, with their guidance. `on_group(output)`, if
         given, also receives each group's RolloutOutput as soon as its last sample finishes (for
         streaming guidance to the trainer while the other groups still generate)."""
+        if self._torn is not None:
+            raise RuntimeError(f"the engine's weights are a mix of versions: {self._torn}; it generates again "
+                               "once a complete version arrives")
         if self.weight_version < 0:
             raise RuntimeError("the engine has no weights yet: call update_weights first")
         check_group_ids(requests)
@@ -212,8 +251,10 @@ class TraceEngine:
                                       [len(seq.response) + work.lag for _, seq in draws], backend=self.runner.backend)
             drawn = _to_host(torch.stack([tokens.double(), logps.double()]))  # ids < 2**53: exact
         # routed experts of every layer as one [tokens, layers, top_k] copy a step, and one slice
-        # per sequence (per-layer slices cost 19 ms a step at 48 layers)
-        routed = _to_host(torch.stack([routed[layer] for layer in range(self.model_cfg.num_layers)], 1))
+        # per sequence (per-layer slices cost 19 ms a step at 48 layers), in the smallest integer
+        # type that holds the ids (as they travel to the trainer)
+        routed = _to_host(torch.stack([routed[layer] for layer in range(self.model_cfg.num_layers)], 1)
+                          .to(self._expert_ids))
         captured = {key: map_rows(_to_host, rows) for key, rows in captured.items()}  # one copy per layer and site
         done = None
         if logits.is_cuda:

@@ -10,6 +10,7 @@ and updates are copied in place.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,7 @@ from megatron_trace.model_config import (
     ModelConfig,
     full_weight_shapes,
 )
+from megatron_trace.weight_buckets import NVFP4, Piece, parts_of_whole, write_piece
 from trace_kernels.fp4 import Format, QTensor, dequantize, quantize
 
 FP4_SUFFIXES = FP4_WEIGHT_SUFFIXES
@@ -84,17 +86,20 @@ class EngineWeights:
             if isinstance(t, QTensor) and (not self.is_fp4(name) or t.is_row_scaled or t.fmt.value != "nvfp4"):
                 raise ValueError(f"weight {name} arrived as FP4, which this engine does not hold there")
         for name, t in state_dict.items():
-            if self.is_fp4(name):
-                new = t.to(self.device) if isinstance(t, QTensor) else quantize(t.to(self.device), "nvfp4")
-            else:  # 2-D weights take BF16 values (the router's held in FP32, exactly those values)
-                new = t.to(self.device, torch.bfloat16 if t.dim() == 2 else torch.float32).to(self.tensors[name].dtype)
-            old = self.tensors[name]
-            if isinstance(old, QTensor):
-                old.codes.copy_(new.codes)
-                old.block_scales.copy_(new.block_scales)
-                old.global_scale.copy_(new.global_scale)
-            else:
-                old.copy_(new)
+            self.write(Piece.whole(name, t), parts_of_whole(t))
+
+    def write(self, piece: Piece, parts: list[torch.Tensor]) -> None:
+        """Write one piece (a weight, or a slice of it; weight_buckets' format, checked by its
+        `Coverage`) into the engine's storage in place. A whole BF16 weight at an FP4 site is
+        quantized here; plain values take BF16 (2-D weights; the router held in FP32 keeps
+        exactly those values) or FP32 (norms)."""
+        held = self.tensors[piece.name]
+        if isinstance(held, QTensor) and piece.kind != NVFP4:
+            piece, parts = dataclasses.replace(piece, kind=NVFP4), parts_of_whole(quantize(parts[0].to(self.device),
+                                                                                          "nvfp4"))
+        elif not isinstance(held, QTensor):
+            parts = [parts[0].to(self.device, torch.bfloat16 if len(piece.full_shape) == 2 else torch.float32)]
+        write_piece(held, piece, parts)
 
     def dense(self, name: str) -> torch.Tensor:
         """BF16 values of a weight (FP4 weights dequantized for the matmul; the router's BF16

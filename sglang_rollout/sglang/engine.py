@@ -18,13 +18,14 @@ import traceback
 import torch
 
 from megatron_trace.guidance import GuidanceBatch
-from megatron_trace.model_config import ModelConfig
+from megatron_trace.model_config import ModelConfig, fp4_site_of, full_weight_shapes
 from megatron_trace.modes import EnginePrecision
 from megatron_trace.rollout import GroupRequest, RolloutOutput, SamplingParams
+from megatron_trace.weight_buckets import assemble_state_dict, pack_bucket
 
 from .config import EngineConfig, check_layout
 from .weight_group import broadcast_bucket, close_group, free_port, open_group
-from .weight_payload import buckets, check_update, flatten, pack_bucket
+from .weight_payload import buckets, check_update, flatten
 
 __all__ = ["EngineConfig", "SGLangEngine"]
 START_TIMEOUT_S = 600
@@ -57,8 +58,7 @@ class SGLangEngine:
         update_weights_from_tensor. ValueError for a version not newer than the current one, or
         a tensor that does not fit the model; both are checked before anything is sent, so the
         old weights stay."""
-        if version <= self.weight_version:
-            raise ValueError(f"weight version {version} is not newer than the engine's {self.weight_version}")
+        self._check_newer(version)
         if self._group is None:
             self._call(("update_weights", state_dict, version))
         else:
@@ -70,6 +70,22 @@ class SGLangEngine:
                 broadcast_bucket(flat, self._group)
                 self._call(None)
         self.weight_version = version
+
+    def update_weights_from_buckets(self, buckets, version: int) -> None:
+        """Take `version` from weight buckets (megatron_trace.weight_buckets), reassembled here
+        into full tensors (each slice checked, every weight complete) and then loaded as
+        update_weights loads a state dict, so the old weights stay on any error. This holds the
+        whole model in this process for the update; writing slices straight into SGLang's
+        tensor-parallel ranks is left to the SGLang weight-sync work."""
+        self._check_newer(version)
+        fp4 = self.precision is EnginePrecision.FP4
+        state_dict = assemble_state_dict(buckets, full_weight_shapes(self.model_cfg),
+                                         lambda name: fp4 and fp4_site_of(name) is not None)
+        self.update_weights(state_dict, version)
+
+    def _check_newer(self, version: int) -> None:
+        if version <= self.weight_version:
+            raise ValueError(f"weight version {version} is not newer than the engine's {self.weight_version}")
 
     def connect_weight_group(self, *, backend: str | None = None, master_address: str = "127.0.0.1",
                              master_port: int | None = None, group_name: str = "trace-weights",

@@ -96,7 +96,7 @@ def _fused_kv_write(original, *args, **kwargs) -> bool:
 
 def _update_from_distributed(original, updater, names, dtypes, shapes, group_name, load_format=None):
     """update_weights_from_distributed with a custom weight loader (SGLang's own path calls only
-    the model's loader): the tensors arrive as one flat bucket (weight_payload.pack_bucket), one
+    the model's loader): the tensors arrive as one flat bucket (weight_buckets.pack_bucket), one
     broadcast from the trainer, and go to the loader named by load_format (TRACE's packs FP4 in
     place). Other load formats take SGLang's path."""
     if load_format not in updater.custom_weight_loaders:
@@ -104,8 +104,9 @@ def _update_from_distributed(original, updater, names, dtypes, shapes, group_nam
     import torch
     from sglang.srt.utils import dynamic_import
 
+    from megatron_trace.weight_buckets import bucket_layout, unpack_bucket
+
     from .weight_group import broadcast_bucket
-    from .weight_payload import bucket_layout, unpack_bucket
 
     try:
         flat = torch.empty(bucket_layout(dtypes, shapes)[1], dtype=torch.uint8, device=updater.device)

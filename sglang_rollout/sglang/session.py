@@ -26,7 +26,14 @@ import numpy as np
 import torch
 
 from megatron_trace.checkpoint.qwen3_moe import hf_config
-from megatron_trace.guidance import GroupGuidance, GuidanceBatch, LayerPolicy, SampleGuidance, capture_dense
+from megatron_trace.guidance import (
+    GroupGuidance,
+    GuidanceBatch,
+    LayerPolicy,
+    SampleGuidance,
+    capture_dense,
+    expert_id_dtype,
+)
 from megatron_trace.model_config import ModelConfig
 from megatron_trace.modes import EnginePrecision
 from megatron_trace.rollout import GroupRequest, RolloutOutput, SampleResult, SamplingParams, check_group_ids
@@ -246,6 +253,7 @@ class Session:
         reason = meta["finish_reason"]
         reason = reason["type"] if isinstance(reason, dict) else str(reason)
         p = len(req.prompt_ids)
+        experts = {L: e.to(expert_id_dtype(self.model_cfg.num_experts)) for L, e in experts.items()}  # as they travel
         if first:
             guidance.add_group(GroupGuidance(group_id=req.group_id, prompt_len=p,
                                              records=self._records(rows, 0, p, req.group_id),

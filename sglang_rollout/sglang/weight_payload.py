@@ -1,12 +1,14 @@
 """How the trainer's weights travel to SGLang's scheduler processes: (name, tensor) pairs under
 Megatron's full names, a packed FP4 weight (QTensor) as its parts "<name>::codes",
-"<name>::scales", "<name>::g". Both sides import this module (it imports no SGLang)."""
+"<name>::scales", "<name>::g". Both sides import this module (it imports no SGLang); the flat
+buffers they travel in are `megatron_trace.weight_buckets`' layout (bucket_layout, pack_bucket)."""
 
 from __future__ import annotations
 
 import torch
 
 from megatron_trace.model_config import ModelConfig, fp4_site_of, full_weight_shapes
+from megatron_trace.weight_buckets import Coverage, Piece
 from trace_kernels.fp4 import Format, QTensor
 
 PART = "::"
@@ -47,55 +49,9 @@ def unflatten(named: list[tuple[str, torch.Tensor]], shapes: dict) -> dict:
 def check_update(model_cfg: ModelConfig, state_dict: dict, fp4: bool) -> None:
     """ValueError naming the first tensor of a (partial or full) Megatron state dict that does not
     fit the model: an unknown name, another shape, or FP4 where the engine holds none."""
-    shapes = full_weight_shapes(model_cfg)
+    coverage = Coverage(full_weight_shapes(model_cfg), lambda name: fp4 and fp4_site_of(name) is not None)
     for name, t in state_dict.items():
-        if name not in shapes:
-            raise ValueError(f"weight update: unknown tensor {name!r}")
-        if tuple(t.shape) != tuple(shapes[name]):
-            raise ValueError(f"weight update: {name} has shape {tuple(t.shape)}, the model's is {tuple(shapes[name])}")
-        if isinstance(t, QTensor) and (not fp4 or fp4_site_of(name) is None):
-            raise ValueError(f"weight update: {name} arrived as FP4, but the engine holds it in BF16")
-
-
-ALIGN = 16  # bytes: every tensor of a flat bucket starts at a multiple of this (any dtype's view)
-
-
-def bucket_layout(dtypes: list, shapes: list) -> tuple[list[int], int]:
-    """Byte offset of each tensor in a flat bucket, and the bucket's size (the same on both sides)."""
-    offsets, size = [], 0
-    for dtype, shape in zip(dtypes, shapes, strict=True):
-        offsets.append(size)
-        nbytes = torch.Size(shape).numel() * _dtype(dtype).itemsize
-        size += -(-nbytes // ALIGN) * ALIGN
-    return offsets, size
-
-
-def pack_bucket(named: list[tuple[str, torch.Tensor]], device=None) -> tuple[torch.Tensor, list, list, list]:
-    """One flat uint8 tensor holding `named`'s tensors (see bucket_layout), with their names,
-    dtype names and shapes, for update_weights_from_distributed."""
-    names = [n for n, _ in named]
-    dtypes = [str(t.dtype).removeprefix("torch.") for _, t in named]
-    shapes = [list(t.shape) for _, t in named]
-    offsets, size = bucket_layout(dtypes, shapes)
-    device = device if device is not None else (named[0][1].device if named else "cpu")
-    flat = torch.zeros(size, dtype=torch.uint8, device=device)
-    for (_, t), start in zip(named, offsets, strict=True):
-        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
-        flat[start:start + raw.numel()].copy_(raw)
-    return flat, names, dtypes, shapes
-
-
-def unpack_bucket(flat: torch.Tensor, names: list, dtypes: list, shapes: list) -> list[tuple[str, torch.Tensor]]:
-    """`pack_bucket`'s tensors, as views of `flat`."""
-    offsets, size = bucket_layout(dtypes, shapes)
-    if flat.numel() != size:
-        raise ValueError(f"weight bucket of {flat.numel()} bytes, its {len(names)} tensors need {size}")
-    out = []
-    for name, dtype, shape, start in zip(names, dtypes, shapes, offsets, strict=True):
-        dt = _dtype(dtype)
-        n = torch.Size(shape).numel() * dt.itemsize
-        out.append((name, flat[start:start + n].view(dt).reshape(shape)))
-    return out
+        coverage.check(Piece.whole(name, t))
 
 
 def buckets(state_dict: dict, max_bytes: int) -> list[dict]:
@@ -110,10 +66,3 @@ def buckets(state_dict: dict, max_bytes: int) -> list[dict]:
         out[-1][name] = t
         size += nbytes
     return [b for b in out if b]
-
-
-def _dtype(name) -> torch.dtype:
-    dt = name if isinstance(name, torch.dtype) else getattr(torch, str(name).removeprefix("torch."), None)
-    if not isinstance(dt, torch.dtype):
-        raise ValueError(f"weight bucket: unknown dtype {name!r}")
-    return dt

@@ -17,6 +17,7 @@ from megatron_trace.backend import make_backend
 from megatron_trace.model_config import FP4_WEIGHT_SUFFIXES, PRESETS
 from megatron_trace.modes import EnginePrecision
 from megatron_trace.rollout import GroupRequest, SamplingParams
+from megatron_trace.weight_buckets import Buckets, Piece, Source, state_dict_buckets
 from tests.support import scenarios as sc
 from trace_kernels.fp4 import quantize
 
@@ -108,6 +109,63 @@ def test_fp4_weights_may_arrive_packed(new_backend, sd):
     b = new_backend()
     b.update_weights(packed, b.weight_version + 1)
     assert a == [key(s) for s in b.generate(REQUESTS, params).samples]
+
+
+def sliced_buckets(sd: dict, fp4: bool, max_bytes: int = 4096) -> Buckets:
+    """`sd` as the sharded weight sync sends it: each weight in two slices (the output projection
+    and fc2 by columns, the rest by rows, as two tensor-parallel ranks hold them), FP4 sites
+    packed on the way with the global scale of the whole tensor, cut into small buckets."""
+    sources = []
+    for name, t in sd.items():
+        dim = 1 if name.endswith(("linear_proj.weight", "linear_fc2.weight")) else 0
+        half = t.shape[dim] // 2
+        packed = fp4 and name.endswith(FP4_WEIGHT_SUFFIXES)
+        kind = "nvfp4" if packed else str(t.dtype).removeprefix("torch.")
+        for start in (0, half):
+            part = t.narrow(dim, start, half)
+            sources.append(Source(Piece(name, kind, dim, start, tuple(part.shape), tuple(t.shape)), part,
+                                  t.abs().amax().float() if packed else None))
+    return Buckets(sources, max_bytes)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp4"])
+def test_weights_may_arrive_as_buckets_of_slices(new_backend, sd, precision):
+    """The weight sync's path (update_weights_from_buckets) gives the samples of a whole state dict."""
+    params = SamplingParams(max_new_tokens=5, seed=4)
+    a = [key(s) for s in loaded(new_backend, sd, precision=precision).generate(REQUESTS, params).samples]
+    b = new_backend(precision=precision)
+    b.update_weights_from_buckets(sliced_buckets(sd, precision == "fp4"), b.weight_version + 1)
+    assert a == [key(s) for s in b.generate(REQUESTS, params).samples]
+
+
+def test_a_bad_or_incomplete_bucketed_update_is_refused_by_name(new_backend, sd):
+    """A bucket that does not fit is refused whole, naming the weight, before any of it is
+    written: the old weights stay. An update that ends incomplete is refused too; then a
+    backend either generates as before (it checked everything first) or, having written part
+    of it, refuses to generate: never from a mix. A complete update recovers either way."""
+    backend = loaded(new_backend, sd)
+    greedy = SamplingParams(max_new_tokens=4, temperature=0)
+    version = backend.weight_version
+    before = [key(s) for s in backend.generate(REQUESTS, greedy).samples]
+    other = sc.random_full_state_dict(CFG, seed=23)
+    unknown = {"decoder.layers.0.mlp.bogus.weight": torch.zeros(4, 16)} | other
+    with pytest.raises(ValueError, match="unknown tensor 'decoder.layers.0.mlp.bogus.weight'"):
+        backend.update_weights_from_buckets(state_dict_buckets(unknown, 1 << 16, fp4=True), version + 1)
+    misfit = {"output_layer.weight": other["output_layer.weight"][:, :32]} | {k: v for k, v in other.items()
+                                                                             if k != "output_layer.weight"}
+    with pytest.raises(ValueError, match=r"output_layer.weight has shape \(256, 32\)"):
+        backend.update_weights_from_buckets(state_dict_buckets(misfit, 1 << 16, fp4=True), version + 1)
+    assert backend.weight_version == version and [key(s) for s in backend.generate(REQUESTS, greedy).samples] == before
+    partial = {k: v for k, v in other.items() if k != "decoder.layers.1.mlp.router.weight"}
+    with pytest.raises(ValueError, match=r"incomplete: 1 weights .* \['decoder.layers.1.mlp.router.weight'\]"):
+        backend.update_weights_from_buckets(state_dict_buckets(partial, 1 << 16, fp4=True), version + 1)
+    assert backend.weight_version == version
+    try:
+        assert [key(s) for s in backend.generate(REQUESTS, greedy).samples] == before
+    except RuntimeError as e:
+        assert "mix of versions" in str(e)
+    backend.update_weights_from_buckets(state_dict_buckets(other, 1 << 16, fp4=True), version + 2)
+    assert {s.weight_version for s in backend.generate(REQUESTS, greedy).samples} == {version + 2}
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp4"])

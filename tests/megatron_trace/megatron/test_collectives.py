@@ -1,5 +1,6 @@
 """Trainer collectives of the disaggregated job: the full state dict gathered from any layout,
-and gradients reduced across data- and expert-parallel ranks, against one process."""
+and gradients reduced by Megatron's DDP across data- and expert-parallel ranks (and the
+sequence-parallel norms' over TP), against one process."""
 
 import torch
 
@@ -11,21 +12,16 @@ CFG = PRESETS["tiny"]
 
 
 def run_grads(rank, *, sd, seqs):
-    """{global name: float32 grad} after finalize_grads, on the first replica of each tensor;
-    this rank trains on seqs[dp_rank] (one process: on all of them, as one micro-batch)."""
+    """{global name: float32 grad} reduced by Megatron's DDP (`megatron.optimizer`), on every
+    replica; this rank trains on seqs[dp_rank] (one process: on all of them, as one micro-batch)."""
     from megatron.core import parallel_state as ps
 
-    from megatron_trace.megatron.grads import finalize_grads
-    from megatron_trace.megatron.model import (
-        build_model,
-        pack_sequences,
-        token_logprobs,
-    )
-    from megatron_trace.megatron.weights import (
-        gather_full_state_dict,
-        global_name,
-        load_full_state_dict,
-    )
+    from megatron_trace.config import OptimSection
+    from megatron_trace.megatron.model import build_model, pack_sequences
+    from megatron_trace.megatron.optimizer import TrainerOptimizer
+    from megatron_trace.megatron.schedule import run_microbatch
+    from megatron_trace.megatron.weights import global_name, load_full_state_dict
+    from tests.support.full_gather import gather_full_state_dict
 
     model = build_model(CFG, "bf16", params_dtype=torch.float32, grouped_gemm=True)
     load_full_state_dict(model, sd)
@@ -34,11 +30,11 @@ def run_grads(rank, *, sd, seqs):
     mine = seqs[dp::dp_size]
     ids, pos, psp = pack_sequences(mine)
     targets = torch.cat([torch.roll(s, -1) for s in mine])[None]
-    keep = torch.cat([torch.arange(len(s)) < len(s) - 1 for s in mine])[None]  # no target past a sequence
-    logp = token_logprobs(model, ids, pos, targets, packed_seq_params=psp)
-    (-(logp * keep).sum() / keep.sum()).backward()
-    finalize_grads(model)
-    grads = {global_name(n, model): p.grad.float().clone() for n, p in model.named_parameters()}
+    keep = torch.cat([torch.arange(len(s)) < len(s) - 1 for s in mine])  # no target past a sequence
+    opt = TrainerOptimizer(model, 1e-3, OptimSection(distributed=False))
+    opt.zero_grad()
+    run_microbatch(opt.ddp, ids, pos, targets, psp, lambda logp: (-(logp * keep).sum() / keep.sum(), {}))
+    grads = {global_name(n, model): p.main_grad.float().clone() for n, p in model.named_parameters()}
     return gathered, grads, ps.get_tensor_model_parallel_rank()
 
 

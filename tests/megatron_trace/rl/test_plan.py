@@ -1,6 +1,9 @@
 """`trace-rl plan` against hand counts, against what the real parts hold (Megatron's parameter
-shards, the engine's buffers, a rollout's guidance) and against a measured run's peak memory."""
+shards, its DDP gradient buffers and optimizer state, the engine's buffers, a rollout's
+guidance, sparse records), against independent arithmetic of the large configs' memory and
+traffic, and against a measured run's peak memory."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -15,10 +18,15 @@ from megatron_trace.megatron.spawn import spawn
 from megatron_trace.model_config import PRESETS
 from megatron_trace.rl.plan import (
     PLAN_ONLY,
+    SPARSE_BITS_PER_KEPT,
+    SPARSE_KEPT,
     Architecture,
+    GiB,
     Layout,
+    MiB,
     choose_layout,
     engine_kv_blocks,
+    expert_id_bytes,
     guidance_bytes_per_token,
     kv_blocks,
     make_plan,
@@ -37,8 +45,10 @@ def test_tiny_parameter_count_by_hand():
     assert TINY.num_params == 2 * per_layer + 2 * 256 * 64 + 64 == 107_392
     plan = make_plan(load_config(None, ["model.preset=tiny"]), TINY)
     norms = 2 * (2 * 64 + 2 * 16) + 64  # float32 in Megatron and in the engine
-    assert (plan.trainer["parameters (BF16, norms FP32)"] == 2 * 107_392 + 2 * norms
-            and plan.trainer["FP32 masters + AdamW moments"] == 12 * 107_392)
+    assert plan.trainer["parameters (BF16, norms FP32)"] == 2 * 107_392 + 2 * norms
+    assert plan.trainer["gradient buffer (FP32 main_grad)"] == 4 * 107_392
+    # FP32 main copies of the BF16 parameters (the FP32 norms are their own), exp_avg and exp_avg_sq
+    assert plan.trainer["optimizer state (FP32 main params + AdamW moments)"] == 4 * (107_392 - norms) + 8 * 107_392
     fp4 = 2 * (attention + experts)  # the FP4 sites, dequantized for backward + a 1-byte STE mask
     assert plan.trainer["QAT weight copies + STE masks"] == 3 * fp4
     # FP4 engine: codes (1/2 byte) + E4M3 scale per 16 (1/16 byte) per FP4 weight; the rest BF16,
@@ -94,7 +104,15 @@ def test_engine_and_guidance_bytes_equal_the_engines():
                           SamplingParams(max_new_tokens=6, seed=0))
     g = out.guidance
     assert g.guidance_nbytes == g.num_tokens * guidance_bytes_per_token(TINY, 2)
-    assert g.nbytes - g.guidance_nbytes == g.num_tokens * routed_expert_bytes_per_token(TINY)
+    ids = [t for part in [*g.groups.values(), *g.samples.values()] for t in part.routed_experts.values()]
+    # the engine records int64 ids; they travel as the smallest type that holds 4 experts (uint8)
+    assert sum(t.numel() for t in ids) * expert_id_bytes(TINY) == g.num_tokens * routed_expert_bytes_per_token(TINY)
+    sparse = TraceEngine(cfg, EngineConfig(precision="fp4", guide="all", coding="sparse",
+                                           num_blocks=engine_kv_blocks(run)))
+    sparse.update_weights(sd, 0)
+    gs = sparse.generate([GroupRequest(f"g{i}", tuple(range(1 + i, 6 + i)), 1) for i in range(3)],
+                         SamplingParams(max_new_tokens=6, seed=0)).guidance
+    assert gs.guidance_nbytes == pytest.approx(gs.num_tokens * guidance_bytes_per_token(TINY, 2, "sparse"), rel=0.1)
 
 
 def test_large_layouts_fit_or_are_refused_with_the_shortfall():
@@ -146,22 +164,155 @@ def test_plan_agrees_with_a_measured_runs_peak_memory(tmp_path):
     assert 0.9 < r["ratio"] < 1.1, r["ratio"]
 
 
-def test_plan_is_exact_for_static_state_of_a_real_trainer():
-    """Parameters, gradients, FP32 masters and AdamW moments of a real trainer after a step,
-    summed from the live tensors, equal the plan's static items."""
-    from megatron_trace.megatron.model import build_model
-    from megatron_trace.megatron.spawn import init_one_process
-    from megatron_trace.rl.optim import MasterAdamW
+def run_optimizer_state(rank, distributed):
+    """This rank's bytes of Megatron's optimizer state (FP32 main parameters that are not model
+    parameters, AdamW's moments) and DDP gradient buffers, summed from the live tensors after a
+    step; its parameters and parameter tensors."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    init_one_process()
+    from megatron_trace.megatron.model import build_model
+
     model = build_model(PRESETS["tiny"], "bf16", grouped_gemm=True)
-    opt = MasterAdamW(model.parameters(), lr=1e-3)
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=distributed), model)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, params_dtype=torch.bfloat16,
+                                                 use_distributed_optimizer=distributed), [ddp],
+                                 use_gloo_process_groups=False)
     for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    opt.step()
-    state = sum(t.numel() * t.element_size() for s in opt.opt.state.values() for t in s.values() if t.dim())
-    masters = sum(m.numel() * m.element_size() for m in opt.master)
-    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
-    plan = make_plan(load_config(None, ["model.preset=tiny"]), TINY)
-    assert plan.trainer["FP32 masters + AdamW moments"] == masters + state
-    assert plan.trainer["gradients (as the parameters)"] == grads
+        p.main_grad.zero_()
+    opt.step()  # torch's Adam allocates its moments at the first step
+    model_storage = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    inner = [o.optimizer for o in getattr(opt, "chained_optimizers", [opt])]
+    mains = [p for o in inner for g in o.param_groups for p in g["params"]
+             if p.untyped_storage().data_ptr() not in model_storage]  # an FP32 parameter is its own main
+    moments = [t for o in inner for st in o.state.values() for t in st.values() if torch.is_tensor(t) and t.dim()]
+    buffers = ddp.buffers + ddp.expert_parallel_buffers
+    return {"optimizer": sum(t.numel() * t.element_size() for t in mains + moments),
+            "grads": sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers),
+            "params": sum(p.numel() for p in model.parameters()), "tensors": len(list(model.parameters()))}
+
+
+@pytest.mark.parametrize("layout", [dict(dp=2), dict(ep=2, dp=2)])
+def test_optimizer_state_per_rank_equals_megatrons_live_tensors(layout):
+    """Per-rank optimizer bytes of Megatron's distributed optimizer (`optim.distributed`) are 1/DP
+    of the replicated optimizer's for dense parameters and 1/expert-DP for experts (DP2: both
+    halved; EP2 x DP2: experts not sharded, each rank holding its own); the FP32 gradient buffer is
+    full on every rank. Measured from the live tensors of get_megatron_optimizer over gloo."""
+    gpus = layout["dp"]
+    cfg = load_config(None, ["model.preset=tiny", "dist.engine_ranks=1", f"cluster.gpus_per_node={gpus + 1}",
+                             f"dist.ep={layout.get('ep', 1)}"])
+    for distributed in (True, False):
+        live = spawn(run_optimizer_state, layout, distributed=distributed)
+        plan = make_plan(dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, distributed=distributed)),
+                         TINY)
+        planned = plan.trainer["optimizer state (FP32 main params + AdamW moments)"]
+        # the shards are equal ranges of each padded buffer: per rank the plan up to the padding
+        # that falls in the rank's range, over the ranks exactly the parameters' bytes
+        assert sum(r["optimizer"] for r in live) == pytest.approx(gpus * planned, abs=1e-6), (layout, live, planned)
+        assert all(abs(r["optimizer"] - planned) <= 12 * 64 * 4 for r in live), (layout, live, planned)
+        grads = plan.trainer["gradient buffer (FP32 main_grad)"]
+        for r in live:  # full on every rank; Megatron aligns each parameter to 64 elements (and a bucket to DP)
+            assert grads == 4 * r["params"] and 0 <= r["grads"] - grads <= 4 * 64 * (r["tensors"] + 1), (r, grads)
+        if distributed:
+            sharded = planned
+        else:
+            replicated = planned
+    held = live[0]["params"]
+    norms = 2 * (2 * 64 + 2 * 16) + 64
+    expert = 2 * 4 * 3 * 64 * 32 // layout.get("ep", 1)  # 2 layers of 4 experts, gate/up/down
+    assert replicated == 4 * (held - norms) + 8 * held  # independent of the plan's parameter count
+    assert sharded == pytest.approx(replicated / 2 if "ep" not in layout else (replicated - 12 * expert) / 2
+                                    + 12 * expert)
+
+
+def test_sparse_guidance_bytes_are_the_measured_ones():
+    """Sparse guidance (rl.coding=sparse) is counted from its measured kept fraction, not as the
+    dense upper bound: the plan's formula gives back the bench's measured bits per element
+    (bench/results/guidance_bytes_2026-11-30.md, tau 2, scale LSBs) and the tiny model's
+    (bench/results/mismatch_tiny_sparse_2026-11-30.json), and a live sparse record of other
+    activations within 15 %."""
+    from megatron_trace.guidance import capture
+    from trace_kernels.fp4 import quantize
+
+    bench = json.loads((ROOT / "bench" / "results" / "guidance_bytes_2026-11-30.json").read_text())
+    row = next(r for r in bench["rows"] if r["coding"] == "sparse tau=2, scale LSBs")
+    assert row["kept_elements"] == pytest.approx(SPARSE_KEPT, rel=0.01)
+    assert row["bits_per_element"] == pytest.approx(32 / 2048 + 1 / 16 + SPARSE_KEPT * SPARSE_BITS_PER_KEPT, rel=0.01)
+    tiny = json.loads((ROOT / "bench" / "results" / "mismatch_tiny_sparse_2026-11-30.json").read_text())["trace"]
+    per_token = 2 * (64 + 64 + 64 + 2 * 32 + 2 * 16 + 2 * 16)  # elements of the tiny model's 6 sites, 2 layers
+    assert 8 * guidance_bytes_per_token(TINY, 2, "sparse") / per_token == pytest.approx(
+        tiny["guidance_bits_per_element"], rel=0.05)
+    assert guidance_bytes_per_token(TINY, 2, "sparse") < guidance_bytes_per_token(TINY, 2) / 1.9
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(64, 1024, generator=g) * torch.exp(0.8 * torch.randn(1, 1024, generator=g))).bfloat16()
+    y = (x.float() @ (torch.randn(1024, 4096, generator=g) / 32).bfloat16().float()).bfloat16()
+    rec = capture(y, quantize(y, scale="row"), model_id="t", layer=0, site="fc1", sample_id="0", weight_version=0,
+                  policy="all", coding="sparse")
+    assert rec.nbytes == pytest.approx(64 * (4 + 4096 / 128 + 4096 * SPARSE_KEPT * SPARSE_BITS_PER_KEPT / 8), rel=0.15)
+    for coding in ("dense", "sparse"):  # the plan's guidance traffic follows the configured coding
+        plan = make_plan(load_config(ROOT / "launch" / "configs" / "qwen3-235b-a22b.yaml", [f"rl.coding={coding}"]),
+                         Architecture.from_model_config("q", PRESETS["qwen3-235b-a22b"]))
+        assert plan.traffic[f"guidance to the trainers ({coding})"] == 64 * (1024 + 8 * 8192) * \
+            guidance_bytes_per_token(plan.arch, 32, coding)
+
+
+def _qwen235_by_hand(tp, ep):
+    """(dense, FP32 norms, expert) parameters one GPU holds of Qwen3-235B-A22B (PP1), from the HF
+    shape: hidden 4096, 94 layers, 64 query + 4 KV heads of 128, 128 experts of 1536, vocab 151936."""
+    h, L, d, E, f, V = 4096, 94, 128, 128, 1536, 151936
+    attn = h * d * (64 + 2 * 4) + 64 * d * h
+    norms = L * (2 * h + 2 * d) + h
+    dense = L * (attn / tp + E * h) + norms + 2 * V * h / tp  # routers and norms whole on every TP rank
+    return dense, norms, L * E * 3 * h * f / ep
+
+
+def test_large_configs_memory_and_traffic_by_independent_arithmetic():
+    """The 235 B example config (TP4 EP64 DP16 on 64 trainer GPUs, 16 engine GPUs in 8 engines of
+    TP2, 2 nodes away): sharded optimizer, grad buffer, offload, bucketed sync and every traffic
+    figure with its seconds, from the model's shape and the cluster's links."""
+    cfg = load_config(ROOT / "launch" / "configs" / "qwen3-235b-a22b.yaml")
+    arch = Architecture.from_model_config("q", PRESETS["qwen3-235b-a22b"])
+    plan = make_plan(cfg, arch)
+    dense, norms, expert = _qwen235_by_hand(4, 64)
+    dp, edp = 16, 1  # 64 / TP4; experts: 64 / EP64
+    assert (plan.dp, plan.expert_dp) == (dp, edp)
+    assert plan.trainer["gradient buffer (FP32 main_grad)"] == pytest.approx(4 * (dense + expert))
+    opt = plan.trainer["optimizer state (FP32 main params + AdamW moments)"]
+    assert opt == pytest.approx((4 * (dense - norms) + 8 * dense) / dp + 12 * expert / edp)
+    off = make_plan(load_config(ROOT / "launch" / "configs" / "qwen3-235b-a22b.yaml", ["optim.cpu_offload=true"]), arch)
+    assert off.trainer["optimizer state (FP32 main params + AdamW moments)"] == pytest.approx(
+        4 * ((dense - norms) / dp + expert))
+    assert off.host["trainer node: offloaded optimizer state"] == pytest.approx(8 * 16 * (dense / dp + expert))
+    repl = make_plan(load_config(ROOT / "launch" / "configs" / "qwen3-235b-a22b.yaml", ["optim.distributed=false"]),
+                     arch)
+    assert repl.trainer["optimizer state (FP32 main params + AdamW moments)"] == pytest.approx(
+        12 * (dense + expert) - 4 * norms)
+    # the sync: no gather, one 256 MiB bucket per rank (GPU and host), every engine the packed model
+    assert not any("gather to" in k for k in plan.traffic) and not any("rank 0" in k for k in plan.host)
+    assert plan.trainer["weight sync bucket (packed)"] == 256 * MiB
+    assert plan.host["trainer node: one sync bucket per rank"] == 8 * 256 * MiB
+    packed = arch.fp4_params * (0.5 + 1 / 16) + 2 * (arch.num_params - arch.fp4_params)
+    ib = 400e9 / 8  # bytes/s per GPU between nodes
+    assert plan.traffic["weight sync to the engines (packed FP4)"] == pytest.approx(8 * packed)
+    assert plan.seconds["weight sync to the engines (packed FP4)"] == pytest.approx(packed / 2 / ib)
+    tokens = 64 * (1024 + 8 * 8192)  # prompts once per group
+    sites = [(1, 4096), (1, 64 * 128), (1, 4096), (8, 1536), (4, 128), (4, 128)]
+    dense_guidance = 32 * sum(r * (4 + c / 16 + c / 8) for r, c in sites)  # deep:32
+    assert plan.traffic["guidance to the trainers (dense)"] == pytest.approx(tokens * dense_guidance)
+    assert plan.seconds["guidance to the trainers (dense)"] == pytest.approx(tokens * dense_guidance / 16 / ib)
+    assert plan.traffic["routed expert ids (uint8)"] == tokens * 94 * 8
+    red = "gradient reduce-scatter + parameter all-gather, per GPU"
+    assert plan.traffic[red] == pytest.approx((dp - 1) / dp * (6 * dense + 2 * norms))  # expert-DP 1: no reduction
+    assert plan.seconds[red] == pytest.approx(plan.traffic[red] / ib)
+    assert repl.traffic["gradient all-reduce, per GPU"] == pytest.approx(2 * (dp - 1) / dp * 4 * dense)
+    # without EP the distributed optimizer holds exactly 1/DP of the replicated one's state
+    one = load_config(ROOT / "launch" / "configs" / "qwen3-30b-a3b.yaml", ["dist.engine_ranks=1", "dist.tp=1",
+                                                                           "dist.ep=1", "dist.etp=1"])
+    a30 = Architecture.from_model_config("q30", PRESETS["qwen3-30b-a3b"])
+    sharded = make_plan(one, a30).trainer["optimizer state (FP32 main params + AdamW moments)"]
+    full = make_plan(dataclasses.replace(one, optim=dataclasses.replace(one.optim, distributed=False)),
+                     a30).trainer["optimizer state (FP32 main params + AdamW moments)"]
+    assert sharded == pytest.approx(full / 7)  # 7 trainer GPUs: DP7, expert-DP7
+    assert expert_id_bytes(dataclasses.replace(arch, experts=512)) == 2 and expert_id_bytes(arch) == 1
+    assert 60 * GiB < packed < 140 * GiB

@@ -9,6 +9,16 @@ from megatron_trace.model_config import PRESETS
 from tests.support import scenarios as sc
 
 
+def sgd(trainer, lr):
+    """Megatron's optimizer as plain SGD (optim.megatron passes the choice through): an update
+    linear in the gradients, so that micro-batching and layouts compare closely."""
+    from megatron_trace.config import OptimSection
+    from megatron_trace.megatron.optimizer import TrainerOptimizer
+
+    return TrainerOptimizer(trainer, lr, OptimSection(clip_grad=0.0, distributed=False,  # Megatron shards Adam only
+                                                     megatron={"optimizer": "sgd", "sgd_momentum": 0.0}))
+
+
 def reward_low_ids(prompt, response):
     return sum(t < 128 for t in response) / max(len(response), 1)
 
@@ -30,7 +40,7 @@ def run_steps(rank, *, precision, correction):
                                            guide="all" if precision == "trace" else "none"))
     sync_weights(trainer, engine, 0)
     rl = RLSection(mode=precision, group_size=4, correction=correction)
-    optimizer = torch.optim.SGD(trainer.parameters(), lr=0.05)
+    optimizer = sgd(trainer, 0.05)
     prompts = [(1, 2, 3, 4), (9, 8, 7)]
     batch = rollout(engine, prompts, reward_low_ids, rl.group_size, SamplingParams(max_new_tokens=8, seed=1), 0)
     adv = grpo_advantages(batch.rewards, 4)
@@ -76,7 +86,7 @@ def run_dynamic_and_kl(rank):
     load_full_state_dict(reference, {k: v for k, v in trainer.state_dict().items() if not k.endswith("_extra_state")})
     engine = TraceEngine(cfg, EngineConfig(precision="bf16"))
     sync_weights(trainer, engine, 0)
-    optimizer = torch.optim.SGD(trainer.parameters(), lr=0.05)
+    optimizer = sgd(trainer, 0.05)
     sampling = SamplingParams(max_new_tokens=8, seed=1)
 
     def reward(prompt, response):  # prompts starting with 1 always score 0: no signal in their group
@@ -114,16 +124,14 @@ def run_microbatched_update(rank, *, sd, max_tokens, correction, threshold):
 
     from megatron_trace.config import RLSection
     from megatron_trace.megatron.model import build_model
-    from megatron_trace.megatron.weights import (
-        gather_full_state_dict,
-        load_full_state_dict,
-    )
+    from megatron_trace.megatron.weights import load_full_state_dict
     from megatron_trace.model_config import PRESETS
-    from megatron_trace.rl.disaggregated import ReducingOptimizer, dp_share
+    from megatron_trace.rl.disaggregated import dp_share
     from megatron_trace.rl.rollout_batch import rollout
     from megatron_trace.rl.step import train_on
     from megatron_trace.rollout import SamplingParams
     from sglang_rollout.engine import EngineConfig, TraceEngine
+    from tests.support.full_gather import gather_full_state_dict
 
     cfg = PRESETS["tiny"]
     trainer = build_model(cfg, "bf16", params_dtype=torch.float32, grouped_gemm=True)
@@ -136,7 +144,7 @@ def run_microbatched_update(rank, *, sd, max_tokens, correction, threshold):
                     SamplingParams(max_new_tokens=8, seed=2), 0)
     mine = batch.select(list(dp_share(batch.num_groups, ps.get_data_parallel_rank(),
                                       ps.get_data_parallel_world_size())))
-    optimizer = ReducingOptimizer(torch.optim.SGD(trainer.parameters(), lr=0.5), trainer)
+    optimizer = sgd(trainer, 0.5)
     metrics = train_on(trainer, optimizer, mine, rl)
     return gather_full_state_dict(trainer), metrics
 
@@ -159,3 +167,43 @@ def test_microbatches_accumulate_to_the_one_batch_update():
             torch.testing.assert_close(split[name], w, rtol=1e-5, atol=1e-6, msg=f"{layout} {name}")
             moved += int(not torch.equal(w, sd[name]))
         assert moved > len(sd) // 2  # the update did something
+
+
+def run_against_master_adamw(rank):
+    from megatron_trace.config import OptimSection, RLSection
+    from megatron_trace.megatron.model import build_model
+    from megatron_trace.megatron.optimizer import TrainerOptimizer
+    from megatron_trace.rl.rollout_batch import rollout
+    from megatron_trace.rl.step import train_on
+    from megatron_trace.rollout import SamplingParams
+    from sglang_rollout.engine import EngineConfig, TraceEngine
+    from tests.support.master_adamw import MasterAdamW
+
+    cfg = PRESETS["tiny"]
+    sd = sc.random_full_state_dict(cfg, seed=11)
+    ours, theirs = build_model(cfg, "bf16", grouped_gemm=True), build_model(cfg, "bf16", grouped_gemm=True)
+    for m in (ours, theirs):
+        m.load_state_dict(sd, strict=False)
+    engine = TraceEngine(cfg, EngineConfig(precision="fp4", guide="all"))
+    engine.update_weights(sd, 0)
+    rl = RLSection(mode="trace", group_size=4, correction="mis", correction_threshold=1.05)
+    opts = (TrainerOptimizer(ours, 1e-3, OptimSection(clip_grad=0.0)), MasterAdamW(theirs, 1e-3))
+    kept = []
+    for step in range(3):  # new rollouts of the same (first) weights: the same batches for both
+        batch = rollout(engine, [(1, 2, 3, 4), (9, 8, 7), (5, 6)], reward_low_ids, rl.group_size,
+                        SamplingParams(max_new_tokens=8, seed=step), step)
+        metrics = [train_on(model, opt, batch, rl) for model, opt in zip((ours, theirs), opts, strict=True)]
+        kept.append(metrics[0]["kept_frac"])
+        assert metrics[0]["loss"] == metrics[1]["loss"], step
+    moved = sum(not torch.equal(p.float(), sd[n].float()) for n, p in ours.state_dict().items() if n in sd)
+    return {n: (p, theirs.state_dict()[n]) for n, p in ours.state_dict().items() if n in sd}, kept, moved
+
+
+def test_megatrons_optimizer_steps_as_the_one_it_replaced():
+    """Three RL steps (trace mode, MIS rejecting samples) with Megatron's distributed optimizer
+    against the replaced FP32-master AdamW on the same batches, in one process: the same losses
+    and the same BF16 weights bit for bit."""
+    pairs, kept, moved = spawn(run_against_master_adamw, {})[0]
+    assert moved > len(pairs) // 2 and any(k < 1 for k in kept)
+    for name, (ours, theirs) in pairs.items():
+        assert torch.equal(ours, theirs), name

@@ -188,6 +188,35 @@ def test_weight_updates_take_effect_and_stale_or_misfit_ones_are_refused(sd):
     assert fresh.tokens == after.tokens and torch.equal(fresh.logprobs, after.logprobs)
 
 
+def test_an_update_that_fails_part_way_leaves_the_engine_refusing_to_generate(sd):
+    """Buckets are written in place as they arrive (an update costs a bucket of memory): once one
+    is written, a later bad bucket or an interrupted stream leaves a mix of versions, which the
+    engine refuses to generate from, keeping its old version number, until a complete one arrives."""
+    from megatron_trace.weight_buckets import state_dict_buckets
+
+    e = engine(sd, "fp4")
+    params = SamplingParams(max_new_tokens=4, temperature=0)
+    other = sc.random_full_state_dict(CFG, seed=9)
+    bad = dict(other, **{"decoder.layers.1.mlp.router.weight": other["decoder.layers.1.mlp.router.weight"][:2]})
+    with pytest.raises(ValueError, match=r"decoder.layers.1.mlp.router.weight has shape \(2, 64\)"):
+        e.update_weights_from_buckets(state_dict_buckets(bad, 4096, fp4=True), 1)
+    assert e.weight_version == 0
+    with pytest.raises(RuntimeError, match="mix of versions: the update to weight version 1 failed part-way"):
+        e.generate(REQUESTS[:1], params)
+
+    def interrupted():
+        yield from list(state_dict_buckets(other, 4096, fp4=True))[:3]
+        raise ConnectionError("the trainer went away")
+    with pytest.raises(ConnectionError):
+        e.update_weights_from_buckets(interrupted(), 2)
+    with pytest.raises(RuntimeError, match="version 2 failed part-way .the trainer went away"):
+        e.generate(REQUESTS[:1], params)
+    e.update_weights_from_buckets(state_dict_buckets(other, 4096, fp4=True), 3)
+    fresh = engine(other, "fp4", version=7).generate(REQUESTS[:1], params).samples[0]
+    after = e.generate(REQUESTS[:1], params).samples[0]
+    assert after.weight_version == 3 and after.tokens == fresh.tokens and torch.equal(after.logprobs, fresh.logprobs)
+
+
 def test_packed_fp4_weights_from_the_trainer_equal_bf16_quantized_on_receipt(sd):
     """Weight sync sends FP4 (codes + scales, ~3.5x fewer bytes); the engine stores them in place."""
     from sglang_rollout.engine.weights import FP4_SUFFIXES

@@ -1,0 +1,118 @@
+"""Training step time with Megatron's DDP + distributed optimizer (the trainer's optimizer now)
+against the optimizer it replaced (FP32 master copies + torch AdamW, replicated, gradients in
+the parameters' .grad), on one device, same model, same batch.
+
+A step is zero_grad, forward + backward of one packed micro-batch (`--precision`, default
+fp4-rne: QAT's weight and activation quantization), and the optimizer step (clipping off for
+both, so that they do the same arithmetic). Reports the median step time, the optimizer step
+alone, peak memory, and the optimizer state bytes per rank measured from the live tensors.
+
+    python bench/optimizer_step.py                                         # tiny model on the CPU
+    python bench/optimizer_step.py --model qwen3-30b-a3b --layers 4 --tokens 16384 --record   # a GPU
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+from train_step import RESULTS, _init, packed_batch, shape_parser  # noqa: E402 - the benchmarks' own setup
+
+from tests.support.master_adamw import MasterAdamW  # noqa: E402 - the replaced optimizer, the baseline
+
+
+def main() -> None:
+    ap = shape_parser(__doc__)
+    ap.add_argument("--precision", default="fp4-rne")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--record", action="store_true")
+    args = ap.parse_args()
+    _init()
+    from megatron.core.distributed import finalize_model_grads
+
+    from megatron_trace.config import OptimSection
+    from megatron_trace.megatron.model import build_model, set_precision
+    from megatron_trace.megatron.optimizer import TrainerOptimizer
+    from megatron_trace.model_config import PRESETS
+
+    cfg = PRESETS[args.model].replace(num_layers=args.layers)
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    ids, pos, psp, labels = packed_batch(cfg, args.tokens, args.seq_len, dev)
+    gpu = torch.cuda.get_device_name() if cuda else "cpu"
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    rows = []
+    for name in ("master-adamw", "megatron-distributed"):
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        model = build_model(cfg, "bf16", grouped_gemm=True)
+        set_precision(model, args.precision)
+        if name == "master-adamw":
+            opt = MasterAdamW(model, 1e-6)
+            zero, finish, step, state = opt.zero_grad, (lambda: None), opt.step, opt.state_bytes
+        else:
+            opt = TrainerOptimizer(model, 1e-6, OptimSection(clip_grad=0.0, distributed=True))
+            zero, step, state = opt.zero_grad, opt.step, opt.local_state_bytes
+            finish = lambda o=opt: finalize_model_grads([o.ddp])  # noqa: E731 - what the schedule calls
+        fwd = opt.ddp if name != "master-adamw" else model
+        steps, opt_s = [], []
+        for i in range(args.warmup + args.steps):
+            sync()
+            t0 = time.perf_counter()
+            zero()
+            loss = fwd(ids, pos, None, labels=labels, packed_seq_params=psp).float().mean()
+            loss.backward()
+            finish()
+            sync()
+            t1 = time.perf_counter()
+            step()
+            sync()
+            t2 = time.perf_counter()
+            if i >= args.warmup:
+                steps.append(t2 - t0)
+                opt_s.append(t2 - t1)
+        row = {"optimizer": name, "step_s": statistics.median(steps), "optimizer_step_s": statistics.median(opt_s),
+               "state_gib": state() / 2**30, "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+               "params": sum(p.numel() for p in model.parameters()), "gpu": gpu,
+               "date": datetime.date.today().isoformat(), "model": args.model, "layers": args.layers,
+               "tokens": args.tokens, "precision": args.precision}
+        rows.append(row)
+        print(f"{name:22s} step {row['step_s'] * 1e3:9.1f} ms  optimizer {row['optimizer_step_s'] * 1e3:8.1f} ms  "
+              f"state {row['state_gib']:.2f} GiB  peak {row['peak_gib'] or 0:.1f} GiB", flush=True)
+        del model, opt, zero, finish, step, state, fwd
+    ratios = [f"step time {r['optimizer']} / master-adamw = {r['step_s'] / rows[0]['step_s']:.3f}" for r in rows[1:]]
+    print("\n".join(ratios))
+    if args.record:
+        stem = RESULTS / f"optimizer_step_{rows[0]['date']}_{'h200' if 'H200' in gpu else gpu.replace(' ', '_')}"
+        stem.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
+        cmd = "python bench/optimizer_step.py " + " ".join(sys.argv[1:])
+        lines = [f"# Training step: Megatron's distributed optimizer vs the replaced FP32-master AdamW, "
+                 f"{rows[0]['date']}, {gpu}", "", f"`{cmd}`", "",
+                 f"{args.model} at full width, {args.layers} layers ({rows[0]['params'] / 1e9:.2f} B parameters), "
+                 f"one micro-batch of {args.tokens} tokens, {args.precision}; one device (data-parallel size 1, "
+                 "so the distributed optimizer shards nothing here: per-rank state is 1/DP of this).", "",
+                 "| optimizer | step (ms) | optimizer step (ms) | optimizer state (GiB) | peak (GiB) |",
+                 "|---|---|---|---|---|"]
+        lines += [f"| {r['optimizer']} | {r['step_s'] * 1e3:.1f} | {r['optimizer_step_s'] * 1e3:.1f} | "
+                  f"{r['state_gib']:.2f} | {r['peak_gib'] or 0:.1f} |" for r in rows]
+        lines += ["", *[f"- {r}" for r in ratios], ""]
+        stem.with_suffix(".md").write_text("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

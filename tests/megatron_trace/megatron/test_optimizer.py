@@ -1,0 +1,252 @@
+"""The trainer's optimizer is Megatron's own (`megatron_trace.megatron.optimizer`): DDP with
+bucketed, overlapped reduction and `get_megatron_optimizer`, the distributed optimizer sharding
+FP32 main parameters and AdamW moments over the data-parallel ranks.
+
+Checked over real gloo process groups (CPU patch P8 lets Megatron's dtype checks accept CPU
+tensors): the distributed optimizer against the non-distributed one in the same ranks, both
+against one process on the same global batch, gradient clipping and AdamW against a float64
+re-computation, per-rank optimizer bytes measured from the live tensors.
+"""
+
+import torch
+
+from megatron_trace.megatron.spawn import spawn
+from megatron_trace.model_config import PRESETS
+from tests.support import scenarios as sc
+
+CFG = PRESETS["tiny"]
+STEPS = 3
+LR = 3e-3
+
+
+def _slice(full, name, rank, size):
+    """This TP / expert-TP rank's slice of a full tensor, as megatron_trace.megatron.weights cuts it."""
+    from megatron_trace.megatron.weights import _split_rule
+
+    group, dim, gated = _split_rule(name)
+    if group is None or size == 1:
+        return full
+    if gated:
+        return torch.cat([part.chunk(size, dim)[rank] for part in full.chunk(2, dim)], dim)
+    return full.chunk(size, dim)[rank]
+
+
+def run_training(rank, *, sd, seqs, clip, lr=LR):
+    """STEPS steps of both optimizers (non-distributed, distributed) from the same weights; this
+    data-parallel rank trains on its share of `seqs`, the loss the token mean over all of them.
+    Returns per optimizer: {global name: weight}, grad norms, optimizer bytes; and the TP rank."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_trace.config import OptimSection
+    from megatron_trace.megatron.model import build_model, pack_sequences
+    from megatron_trace.megatron.optimizer import TrainerOptimizer
+    from megatron_trace.megatron.schedule import run_microbatch
+    from megatron_trace.megatron.weights import global_name, load_full_state_dict
+
+    dp, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    mine = seqs[dp::dp_size]
+    total = sum(len(s) - 1 for s in seqs)  # predicted tokens of the global batch
+    pad = (-sum(len(s) for s in mine)) % ps.get_tensor_model_parallel_world_size()
+    ids, pos, psp = pack_sequences(mine, pad=pad)
+    targets = torch.roll(ids, -1, 1)
+    keep = torch.cat([torch.arange(len(s)) < len(s) - 1 for s in mine] + [torch.zeros(pad, dtype=torch.bool)])
+    out = {}
+    for dtype, distributed in ((torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, False),
+                               (torch.float32, True)):
+        model = build_model(CFG, "bf16", grouped_gemm=True, params_dtype=dtype)
+        load_full_state_dict(model, sd)
+        opt = TrainerOptimizer(model, lr, OptimSection(distributed=distributed, clip_grad=clip))
+        norms = []
+        for _ in range(STEPS):
+            opt.zero_grad()
+            run_microbatch(opt.ddp, ids, pos, targets, psp,
+                           lambda logp: (-(logp * keep).sum() / (total / dp_size), {}))
+            norms.append(opt.step()["grad_norm"])
+        weights = {global_name(n, model): p.detach().clone() for n, p in model.named_parameters()}
+        out[dtype, distributed] = {"weights": weights, "norms": norms, "bytes": opt.local_state_bytes()}
+    return out, ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+
+
+def _same_weights(got: dict, want: dict, what) -> None:
+    """The distributed optimizer's weights against the non-distributed one's: bit for bit in BF16;
+    FP32 parameters (all of an FP32 model, the norms of a BF16 one) show the clip factor's last
+    bits (from the norm's summation order), within 1e-6."""
+    for name, w in want.items():
+        if w.dtype == torch.bfloat16:
+            assert torch.equal(got[name], w), f"{what} {name}"
+        else:
+            torch.testing.assert_close(got[name], w, rtol=0, atol=1e-6, msg=lambda m, n=name: f"{what} {n}: {m}")
+
+
+def _check_layout(layout, want, sd, seqs):
+    """In every rank of `layout`: the distributed optimizer gives the non-distributed one's
+    weights bit for bit (BF16 and FP32 parameters), and FP32 training gives one process's weights
+    (`want`) up to the reduction order of FP32 sums. BF16 parameters are not compared across
+    layouts: a BF16 forward over another packing rounds differently, and AdamW turns a gradient
+    near zero into a step of about lr whatever its size."""
+    results = spawn(run_training, layout, sd=sd, seqs=seqs, clip=0.5)
+    seen = set()
+    for out, tp_rank, tp in results:
+        for dtype in (torch.bfloat16, torch.float32):
+            plain, sharded = out[dtype, False], out[dtype, True]
+            # the same gradients; the sharded norm sums its squares shard by shard (FP32 order: ~1e-7)
+            torch.testing.assert_close(torch.tensor(sharded["norms"]), torch.tensor(plain["norms"]), rtol=1e-6, atol=0)
+            _same_weights(sharded["weights"], plain["weights"], layout)
+        plain = out[torch.float32, False]
+        torch.testing.assert_close(torch.tensor(plain["norms"]), torch.tensor(want["norms"]), rtol=1e-5, atol=0)
+        for name, w in plain["weights"].items():
+            ref = _slice(want["weights"][name], name, tp_rank, tp)
+            torch.testing.assert_close(w, ref, rtol=0, atol=1e-5, msg=lambda m, n=name: f"{layout} {n}: {m}")
+            seen.add(name)
+    assert seen == set(want["weights"])
+    return results
+
+
+def test_distributed_optimizer_equals_the_plain_one_and_one_process_under_dp_ep_tp_pp():
+    sd = sc.random_full_state_dict(CFG, seed=3)
+    seqs = sc.make_sequences(CFG, [12, 9, 14, 7], seed=5)  # unequal: the loss is the global token mean
+    (one, _, _), = spawn(run_training, {}, sd=sd, seqs=seqs, clip=0.5)
+    want = one[torch.float32, False]
+    for dtype in (torch.bfloat16, torch.float32):  # one rank: the distributed optimizer is the plain one
+        torch.testing.assert_close(torch.tensor(one[dtype, True]["norms"]), torch.tensor(one[dtype, False]["norms"]),
+                                   rtol=1e-6, atol=0)
+        _same_weights(one[dtype, True]["weights"], one[dtype, False]["weights"], "one process")
+    assert max(want["norms"]) > 0.5  # the clip acted
+    dp2 = _check_layout({"dp": 2}, want, sd, seqs)
+    for out, _, _ in dp2:  # each rank holds half of the FP32 main parameters and moments
+        plain, sharded = out[torch.bfloat16, False]["bytes"], out[torch.bfloat16, True]["bytes"]
+        assert abs(sharded - plain / 2) <= 0.02 * plain, (sharded, plain)
+    _check_layout({"ep": 2, "dp": 2}, want, sd, seqs)
+    _check_layout({"tp": 2, "pp": 2}, want, sd, seqs)
+
+
+def run_clipped_adamw(rank, *, sd, seqs, clip, lr):
+    """Megatron's optimizer next to a float64 AdamW fed the same reduced gradients: returns the
+    max difference of the FP32 main parameters and of the reported grad norms, per step."""
+    from megatron_trace.config import OptimSection
+    from megatron_trace.megatron.model import build_model, pack_sequences
+    from megatron_trace.megatron.optimizer import TrainerOptimizer
+    from megatron_trace.megatron.schedule import run_microbatch
+    from megatron_trace.megatron.weights import load_full_state_dict
+
+    model = build_model(CFG, "bf16", grouped_gemm=True)
+    load_full_state_dict(model, sd)
+    opt = TrainerOptimizer(model, lr, OptimSection(distributed=False, clip_grad=clip))
+    params = [p for p in model.parameters() if p.requires_grad]
+    ref = [p.detach().double().clone().requires_grad_() for p in params]
+    ref_opt = torch.optim.AdamW(ref, lr=lr, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
+    ids, pos, psp = pack_sequences(seqs)
+    targets = torch.roll(ids, -1, 1)
+    keep = torch.cat([torch.arange(len(s)) < len(s) - 1 for s in seqs])
+    rows = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        run_microbatch(opt.ddp, ids, pos, targets, psp, lambda logp: (-(logp * keep).sum() / keep.sum(), {}))
+        grads = [p.main_grad.double().clone() for p in params]
+        norm = torch.sqrt(sum((g * g).sum() for g in grads))
+        factor = min(1.0, clip / (float(norm) + 1e-6))  # Megatron's clip_grad_by_total_norm_fp32
+        for r, g in zip(ref, grads, strict=True):
+            r.grad = g * factor
+        ref_opt.step()
+        got = opt.step()["grad_norm"]
+        main = [m for o in opt.optimizer.chained_optimizers for g in o.optimizer.param_groups for m in g["params"]]
+        by_shape = {}
+        for m in main:
+            by_shape.setdefault(tuple(m.shape), []).append(m)
+        diff = 0.0
+        for r in ref:  # main parameters are in the optimizer's own order: match each by shape and closeness
+            diff = max(diff, min(float((m.double() - r.detach()).abs().max()) for m in by_shape[tuple(r.shape)]))
+        rows.append((abs(got - float(norm)) / float(norm), diff, factor))
+    return rows
+
+
+def test_clipping_and_adamw_against_float64():
+    sd = sc.random_full_state_dict(CFG, seed=1)
+    seqs = sc.make_sequences(CFG, [16, 11], seed=2)
+    (rows,) = spawn(run_clipped_adamw, {}, sd=sd, seqs=seqs, clip=0.3, lr=1e-2)
+    for norm_err, weight_err, _ in rows:
+        assert norm_err < 1e-5  # Megatron's norm (FP32 squares) against float64
+        assert weight_err < 1e-5  # FP32 main weights against float64 AdamW, after the clip
+    assert any(f < 0.5 for _, _, f in rows)  # clipping acted
+
+
+def _batch(seqs):
+    """This data-parallel rank's share of `seqs` packed (padded to the TP size), its loss mask,
+    and the global batch's predicted tokens."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_trace.megatron.model import pack_sequences
+
+    dp, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    mine = seqs[dp::dp_size]
+    pad = (-sum(len(s) for s in mine)) % ps.get_tensor_model_parallel_world_size()
+    ids, pos, psp = pack_sequences(mine, pad=pad)
+    keep = torch.cat([torch.arange(len(s)) < len(s) - 1 for s in mine] + [torch.zeros(pad, dtype=torch.bool)])
+    return ids, pos, psp, keep, sum(len(s) - 1 for s in seqs)
+
+
+def _train_step(opt, seqs):
+    from megatron.core import parallel_state as ps
+
+    from megatron_trace.megatron.schedule import run_microbatch
+
+    ids, pos, psp, keep, total = _batch(seqs)
+    opt.zero_grad()
+    run_microbatch(opt.ddp, ids, pos, torch.roll(ids, -1, 1), psp,
+                   lambda logp: (-(logp * keep).sum() / (total / ps.get_data_parallel_world_size()), {}))
+    return opt.step()["grad_norm"]
+
+
+def run_resharded_resume(rank, *, sd, seqs, directory, save):
+    """save: two steps under this layout, then model and optimizer saved, then a third step.
+    Else: model and optimizer loaded under this layout (and, beside them, a fresh optimizer),
+    then the third step. Returns {global name: FP32 weight} after the third step (and the fresh one's)."""
+    from megatron_trace.checkpoint.dist import load_model, save_model
+    from megatron_trace.config import OptimSection
+    from megatron_trace.megatron.model import build_model
+    from megatron_trace.megatron.optimizer import TrainerOptimizer
+    from megatron_trace.megatron.weights import global_name, load_full_state_dict
+
+    def build():
+        model = build_model(CFG, "bf16", grouped_gemm=True, params_dtype=torch.float32)
+        load_full_state_dict(model, sd)
+        return model, TrainerOptimizer(model, LR, OptimSection(distributed=True, clip_grad=0.5))
+
+    def weights(model):
+        return {global_name(n, model): p.detach().clone() for n, p in model.named_parameters()}
+
+    model, opt = build()
+    if save:
+        for _ in range(2):
+            _train_step(opt, seqs)
+        save_model(model, CFG, f"{directory}/model")
+        opt.save(f"{directory}/optimizer")
+        _train_step(opt, seqs)
+        return weights(model), None
+    load_model(model, f"{directory}/model")
+    opt.load(f"{directory}/optimizer")
+    _train_step(opt, seqs)
+    fresh, fresh_opt = build()
+    load_model(fresh, f"{directory}/model")
+    _train_step(fresh_opt, seqs)
+    return weights(model), weights(fresh)
+
+
+def test_a_dp2_optimizer_checkpoint_resumes_under_one_rank_and_under_tp2(tmp_path):
+    """The distributed optimizer's state saved at DP2 ("fully_reshardable") loads under DP1 and
+    TP2, and the next step lands where the uninterrupted DP2 run's does (FP32, up to reduction
+    order), while a fresh optimizer from the same weights lands far from it (its moments matter)."""
+    sd = sc.random_full_state_dict(CFG, seed=7)
+    seqs = sc.make_sequences(CFG, [12, 9, 14, 7], seed=8)
+    saved = spawn(run_resharded_resume, {"dp": 2}, sd=sd, seqs=seqs, directory=str(tmp_path), save=True)
+    want = saved[0][0]
+    for layout in ({}, {"tp": 2}):
+        results = spawn(run_resharded_resume, layout, sd=sd, seqs=seqs, directory=str(tmp_path), save=False)
+        for tp_rank, (got, fresh) in enumerate(results):
+            tp = layout.get("tp", 1)
+            far = 0.0
+            for name, w in got.items():
+                ref = _slice(want[name], name, tp_rank, tp)
+                torch.testing.assert_close(w, ref, rtol=0, atol=1e-5, msg=lambda m, n=name: f"{layout} {n}: {m}")
+                far = max(far, float((fresh[name] - ref).abs().max()))
+            assert far > 0.2 * LR, layout  # without the saved moments the step is another one
