@@ -330,7 +330,9 @@ def make_plan(cfg, arch: Architecture, layout: Layout | None = None) -> Plan:
     problems += _shortfalls(cfg, arch, fp4_engine, _peak(trainer), engine, host, limits, colocated)
     if arch.implemented:
         problems.append(f"{arch.name} is plan-only: {arch.implemented}")
-    how = ("distributed" if optim.distributed else "replicated") + (", offloaded" if optim.cpu_offload else "")
+    how = ("distributed" if optim.distributed else "replicated") + (
+        ", offloaded (modelled only: trace-rl train refuses optim.cpu_offload for now, see optimizer.py)"
+        if optim.cpu_offload else "")
     return Plan(arch=arch, layout=lay, trainer_gpus=trainer_gpus, engine_gpus=engine_gpus, dp=dp, expert_dp=expert_dp,
                 optimizer=how, trainer=trainer, engine=engine, traffic=traffic, seconds=seconds, host=host,
                 limits=limits, problems=problems)

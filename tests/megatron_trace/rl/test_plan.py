@@ -284,6 +284,7 @@ def test_large_configs_memory_and_traffic_by_independent_arithmetic():
     assert off.trainer["optimizer state (FP32 main params + AdamW moments)"] == pytest.approx(
         4 * ((dense - norms) / dp + expert))
     assert off.host["trainer node: offloaded optimizer state"] == pytest.approx(8 * 16 * (dense / dp + expert))
+    assert "refuses optim.cpu_offload" in off.optimizer  # the plan says that training cannot run it yet
     repl = make_plan(load_config(ROOT / "launch" / "configs" / "qwen3-235b-a22b.yaml", ["optim.distributed=false"]),
                      arch)
     assert repl.trainer["optimizer state (FP32 main params + AdamW moments)"] == pytest.approx(
