@@ -85,13 +85,16 @@ class TaskSection(Section):
 
     NAME: ClassVar[str] = "task"
 
-    kind: Literal["arithmetic", "jsonl"] = "arithmetic"
-    """`arithmetic` (built in: sums, differences or products of random numbers) or `jsonl` (a file
-    of {"prompt", "answer"})."""
+    kind: Literal["arithmetic", "chain", "jsonl"] = "arithmetic"
+    """`arithmetic` (built in: sums, differences or products of two random numbers), `chain` (built
+    in: `terms` operands, answered with worked steps, rewarded on the final answer; a held-out
+    split for evaluation) or `jsonl` (a file of {"prompt", "answer"})."""
     digits: int = 2
-    """arithmetic: digits per operand."""
+    """arithmetic: digits per operand (at most); chain: digits per operand (exactly)."""
     ops: str = "+"
-    """arithmetic: the operators to draw from (of `+-*`)."""
+    """arithmetic, chain: the operators to draw from (of `+-*`)."""
+    terms: int = 4
+    """chain: operands per problem (>= 2)."""
     path: str = ""
     """jsonl: the file of {"prompt": ..., "answer": ...} lines."""
     reward: str = "math"
@@ -102,6 +105,7 @@ class TaskSection(Section):
 
     def check(self) -> None:
         require(self.digits >= 1, "task.digits", ">= 1")
+        require(self.terms >= 2, "task.terms", ">= 2")
         require(self.kind != "jsonl" or bool(self.path), "task.path", "a JSONL file for task.kind=jsonl")
 
 
@@ -111,15 +115,19 @@ class SFTSection(Section):
 
     NAME: ClassVar[str] = "sft"
 
-    steps: int = 1000
+    steps: int = 800
     """Optimizer steps of the warm-up."""
     batch: int = 64
     """Examples per step."""
     lr: float = 3e-3
     """AdamW learning rate."""
+    label_noise: float = 0.0
+    """Share of demonstrations whose (integer) answer is a near miss (+-1 or +-10), as imperfect
+    data has: the warm-up then teaches wrong answers too, which RL on the exact reward unlearns."""
 
     def check(self) -> None:
         require(self.steps >= 0, "sft.steps", ">= 0")
+        require(0 <= self.label_noise < 1, "sft.label_noise", "in [0, 1)")
         require(self.batch >= 1, "sft.batch", ">= 1")
         require(self.lr > 0, "sft.lr", "> 0")
 
@@ -131,15 +139,25 @@ class RLSection(Section):
     NAME: ClassVar[str] = "rl"
 
     steps: int = 40
-    """RL steps (each: rollout, one optimizer step, weight sync)."""
-    prompts_per_step: int = 32
+    """RL steps (each: rollout, `mini_batches` x `epochs` optimizer steps, weight sync)."""
+    prompts_per_step: int = 16
     """Prompts drawn per step (GRPO groups)."""
-    group_size: int = 4
+    prompt_set: int = 32
+    """RL prompts from a fixed set of this many of the task's problems (an RL dataset), gone
+    through in epochs, reshuffled each; 0: fresh problems every step."""
+    group_size: int = 8
     """Samples per prompt; advantages are normalised within a group."""
     max_new_tokens: int = 5
     """Response length limit."""
     max_prompt_tokens: int = 16
     """Longest prompt; a longer one is an error (the plan sizes KV cache and activations with it)."""
+    mini_batches: int = 2
+    """Optimizer steps per pass over a rollout: its groups split into this many mini-batches (verl's
+    ppo_mini_batch_size = prompts_per_step / mini_batches; slime's num_steps_per_rollout =
+    mini_batches x epochs); fewer when a rank has fewer groups."""
+    epochs: int = 1
+    """Passes over each rollout (verl's ppo_epochs). With more than one update per rollout the PPO
+    old log-probs are the trainer's before the first update, from one extra forward."""
     max_tokens_per_microbatch: int = 0
     """Trainer micro-batches of at most this many tokens (gradients accumulate); 0: all of a rank's samples at once."""
     temperature: float = 1.0
@@ -163,6 +181,9 @@ class RLSection(Section):
     """PPO clip range below 1."""
     clip_high: float = 0.28
     """PPO clip range above 1 (above clip_low: DAPO's clip-higher)."""
+    clip_ratio_c: float = 3.0
+    """verl's dual-clip: the loss of a negative-advantage token is capped at -A * clip_ratio_c
+    (ratios far above 1 stop pushing); 0: off."""
     dynamic_sampling: bool = False
     """DAPO: train only on groups whose rewards differ, sampling more prompts to refill."""
     max_rounds: int = 3
@@ -175,15 +196,19 @@ class RLSection(Section):
     """fp4-qat: the engine also records dense guidance (not applied) so that flip rates can be measured."""
 
     def check(self) -> None:
-        for key in ("steps", "max_tokens_per_microbatch"):
+        for key in ("steps", "max_tokens_per_microbatch", "prompt_set"):
             require(getattr(self, key) >= 0, f"rl.{key}", ">= 0")
-        for key in ("prompts_per_step", "max_new_tokens", "max_prompt_tokens", "max_rounds"):
+        for key in ("prompts_per_step", "max_new_tokens", "max_prompt_tokens", "max_rounds", "mini_batches",
+                    "epochs"):
             require(getattr(self, key) >= 1, f"rl.{key}", ">= 1")
         require(self.group_size >= 2, "rl.group_size", ">= 2 (GRPO normalises within groups)")
         require(self.temperature >= 0, "rl.temperature", ">= 0")
         require(self.lr > 0, "rl.lr", "> 0")
         require(self.correction_threshold > 1, "rl.correction_threshold", "> 1")
         require(0 <= self.clip_low < 1 and self.clip_high >= 0, "rl.clip_low / clip_high", "in [0, 1) and >= 0")
+        require(self.clip_ratio_c == 0 or self.clip_ratio_c > 1, "rl.clip_ratio_c", "0 (off) or > 1 (verl's dual-clip)")
+        require(self.mini_batches <= self.prompts_per_step, "rl.mini_batches",
+                f"at most rl.prompts_per_step ({self.prompts_per_step}): a mini-batch holds whole groups")
         require(self.kl_coef >= 0, "rl.kl_coef", ">= 0")
         try:
             LayerPolicy.parse(self.guide)
@@ -210,6 +235,9 @@ class OptimSection(Section):
     """Reduce gradients bucket by bucket while backward runs (with data parallelism)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
+    lr_warmup_steps: int = 10
+    """Optimizer steps of linear learning-rate warm-up from 0 at the start of each phase (SFT, RL;
+    Megatron's OptimizerParamScheduler), constant after; 0: none."""
     megatron: dict = field(default_factory=dict)
     """Further fields of megatron.core's OptimizerConfig or DistributedDataParallelConfig, passed
     through as given (e.g. `{adam_beta2: 0.95, bucket_size: 40000000}`); checked against them at start."""
@@ -217,6 +245,7 @@ class OptimSection(Section):
     def check(self) -> None:
         require(self.clip_grad >= 0, "optim.clip_grad", ">= 0")
         require(self.weight_decay >= 0, "optim.weight_decay", ">= 0")
+        require(self.lr_warmup_steps >= 0, "optim.lr_warmup_steps", ">= 0")
         require(self.distributed or not self.cpu_offload, "optim.cpu_offload", "false without optim.distributed")
         require(all(isinstance(k, str) for k in self.megatron), "optim.megatron", "a mapping with string keys")
 

@@ -1,7 +1,8 @@
 """Architecture of a Qwen3-MoE-style model, shared by the trainer and the engine.
 
-Presets: `tiny` (tests), `demo` (the embedded default), `small` (CPU memory checks), `qwen3-30b-a3b`,
-`qwen3-235b-a22b`. Field names follow the HF config's meaning; `checkpoint.qwen3_moe.config_from_hf` reads one.
+Presets: `tiny` (tests), `demo` (the embedded default), `small` (CPU memory checks), `moe-0.4b` (the
+one-GPU RL experiment), `qwen3-30b-a3b`, `qwen3-235b-a22b`. Field names follow the HF config's meaning;
+`checkpoint.qwen3_moe.config_from_hf` reads one.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
                         head_dim=16, moe_intermediate_size=32, num_experts=4, top_k=2, rope_theta=10000.0,
                         max_position_embeddings=512),
-    # the embedded default: the arithmetic task's 18-token alphabet, a little wider than "tiny"
+    # the embedded default: the built-in tasks' 20-token alphabet, a little wider than "tiny"
     "demo": ModelConfig(vocab_size=32, hidden_size=128, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
                         head_dim=32, moe_intermediate_size=64, num_experts=4, top_k=2, rope_theta=10000.0,
                         max_position_embeddings=512),
@@ -95,6 +96,12 @@ PRESETS: dict[str, ModelConfig] = {
     "small": ModelConfig(vocab_size=32, hidden_size=512, num_layers=4, num_attention_heads=8, num_key_value_heads=4,
                          head_dim=64, moe_intermediate_size=256, num_experts=16, top_k=4, rope_theta=10000.0,
                          max_position_embeddings=512),
+    # the headline RL experiment on one GPU (bench/rl_experiment.py): Qwen3-MoE-shaped (GQA with
+    # head_dim 128, top-4 of 32 experts, 12 layers), 0.42 B parameters (73 M active per token), the
+    # built-in tasks' character alphabet
+    "moe-0.4b": ModelConfig(vocab_size=32, hidden_size=768, num_layers=12, num_attention_heads=8,
+                            num_key_value_heads=2, head_dim=128, moe_intermediate_size=448, num_experts=32,
+                            top_k=4, rope_theta=10000.0, max_position_embeddings=1024),
     "qwen3-30b-a3b": ModelConfig(vocab_size=151936, hidden_size=2048, num_layers=48, num_attention_heads=32,
                                  num_key_value_heads=4, head_dim=128, moe_intermediate_size=768, num_experts=128,
                                  top_k=8),

@@ -22,6 +22,7 @@ size and TP/PP layout.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from megatron.core import parallel_state as ps
 from ..config import OptimSection
 
 FRESH = "FRESH"
+SCHEDULER = "lr_scheduler.json"  # Megatron OptimizerParamScheduler.state_dict()
 _SHARDING = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
 
 
@@ -96,7 +98,20 @@ class TrainerOptimizer:
             "clip_grad": optim.clip_grad,
             **self._opt_extra})
         self.optimizer = get_megatron_optimizer(self.config, [self.ddp], use_gloo_process_groups=False)
+        self.scheduler = self._scheduler(lr)
         self.stepped = False  # a fresh optimizer's state is the model's weights: nothing to save
+
+    def _scheduler(self, lr: float):
+        """Megatron's OptimizerParamScheduler: linear warm-up from 0 over optim.lr_warmup_steps
+        optimizer steps, then constant `lr`. A fresh Adam's first steps move every weight by about
+        the learning rate whatever its gradient (bias correction makes them sign steps), which
+        undoes a warmed-up model at RL learning rates; the warm-up lets the moments settle."""
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        warmup, wd = self.optim.lr_warmup_steps, self.optim.weight_decay
+        return OptimizerParamScheduler(self.optimizer, init_lr=0.0, max_lr=lr, min_lr=lr, lr_warmup_steps=warmup,
+                                       lr_decay_steps=warmup + 1, lr_decay_style="constant", start_wd=wd, end_wd=wd,
+                                       wd_incr_steps=1, wd_incr_style="constant")
 
     def zero_grad(self) -> None:
         """Empty the gradient buffers (the start of a step)."""
@@ -109,12 +124,14 @@ class TrainerOptimizer:
 
     def step(self) -> dict:
         """Clip and step; the model's BF16 parameters hold the new weights on every rank.
-        Returns {"grad_norm": the global L2 norm before clipping}."""
+        Returns {"grad_norm": the global L2 norm before clipping, "lr": the step's learning rate}."""
+        self.scheduler.step(1)  # the n-th step runs at lr * min(1, n / warm-up steps)
+        lr = self.optimizer.param_groups[0]["lr"]
         ok, grad_norm, _ = self.optimizer.step()
         self.stepped = True
         if not ok:  # BF16 has no loss scaler, so a step is never skipped for overflow
             raise RuntimeError("Megatron's optimizer skipped the step")
-        return {"grad_norm": float(grad_norm) if grad_norm is not None else 0.0}
+        return {"grad_norm": float(grad_norm) if grad_norm is not None else 0.0, "lr": float(lr)}
 
     def local_state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (FP32 main parameters and AdamW moments; on
@@ -169,6 +186,8 @@ class TrainerOptimizer:
             directory.mkdir(parents=True)
         torch.distributed.barrier()
         dist_checkpointing.save({"optimizer": self._sharded(False)}, str(directory))
+        if torch.distributed.get_rank() == 0:  # inside the run checkpoint's temporary directory
+            (directory / SCHEDULER).write_text(json.dumps(self.scheduler.state_dict()))
 
     def load(self, directory: str | os.PathLike) -> None:
         """Load what `save` wrote, under any data-parallel size and TP/PP layout; call on every rank."""
@@ -185,6 +204,9 @@ class TrainerOptimizer:
         for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             _copy_states_without_step(opt)
         self.optimizer.load_state_dict(state)
+        if (directory / SCHEDULER).exists():
+            self.scheduler.num_steps = json.loads((directory / SCHEDULER).read_text())["num_steps"]
+            self.scheduler.step(0)
         # megatron-core 0.19.2 (torch's AdamW path) gives every parameter the same "step"
         # tensor, which torch's step then advances once per parameter: one tensor each
         for opt in _torch_optimizers(self.optimizer):

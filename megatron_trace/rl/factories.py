@@ -15,7 +15,7 @@ from ..modes import RunMode
 from .architecture import PLAN_ONLY
 from .ranks import is_rank0
 from .rewards import load_reward
-from .tasks import ArithmeticTask, CharTokenizer, HFTokenizer, JsonlTask
+from .tasks import ArithmeticTask, ChainTask, CharTokenizer, HFTokenizer, JsonlTask
 
 
 def resolve_model_config(model: ModelSection) -> ModelConfig:
@@ -34,6 +34,8 @@ def make_task(task: TaskSection, seed: int):
     """The task the section describes (see rl.tasks)."""
     if task.kind == "arithmetic":
         return ArithmeticTask(task.digits, task.ops, seed=seed)
+    if task.kind == "chain":
+        return ChainTask(task.digits, task.ops, task.terms, seed=seed)
     tokenizer = CharTokenizer() if task.tokenizer == "char" else HFTokenizer(task.tokenizer)
     return JsonlTask(task.path, tokenizer, load_reward(task.reward), seed=seed)
 

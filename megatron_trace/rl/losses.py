@@ -2,7 +2,8 @@
 and the rollout corrections for the train-rollout mismatch.
 
 Shapes: T tokens of a micro-batch (response tokens only, packed), N samples; `sample_of` int64
-[T] names each token's sample. Loss aggregation is token-mean over the kept tokens.
+[T] names each token's sample. Loss aggregation is token-mean over the kept tokens. Log-ratios
+are clamped to +-SAFETY_BOUND before they are exponentiated, as verl does.
 """
 
 from __future__ import annotations
@@ -14,17 +15,21 @@ import torch
 
 Correction = Literal["none", "tis", "mis"]
 CORRECTIONS = typing.get_args(Correction)
+SAFETY_BOUND = 20.0  # verl's bound on log-ratios before exp (ratios of e^20 are overflow, not signal)
 
 
 def grpo_advantages(rewards: torch.Tensor, group_size: int, *, eps: float = 1e-6,
                     normalize_std: bool = True) -> torch.Tensor:
     """(r - mean of its group) / (std of its group + eps), groups of `group_size` consecutive
-    samples. rewards: float [N] with N a multiple of group_size. Returns float32 [N]."""
+    samples; a group of one sample has mean 0 and std 1, as in verl (its advantage is its reward).
+    rewards: float [N] with N a multiple of group_size. Returns float32 [N]."""
     if rewards.dim() != 1 or group_size < 1 or rewards.numel() % group_size:
         raise ValueError(f"grpo_advantages: {tuple(rewards.shape)} rewards do not form groups of {group_size}")
     r = rewards.double().view(-1, group_size)
+    if group_size == 1:
+        return (r / (1 + eps) if normalize_std else r).reshape(-1).float()
     adv = r - r.mean(1, keepdim=True)
-    if normalize_std and group_size > 1:
+    if normalize_std:
         adv = adv / (r.std(1, keepdim=True) + eps)  # unbiased std, as GRPO's reference code
     return adv.reshape(-1).float()
 
@@ -49,39 +54,53 @@ def rollout_correction(logp_train_old: torch.Tensor, logp_rollout: torch.Tensor,
     if mode == "none":
         return torch.ones_like(r, dtype=torch.float32), torch.ones_like(r, dtype=torch.bool)
     if mode == "tis":
-        return r.exp().clamp(max=threshold).float(), torch.ones_like(r, dtype=torch.bool)
+        weights = r.clamp(-SAFETY_BOUND, SAFETY_BOUND).exp().clamp(max=threshold)
+        return weights.float(), torch.ones_like(r, dtype=torch.bool)
     n = int(sample_of.max()) + 1
     seq_log_ratio = torch.zeros(n, dtype=torch.float64, device=r.device).index_add_(0, sample_of, r)
-    seq_ratio = seq_log_ratio.exp()
+    seq_ratio = seq_log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND).exp()
     keep = (seq_ratio >= 1 / threshold) & (seq_ratio <= threshold)
     return seq_ratio[sample_of].float(), keep[sample_of]
 
 
 def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, *,
-                clip_low: float = 0.2, clip_high: float | None = None, weights: torch.Tensor | None = None,
-                keep: torch.Tensor | None = None,
+                clip_low: float = 0.2, clip_high: float | None = None, clip_ratio_c: float = 3.0,
+                weights: torch.Tensor | None = None, keep: torch.Tensor | None = None,
                 normalizer: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO-clip policy loss, token mean over kept tokens.
+    """PPO-clip policy loss with verl's dual-clip, token mean over kept tokens.
 
-    ratio = exp(logp - logp_old); per token max(-A ratio, -A clip(ratio, 1 - clip_low, 1 + clip_high))
-    times the rollout-correction weight. clip_high defaults to clip_low (DAPO's clip-higher sets
-    it larger). All inputs [T]; advantages per token. `normalizer`: divide the kept tokens' sum
-    by it instead of by their count (one micro-batch of several: the caller rescales). Returns
-    (loss, {"clip_frac", "kept_frac", "clipped_tokens", "kept_tokens"}).
+    ratio = exp(logp - logp_old) (log-ratio clamped to +-20); per token
+    L = max(-A ratio, -A clip(ratio, 1 - clip_low, 1 + clip_high)), and for A < 0 also at most
+    -A clip_ratio_c (dual-clip: a negative-advantage token whose ratio has run far above 1 stops
+    pushing; 0 turns it off), times the rollout-correction weight. clip_high defaults to
+    clip_low (DAPO's clip-higher sets it larger). All inputs [T]; advantages per token.
+    `normalizer`: divide the kept tokens' sum by it instead of by their count (one micro-batch of
+    several: the caller rescales). Returns (loss, {"clip_frac" (verl's pg_clipfrac),
+    "clip_frac_lower" (pg_clipfrac_lower), "kept_frac", "clipped_tokens", "clipped_lower_tokens",
+    "kept_tokens", "ppo_kl_sum" (sum over kept tokens of logp_old - logp)}).
     """
     clip_high = clip_low if clip_high is None else clip_high
     weights = torch.ones_like(logp) if weights is None else weights
     keep = torch.ones_like(logp, dtype=torch.bool) if keep is None else keep
-    ratio = (logp - logp_old.detach()).exp()
+    log_ratio = (logp - logp_old.detach()).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    ratio = log_ratio.exp()
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
-    per_token = torch.maximum(unclipped, clipped) * weights
+    per_token = torch.maximum(unclipped, clipped)
+    n_lower = 0.0
+    if clip_ratio_c:
+        cap = -advantages * clip_ratio_c
+        lower = (per_token > cap) & (advantages < 0)
+        n_lower = float((lower & keep).sum())
+        per_token = torch.where(advantages < 0, torch.minimum(per_token, cap), per_token)
+    per_token = per_token * weights
     kept = keep.to(per_token.dtype)
     count = kept.sum().clamp(min=1)
     loss = (per_token * kept).sum() / (count if normalizer is None else normalizer)
     n_clipped = float(((clipped > unclipped) & keep).sum())
-    return loss, {"clip_frac": n_clipped / float(count), "kept_frac": float(kept.mean()),
-                  "clipped_tokens": n_clipped, "kept_tokens": float(kept.sum())}
+    return loss, {"clip_frac": n_clipped / float(count), "clip_frac_lower": n_lower / float(count),
+                  "kept_frac": float(kept.mean()), "clipped_tokens": n_clipped, "clipped_lower_tokens": n_lower,
+                  "kept_tokens": float(kept.sum()), "ppo_kl_sum": float((-log_ratio.detach() * kept).sum())}
 
 
 KLKind = Literal["k1", "k2", "k3"]

@@ -1,7 +1,11 @@
 """Supervised warm-up (`trace-rl sft`): teach the tiny model the task's format and some answers,
-so that RL starts with a reward signal. Cross entropy on the answer tokens only."""
+so that RL starts with a reward signal. Cross entropy on the answer tokens only. The
+demonstrations may carry near misses (`sft.label_noise`), as imperfect data does, which RL on
+the exact reward then has to unlearn."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -35,3 +39,27 @@ def sft_step(trainer, optimizer, examples: list[tuple[list[int], list[bool]]],
     info = run_microbatch(optimizer.ddp, tokens, positions, targets, psp, loss_fn)
     optimizer.step()
     return info["loss"]
+
+
+NEAR_MISSES = (-10, -1, 1, 10)  # a carry or a last digit gone wrong
+
+
+def with_near_misses(problems: list, rate: float) -> list:
+    """`problems` (tasks.Problem) with each answer, at probability `rate`, replaced by a near
+    miss: the integer answer plus one of NEAR_MISSES (kept >= 0 when the answer is). Draws from
+    torch's global RNG (a run checkpoint restores it). ValueError when an answer is not an integer."""
+    if not rate:
+        return problems
+    picks = torch.rand(len(problems)) < rate
+    moves = torch.randint(len(NEAR_MISSES), (len(problems),))
+    out = []
+    for p, pick, move in zip(problems, picks.tolist(), moves.tolist(), strict=True):
+        if pick:
+            try:
+                value = int(p.answer)
+            except ValueError:
+                raise ValueError(f"sft.label_noise needs integer answers; {p.prompt!r} has {p.answer!r}") from None
+            wrong = value + NEAR_MISSES[move]
+            p = dataclasses.replace(p, answer=str(abs(wrong) if value >= 0 else wrong))
+        out.append(p)
+    return out

@@ -4,13 +4,15 @@
 The trainer is this rank's TraceGPTModel under any Megatron layout (one process when colocated;
 called on every trainer rank under torchrun); the engine any RolloutBackend (a `RemoteEngine`
 under torchrun). The step's settings are the `rl` section of the run's configuration. Each step
-is on-policy: the trainer's log-probs before the update are the PPO "old" log-probs.
+trains on its own rollout: the trainer's log-probs before its first update are the PPO "old"
+log-probs; `rl.mini_batches` x `rl.epochs` optimizer steps follow.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from itertools import pairwise
 
 import torch
 import torch.distributed as dist
@@ -27,7 +29,7 @@ from .losses import grpo_advantages, kl_penalty, policy_loss, rollout_correction
 from .metrics import mismatch_metrics
 from .mismatch import FlipCounter
 from .packing import microbatches
-from .ranks import all_ranks, distributed_trainer
+from .ranks import all_ranks, distributed_trainer, reduce_over_ranks
 from .rollout_batch import RolloutBatch, rollout
 from .weight_sync import sync_weights
 
@@ -109,55 +111,124 @@ def _dp_sum(values: list[float]) -> list[float]:
     return t.tolist()
 
 
+def _by_sample(logp: torch.Tensor, sample_of: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """Token log-probs [R] with their sample ids int64 [R] as one CPU tensor per sample (n samples)."""
+    logp, sample_of = logp.cpu(), sample_of.cpu()
+    return [logp[sample_of == i] for i in range(n)]
+
+
+def _per_token(per_sample: list[torch.Tensor], sample_of: torch.Tensor) -> torch.Tensor:
+    """Per-sample values laid out as a micro-batch's tokens: sample_of int64 [R] runs through
+    consecutive samples, each over all its tokens in order. Returns [R] on sample_of's device."""
+    ids, counts = torch.unique_consecutive(sample_of.cpu(), return_counts=True)
+    parts = [per_sample[int(i)] for i in ids]
+    if [len(x) for x in parts] != counts.tolist():
+        raise ValueError("per-sample log-probs do not match the micro-batch's tokens")
+    return torch.cat(parts).to(sample_of.device)
+
+
+def mini_batch_groups(num_groups: int, mini_batches: int) -> list[list[int]]:
+    """The rollout's groups (indices) in `mini_batches` consecutive parts of near-equal size, or
+    in as many as the trainer rank with the fewest groups has (each rank steps as often)."""
+    k = max(1, min(mini_batches, reduce_over_ranks(num_groups, dist.ReduceOp.MIN)))
+    bounds = [round(i * num_groups / k) for i in range(k + 1)]
+    return [list(range(a, b)) for a, b in pairwise(bounds)]
+
+
 def train_on(trainer, optimizer, batch: RolloutBatch, rl: RLSection, reference=None) -> dict:
-    """GRPO update on one rollout, under any trainer layout, in micro-batches of at most
-    rl.max_tokens_per_microbatch tokens (gradients accumulate; the loss is the token mean over
-    the whole rollout, over every data-parallel rank's share); `optimizer` is the trainer's
-    `megatron.optimizer.TrainerOptimizer`. Returns reward, loss, the gradient norm before
-    clipping, clip/kept fractions, the mismatch and flip rates (summed over trainer ranks). With
-    rl.kl_coef > 0 the loss adds kl_coef times the token-mean KL estimate to `reference` (a
-    frozen model of the same architecture, quantized like the policy's forward)."""
+    """PPO/GRPO updates on one rollout, under any trainer layout: advantages over the whole
+    rollout, then `rl.epochs` passes over it in `rl.mini_batches` mini-batches of whole groups,
+    each one optimizer step (`optimizer`: the trainer's `megatron.optimizer.TrainerOptimizer`),
+    in micro-batches of at most rl.max_tokens_per_microbatch tokens whose gradients accumulate.
+    Each step's loss is the token mean over its mini-batch, over every data-parallel rank's share.
+
+    The PPO old log-probs, the rollout correction's weights, the mismatch metrics and the flip
+    rates are the trainer's before the first update: from the update's own forward when there is
+    one update, else from one extra forward (guided in trace mode). Returns reward, loss, the
+    clip fractions (verl's pg_clipfrac and pg_clipfrac_lower), ppo_kl, the gradient norm before
+    clipping (means over the updates), the kept fraction, the mismatch and flip rates (summed
+    over trainer ranks). With rl.kl_coef > 0 the loss adds kl_coef times the token-mean KL
+    estimate to `reference` (a frozen model of the same architecture, quantized like the
+    policy's forward)."""
     out, rewards = batch.out, batch.rewards
+    n = len(out.samples)
     adv = grpo_advantages(rewards, rl.group_size)
     counting = rl.mode.trainer_precision.quantizes  # flips of the records the rollout has
-    mbs = microbatches(trainer, batch, rl.max_tokens_per_microbatch, records=rl.mode.applies_guidance or counting)
-    lengths = [len(s.tokens) for s in out.samples]
-    start = [sum(lengths[:i]) for i in range(len(lengths))]  # of each sample's tokens in sample order
-    tokens = sum(lengths)
-    # the loss is the token mean over every data-parallel rank's kept tokens: each rank sums its
-    # own over (global tokens / DP), DDP averages over DP, and the reduced gradients are rescaled
-    # by global tokens / global kept tokens once the kept ones are known
-    dp_tokens = _dp_sum([tokens])[0]
-    normalizer = dp_tokens / ps.get_data_parallel_world_size()
+    # every rank counts its own rows and columns (token, head and column shards, dispatched
+    # expert rows, its pipeline stage's layers, its data-parallel samples); rates() sums them
+    counter = FlipCounter() if counting else None
+    one_update = rl.mini_batches == 1 and rl.epochs == 1
+    logp_old = None
+    if not one_update:
+        logp, sample_of, _ = response_logprobs(trainer, batch, rl, observer=counter)
+        logp_old = _by_sample(logp, sample_of, n)
     logp_ref = None
     if rl.kl_coef:
         if reference is None:
             raise ValueError("kl_coef > 0 needs a reference model")
         # the reference quantizes like the policy (round to nearest: the engine's records are the policy's)
         ref_mode = RunMode.FP4_QAT if counting else RunMode.BF16
-        logp_ref, _, _ = response_logprobs(reference, batch, dataclasses.replace(rl, mode=ref_mode))
+        logp_ref = _by_sample(*response_logprobs(reference, batch, dataclasses.replace(rl, mode=ref_mode))[:2], n)
+    updates = []
+    for _ in range(rl.epochs):
+        for groups in mini_batch_groups(batch.num_groups, rl.mini_batches):
+            idx = [g * rl.group_size + j for g in groups for j in range(rl.group_size)]
+            old, ref = ([v[i] for i in idx] if v is not None else None for v in (logp_old, logp_ref))
+            updates.append(_update(trainer, optimizer, batch.select(groups), adv[idx], old, ref, rl,
+                                   counter if one_update else None))
+    if one_update:
+        logp_old = updates[0].pop("logp")
+    kept, tokens = (sum(u[k] for u in updates) for k in ("kept_tokens", "tokens"))
+    denom = max(kept, 1.0)
+    info = {"loss": sum(u["loss"] for u in updates) / len(updates),
+            "clip_frac": sum(u["clipped_tokens"] for u in updates) / denom,
+            "clip_frac_lower": sum(u["clipped_lower_tokens"] for u in updates) / denom,
+            "ppo_kl": sum(u["ppo_kl_sum"] for u in updates) / denom,
+            "kept_frac": kept / max(tokens, 1), "updates": float(len(updates)),
+            "microbatches": float(sum(u["microbatches"] for u in updates)),
+            "grad_norm": sum(u["grad_norm"] for u in updates) / len(updates),
+            **mismatch_metrics(logp_old, [s.logprobs for s in out.samples])}
+    if logp_ref is not None:
+        info["kl_ref"] = sum(u["kl_sum"] for u in updates) / denom
+    flips = counter.rates(trainer.config.num_layers if distributed_trainer() else None) if counter is not None else {}
+    if flips and not rl.mode.applies_guidance:  # nothing applied: the codes are the trainer's own
+        flips = {k: v for k, v in flips.items() if not k.startswith("residual")}
+    return {"reward": float(rewards.mean()), **info, **flips,
+            "guidance_bytes_per_token": _billed_bytes_per_token(out.guidance, rl.mode.applies_guidance)}
+
+
+def _update(trainer, optimizer, batch: RolloutBatch, adv: torch.Tensor, logp_old: list[torch.Tensor] | None,
+            logp_ref: list[torch.Tensor] | None, rl: RLSection, counter=None) -> dict:
+    """One optimizer step on a mini-batch (float32 advantages [N]; per-sample old and reference
+    log-probs, or None: the old ones are this forward's own). `counter` watches the forward.
+    Returns sums over this rank (tokens, kept, clipped, ...), the step's token-mean loss and
+    gradient norm, and, without logp_old, this forward's log-probs per sample ("logp")."""
+    mbs = microbatches(trainer, batch, rl.max_tokens_per_microbatch,
+                       records=rl.mode.applies_guidance or counter is not None)
+    tokens = sum(len(s.tokens) for s in batch.out.samples)
+    # the loss is the token mean over every data-parallel rank's kept tokens: each rank sums its
+    # own over (global tokens / DP), DDP averages over DP, and the reduced gradients are rescaled
+    # by global tokens / global kept tokens once the kept ones are known
+    dp_tokens = _dp_sum([tokens])[0]
+    normalizer = dp_tokens / ps.get_data_parallel_world_size()
 
     def loss_fn(i, lp):  # on the last pipeline stage
         p = mbs[i]
         logp = lp[p.index]
-        weights, keep = rollout_correction(logp.detach(), p.logp_rollout, p.sample_of, rl.correction,
-                                          rl.correction_threshold)
-        loss, info = policy_loss(logp, logp.detach(), adv.to(logp.device)[p.sample_of], clip_low=rl.clip_low,
-                                 clip_high=rl.clip_high, weights=weights.to(logp.dtype), keep=keep,
-                                 normalizer=normalizer)
+        old = logp.detach() if logp_old is None else _per_token(logp_old, p.sample_of).to(logp.dtype)
+        weights, keep = rollout_correction(old, p.logp_rollout, p.sample_of, rl.correction, rl.correction_threshold)
+        loss, info = policy_loss(logp, old, adv.to(logp.device)[p.sample_of], clip_low=rl.clip_low,
+                                 clip_high=rl.clip_high, clip_ratio_c=rl.clip_ratio_c, weights=weights.to(logp.dtype),
+                                 keep=keep, normalizer=normalizer)
         info["loss_sum"] = float(loss.detach()) * normalizer
         if logp_ref is not None:
-            first = start[int(p.sample_of[0])]
-            kl = kl_penalty(logp, logp_ref[first: first + len(p.index)].to(logp.device), rl.kl_kind)
+            kl = kl_penalty(logp, _per_token(logp_ref, p.sample_of).to(logp.dtype), rl.kl_kind)
             kl_sum = (kl * keep.to(kl.dtype)).sum()
             loss = loss + rl.kl_coef * kl_sum / normalizer
             info["kl_sum"] = float(kl_sum.detach())
             info["loss_sum"] += rl.kl_coef * info["kl_sum"]
         return loss * p.weight, {**info, "logp": logp.detach().cpu()}
 
-    # every rank counts its own rows and columns (token, head and column shards, dispatched
-    # expert rows, its pipeline stage's layers, its data-parallel samples); rates() sums them
-    counter = FlipCounter() if counting else None
     if counter is not None:
         qat.observers.append(counter)
     set_precision(trainer, rl.mode.trainer_precision)
@@ -166,24 +237,18 @@ def train_on(trainer, optimizer, batch: RolloutBatch, rl: RLSection, reference=N
         infos = run_microbatches(optimizer.ddp, [p.batch for p in mbs], loss_fn)
     finally:
         qat.observers.clear()
-    real = [(p, info) for p, info in zip(mbs, infos, strict=True) if p.weight]
-    kept = sum(info["kept_tokens"] for _, info in real)
+    real = [info for p, info in zip(mbs, infos, strict=True) if p.weight]
+    kept = sum(info["kept_tokens"] for info in real)
     dp_kept = _dp_sum([kept])[0]
     if 0 < dp_kept != dp_tokens:  # rejected samples (mis) leave the token mean over the kept ones
         optimizer.scale_grads(dp_tokens / dp_kept)
     stepped = optimizer.step()
-    logp = torch.cat([info["logp"] for _, info in real])
-    sample_of = torch.cat([p.sample_of for p, _ in real]).cpu()
-    per_sample = [logp[sample_of == i] for i in range(len(out.samples))]
-    denom = max(kept, 1.0)
-    info = {"loss": sum(info["loss_sum"] for _, info in real) / denom,
-            "clip_frac": sum(info["clipped_tokens"] for _, info in real) / denom, "kept_frac": kept / max(tokens, 1),
-            "microbatches": float(len(mbs)), **stepped,
-            **mismatch_metrics(per_sample, [s.logprobs for s in out.samples])}
+    sums = {k: sum(info[k] for info in real) for k in ("clipped_tokens", "clipped_lower_tokens", "ppo_kl_sum")}
+    out = {"tokens": tokens, "kept_tokens": kept, "loss": sum(info["loss_sum"] for info in real) / max(kept, 1.0),
+           "microbatches": len(mbs), "grad_norm": stepped["grad_norm"], **sums}
     if logp_ref is not None:
-        info["kl_ref"] = sum(i["kl_sum"] for _, i in real) / denom
-    flips = counter.rates(trainer.config.num_layers if distributed_trainer() else None) if counter is not None else {}
-    if flips and not rl.mode.applies_guidance:  # nothing applied: the codes are the trainer's own
-        flips = {k: v for k, v in flips.items() if not k.startswith("residual")}
-    return {"reward": float(rewards.mean()), **info, **flips,
-            "guidance_bytes_per_token": _billed_bytes_per_token(out.guidance, rl.mode.applies_guidance)}
+        out["kl_sum"] = sum(info["kl_sum"] for info in real)
+    if logp_old is None:
+        sample_of = torch.cat([p.sample_of for p in mbs if p.weight]).cpu()
+        out["logp"] = _by_sample(torch.cat([info["logp"] for info in real]), sample_of, len(batch.out.samples))
+    return out

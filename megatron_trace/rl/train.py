@@ -9,6 +9,7 @@ and TensorBoard, checkpoints to resume from (`rl.run_checkpoint`). The configura
 
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..config import RESUMABLE, TrainConfig, flat_config
+from ..config import RESUMABLE, RLSection, TrainConfig, flat_config
 from ..megatron.model import build_model
 from ..megatron.weights import load_full_state_dict
 from ..model_config import ModelConfig
@@ -26,7 +27,7 @@ from .factories import engine_settings, make_optimizer, make_reference, make_tas
 from .ranks import distributed_trainer, is_rank0
 from .report import MetricsLog, plot_report
 from .run_checkpoint import RunState, latest_checkpoint, load_checkpoint, save_checkpoint
-from .sft import sft_step
+from .sft import sft_step, with_near_misses
 from .step import rl_step
 from .weight_sync import sync_weights
 
@@ -126,7 +127,8 @@ def run_sft(run: Run) -> None:
     bar = tqdm(range(state.step, cfg.sft.steps), desc="sft", disable=not run.progress, initial=state.step,
                total=cfg.sft.steps)
     for i in bar:
-        loss = sft_step(run.trainer, optimizer, [run.task.sft_example(p) for p in run.task.problems(cfg.sft.batch)])
+        problems = with_near_misses(run.task.problems(cfg.sft.batch), cfg.sft.label_noise)
+        loss = sft_step(run.trainer, optimizer, [run.task.sft_example(p) for p in problems])
         bar.set_postfix(loss=f"{loss:.3f}")
         if cfg.checkpoint.sft_every and (i + 1) % cfg.checkpoint.sft_every == 0 and i + 1 < cfg.sft.steps:
             run.checkpoint(optimizer, "sft", i + 1, 0)
@@ -143,12 +145,12 @@ def run_rl(run: Run, optimizer, make_engine) -> list[dict]:
     reference = make_reference(run.trainer, run.model_cfg, run.out_dir / "checkpoints" / "reference",
                                resumed=run.saved is not None) if cfg.rl.kl_coef else None
     log = MetricsLog(run.out_dir, state.step) if is_rank0() else None
-    prompts = _PromptSource(run.task, cfg.rl.max_prompt_tokens)
+    prompts = _PromptSource(run.task, cfg.rl, cfg.seed)
     history = []
     bar = tqdm(range(state.step, cfg.rl.steps), desc=f"rl ({cfg.rl.mode})", disable=not run.progress,
                initial=state.step, total=cfg.rl.steps)
     for step in bar:
-        prompts.clear()
+        prompts.start(step)
         t0 = time.perf_counter()
         m = rl_step(run.trainer, optimizer, engine, prompts.draw(cfg.rl.prompts_per_step), prompts.reward, cfg.rl,
                     _sampling(cfg, run.task, cfg.seed * 100_003 + step), step, more_prompts=prompts.draw,
@@ -173,16 +175,43 @@ def run_rl(run: Run, optimizer, make_engine) -> list[dict]:
 
 
 class _PromptSource:
-    """The task's prompts as token ids, remembering each one's problem for its reward (within a step)."""
+    """The RL prompts as token ids, remembering each one's problem for its reward (within a step).
 
-    def __init__(self, task, max_prompt_tokens: int):
-        self.task, self.max_prompt_tokens, self.by_prompt = task, max_prompt_tokens, {}
+    With rl.prompt_set = N the prompts come from N problems drawn once when RL starts (the task's
+    draw state is left as it was, so a resumed run draws the same ones), gone through in epochs,
+    each in its own seeded order; a step's rounds take consecutive places of that stream,
+    `rl.max_rounds` x `rl.prompts_per_step` of them reserved per step, so a step's prompts follow
+    from its number alone. With 0, fresh problems from the task every step."""
 
-    def clear(self) -> None:
+    def __init__(self, task, rl: RLSection, seed: int):
+        self.task, self.max_prompt_tokens, self.seed, self.by_prompt = task, rl.max_prompt_tokens, seed, {}
+        self.pool = None
+        if rl.prompt_set:
+            snapshot = task.state_dict()
+            self.pool = task.problems(rl.prompt_set)
+            task.load_state_dict(snapshot)
+        self.per_step = rl.prompts_per_step * (rl.max_rounds if rl.dynamic_sampling else 1)
+        self.cursor = 0
+
+    def start(self, step: int) -> None:
+        """A new step: forget the last step's prompts; the pool's stream moves to this step's places."""
         self.by_prompt.clear()
+        self.cursor = step * self.per_step
+
+    def _problems(self, n: int) -> list:
+        if self.pool is None:
+            return self.task.problems(n)
+        out = []
+        for place in range(self.cursor, self.cursor + n):
+            epoch, i = divmod(place, len(self.pool))
+            order = list(range(len(self.pool)))
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            out.append(self.pool[order[i]])
+        self.cursor += n
+        return out
 
     def draw(self, n: int) -> list[tuple[int, ...]]:
-        problems = self.task.problems(n)
+        problems = self._problems(n)
         prompts = [tuple(self.task.prompt_ids(p)) for p in problems]
         longest = max(map(len, prompts), default=0)
         if longest > self.max_prompt_tokens:

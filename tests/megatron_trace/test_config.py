@@ -129,3 +129,9 @@ def test_cpu_offload_is_refused_by_name():
 
     with pytest.raises(ValueError, match="optim.cpu_offload does not run yet"):
         TrainerOptimizer(None, 1e-3, load_config(None, ["optim.cpu_offload=true"]).optim)
+
+
+def test_tiny_yaml_spells_out_the_embedded_default():
+    """launch/configs/tiny.yaml is the defaults written out (its cluster is one GPU, the default eight)."""
+    tiny = load_config(ROOT / "launch" / "configs" / "tiny.yaml")
+    assert dataclasses.replace(tiny, cluster=load_config().cluster) == load_config()

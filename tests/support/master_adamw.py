@@ -28,11 +28,12 @@ class MasterAdamW:
     def step(self) -> dict:
         for p, m in zip(self.params, self.master, strict=True):
             m.grad = p.grad.float()
+        norm = float(torch.linalg.vector_norm(torch.stack([m.grad.double().norm() for m in self.master])))
         self.opt.step()
         for p, m in zip(self.params, self.master, strict=True):
             p.copy_(m)
             m.grad = None
-        return {}
+        return {"grad_norm": norm}
 
     def state_bytes(self) -> int:
         """FP32 masters and AdamW moments, from the live tensors."""

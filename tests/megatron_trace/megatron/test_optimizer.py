@@ -8,6 +8,7 @@ against one process on the same global batch, gradient clipping and AdamW agains
 re-computation, per-rank optimizer bytes measured from the live tensors.
 """
 
+import pytest
 import torch
 
 from megatron_trace.megatron.spawn import spawn
@@ -55,7 +56,7 @@ def run_training(rank, *, sd, seqs, clip, lr=LR):
                                (torch.float32, True)):
         model = build_model(CFG, "bf16", grouped_gemm=True, params_dtype=dtype)
         load_full_state_dict(model, sd)
-        opt = TrainerOptimizer(model, lr, OptimSection(distributed=distributed, clip_grad=clip))
+        opt = TrainerOptimizer(model, lr, OptimSection(distributed=distributed, clip_grad=clip, lr_warmup_steps=0))
         norms = []
         for _ in range(STEPS):
             opt.zero_grad()
@@ -120,9 +121,10 @@ def test_distributed_optimizer_equals_the_plain_one_and_one_process_under_dp_ep_
     _check_layout({"tp": 2, "pp": 2}, want, sd, seqs)
 
 
-def run_clipped_adamw(rank, *, sd, seqs, clip, lr):
-    """Megatron's optimizer next to a float64 AdamW fed the same reduced gradients: returns the
-    max difference of the FP32 main parameters and of the reported grad norms, per step."""
+def run_clipped_adamw(rank, *, sd, seqs, clip, lr, warmup):
+    """Megatron's optimizer next to a float64 AdamW fed the same reduced gradients, its learning
+    rate ramped linearly over `warmup` steps: returns the max difference of the FP32 main
+    parameters and of the reported grad norms, and the reported learning rate, per step."""
     from megatron_trace.config import OptimSection
     from megatron_trace.megatron.model import build_model, pack_sequences
     from megatron_trace.megatron.optimizer import TrainerOptimizer
@@ -131,7 +133,7 @@ def run_clipped_adamw(rank, *, sd, seqs, clip, lr):
 
     model = build_model(CFG, "bf16", grouped_gemm=True)
     load_full_state_dict(model, sd)
-    opt = TrainerOptimizer(model, lr, OptimSection(distributed=False, clip_grad=clip))
+    opt = TrainerOptimizer(model, lr, OptimSection(distributed=False, clip_grad=clip, lr_warmup_steps=warmup))
     params = [p for p in model.parameters() if p.requires_grad]
     ref = [p.detach().double().clone().requires_grad_() for p in params]
     ref_opt = torch.optim.AdamW(ref, lr=lr, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
@@ -139,16 +141,18 @@ def run_clipped_adamw(rank, *, sd, seqs, clip, lr):
     targets = torch.roll(ids, -1, 1)
     keep = torch.cat([torch.arange(len(s)) < len(s) - 1 for s in seqs])
     rows = []
-    for _ in range(STEPS):
+    for step in range(STEPS):
         opt.zero_grad()
         run_microbatch(opt.ddp, ids, pos, targets, psp, lambda logp: (-(logp * keep).sum() / keep.sum(), {}))
+        ref_opt.param_groups[0]["lr"] = lr * min(1.0, (step + 1) / warmup) if warmup else lr
         grads = [p.main_grad.double().clone() for p in params]
         norm = torch.sqrt(sum((g * g).sum() for g in grads))
         factor = min(1.0, clip / (float(norm) + 1e-6))  # Megatron's clip_grad_by_total_norm_fp32
         for r, g in zip(ref, grads, strict=True):
             r.grad = g * factor
         ref_opt.step()
-        got = opt.step()["grad_norm"]
+        stepped = opt.step()
+        got = stepped["grad_norm"]
         main = [m for o in opt.optimizer.chained_optimizers for g in o.optimizer.param_groups for m in g["params"]]
         by_shape = {}
         for m in main:
@@ -156,18 +160,23 @@ def run_clipped_adamw(rank, *, sd, seqs, clip, lr):
         diff = 0.0
         for r in ref:  # main parameters are in the optimizer's own order: match each by shape and closeness
             diff = max(diff, min(float((m.double() - r.detach()).abs().max()) for m in by_shape[tuple(r.shape)]))
-        rows.append((abs(got - float(norm)) / float(norm), diff, factor))
+        rows.append((abs(got - float(norm)) / float(norm), diff, factor, stepped["lr"]))
     return rows
 
 
-def test_clipping_and_adamw_against_float64():
+@pytest.mark.parametrize("warmup", [0, 2])
+def test_clipping_warmup_and_adamw_against_float64(warmup):
+    """Clipping by global norm and AdamW, at constant lr and with a 2-step linear warm-up
+    (Megatron's OptimizerParamScheduler: lr/2, then lr), against float64."""
     sd = sc.random_full_state_dict(CFG, seed=1)
     seqs = sc.make_sequences(CFG, [16, 11], seed=2)
-    (rows,) = spawn(run_clipped_adamw, {}, sd=sd, seqs=seqs, clip=0.3, lr=1e-2)
-    for norm_err, weight_err, _ in rows:
+    (rows,) = spawn(run_clipped_adamw, {}, sd=sd, seqs=seqs, clip=0.3, lr=1e-2, warmup=warmup)
+    for norm_err, weight_err, _, _ in rows:
         assert norm_err < 1e-5  # Megatron's norm (FP32 squares) against float64
         assert weight_err < 1e-5  # FP32 main weights against float64 AdamW, after the clip
-    assert any(f < 0.5 for _, _, f in rows)  # clipping acted
+    assert any(f < 0.5 for _, f in ((r[0], r[2]) for r in rows))  # clipping acted
+    want = [1e-2 * min(1.0, (k + 1) / warmup) if warmup else 1e-2 for k in range(STEPS)]
+    assert [r[3] for r in rows] == pytest.approx(want, rel=1e-12)
 
 
 def _batch(seqs):
@@ -235,7 +244,8 @@ def run_resharded_resume(rank, *, sd, seqs, directory, save):
 def test_a_dp2_optimizer_checkpoint_resumes_under_one_rank_and_under_tp2(tmp_path):
     """The distributed optimizer's state saved at DP2 ("fully_reshardable") loads under DP1 and
     TP2, and the next step lands where the uninterrupted DP2 run's does (FP32, up to reduction
-    order), while a fresh optimizer from the same weights lands far from it (its moments matter)."""
+    order; the learning-rate warm-up resumes at its third step), while a fresh optimizer from the
+    same weights lands far from it (its moments matter)."""
     sd = sc.random_full_state_dict(CFG, seed=7)
     seqs = sc.make_sequences(CFG, [12, 9, 14, 7], seed=8)
     saved = spawn(run_resharded_resume, {"dp": 2}, sd=sd, seqs=seqs, directory=str(tmp_path), save=True)

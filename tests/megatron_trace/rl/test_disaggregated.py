@@ -34,7 +34,8 @@ def test_two_trainer_ranks_train_and_resume_under_other_layouts(tmp_path):
     norm up to the layouts' reduction order (TP2 with expert TP 1 gives the experts an optimizer
     of their own: the saved state is regrouped)."""
     signal = ("--set", "task.digits=1", "--set", "sft.steps=40", "--set", "rl.kl_coef=0.05",
-              "--set", "checkpoint.every=1")  # rewards that differ within groups
+              "--set", "checkpoint.every=1",  # rewards that differ within groups
+              "--set", "rl.mini_batches=1")  # each rank splits its own groups: mini-batches follow the DP size
     base = tmp_path / "dp2"
     run = _launch(base, 3, *signal, layout="dist.ep=1")
     assert run.returncode == 0, run.stderr[-3000:]

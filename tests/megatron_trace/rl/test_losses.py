@@ -89,3 +89,50 @@ def test_informative_groups_drop_groups_with_equal_rewards():
     assert informative_groups(torch.tensor([0.0, 1.0]), 2).tolist() == [True]
     with pytest.raises(ValueError, match="groups of 4"):
         informative_groups(rewards, 4)
+
+
+def verl_vanilla_loss(logp, old, adv, cl, ch, c):
+    """verl's compute_policy_loss_vanilla per token, re-derived in float64 lists (dual-clip for
+    A < 0, log-ratio clamped to +-20): (per-token losses, pg_clipfrac, pg_clipfrac_lower, ppo_kl)."""
+    per, clipped, lower, kl = [], 0, 0, 0.0
+    for lp, lo, a in zip(logp, old, adv, strict=True):
+        d = min(max(lp - lo, -20.0), 20.0)
+        ratio = math.exp(d)
+        pg1, pg2 = -a * ratio, -a * min(max(ratio, 1 - cl), 1 + ch)
+        clip1 = max(pg1, pg2)
+        clipped += pg2 > pg1
+        pg3 = -a * c
+        lower += (clip1 > pg3) and a < 0
+        per.append(min(pg3, clip1) if a < 0 else clip1)
+        kl += -d
+    n = len(per)
+    return per, clipped / n, lower / n, kl / n
+
+
+def test_dual_clip_and_safety_clamp_follow_verl():
+    gen = torch.Generator().manual_seed(3)
+    old = -torch.rand(64, generator=gen, dtype=torch.float64) * 3
+    logp = old + torch.randn(64, generator=gen, dtype=torch.float64) * 1.5  # ratios far outside the clip range
+    logp[:4] = old[:4] + torch.tensor([25.0, -25.0, 1.5, 2.0], dtype=torch.float64)  # beyond the +-20 bound
+    adv = torch.randn(64, generator=gen, dtype=torch.float64)
+    adv[:4] = torch.tensor([-1.0, 1.0, -2.0, -0.5], dtype=torch.float64)  # ratios e^20, e^1.5, e^2 > 3 with A < 0
+    per, clipfrac, lower, kl = verl_vanilla_loss(logp.tolist(), old.tolist(), adv.tolist(), 0.2, 0.28, 3.0)
+    loss, info = policy_loss(logp, old, adv, clip_low=0.2, clip_high=0.28, clip_ratio_c=3.0)
+    assert float(loss) == pytest.approx(sum(per) / 64, rel=1e-12)
+    assert info["clip_frac"] == pytest.approx(clipfrac) and info["clip_frac_lower"] == pytest.approx(lower)
+    assert info["clip_frac_lower"] >= 3 / 64 and info["ppo_kl_sum"] / 64 == pytest.approx(kl, rel=1e-12)
+    off, info_off = policy_loss(logp, old, adv, clip_low=0.2, clip_high=0.28, clip_ratio_c=0.0)
+    assert float(off) > float(loss) and info_off["clip_frac_lower"] == 0  # without the cap those tokens weigh more
+    per_off, *_ = verl_vanilla_loss(logp.tolist(), old.tolist(), adv.tolist(), 0.2, 0.28, math.inf)
+    assert float(off) == pytest.approx(sum(per_off) / 64, rel=1e-12)
+
+
+def test_single_sample_groups_and_clamped_corrections_follow_verl():
+    rewards = torch.tensor([1.0, 0.0, 3.0])
+    assert grpo_advantages(rewards, 1).tolist() == pytest.approx([1.0 / (1 + 1e-6), 0.0, 3.0 / (1 + 1e-6)])
+    old = torch.tensor([0.0, -1.0, 30.0], dtype=torch.float64)
+    roll = torch.tensor([-30.0, -1.0, 0.0], dtype=torch.float64)
+    w, _ = rollout_correction(old, roll, torch.tensor([0, 1, 2]), "tis", threshold=1e12)
+    assert w.tolist() == pytest.approx([math.exp(20.0), 1.0, math.exp(20.0)], rel=1e-6)  # e^30 clamped to e^20
+    w, keep = rollout_correction(old, roll, torch.tensor([0, 0, 0]), "mis", threshold=1e12)
+    assert w.tolist() == pytest.approx([math.exp(20.0)] * 3, rel=1e-6) and keep.all()

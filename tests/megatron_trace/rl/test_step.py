@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from megatron_trace.megatron.spawn import spawn
@@ -15,7 +16,8 @@ def sgd(trainer, lr):
     from megatron_trace.config import OptimSection
     from megatron_trace.megatron.optimizer import TrainerOptimizer
 
-    return TrainerOptimizer(trainer, lr, OptimSection(clip_grad=0.0, distributed=False,  # Megatron shards Adam only
+    return TrainerOptimizer(trainer, lr, OptimSection(clip_grad=0.0, lr_warmup_steps=0,
+                                                     distributed=False,  # Megatron shards Adam only
                                                      megatron={"optimizer": "sgd", "sgd_momentum": 0.0}))
 
 
@@ -187,7 +189,7 @@ def run_against_master_adamw(rank):
     engine = TraceEngine(cfg, EngineConfig(precision="fp4", guide="all"))
     engine.update_weights(sd, 0)
     rl = RLSection(mode="trace", group_size=4, correction="mis", correction_threshold=1.05)
-    opts = (TrainerOptimizer(ours, 1e-3, OptimSection(clip_grad=0.0)), MasterAdamW(theirs, 1e-3))
+    opts = (TrainerOptimizer(ours, 1e-3, OptimSection(clip_grad=0.0, lr_warmup_steps=0)), MasterAdamW(theirs, 1e-3))
     kept = []
     for step in range(3):  # new rollouts of the same (first) weights: the same batches for both
         batch = rollout(engine, [(1, 2, 3, 4), (9, 8, 7), (5, 6)], reward_low_ids, rl.group_size,
@@ -207,3 +209,91 @@ def test_megatrons_optimizer_steps_as_the_one_it_replaced():
     assert moved > len(pairs) // 2 and any(k < 1 for k in kept)
     for name, (ours, theirs) in pairs.items():
         assert torch.equal(ours, theirs), name
+
+
+def verl_token_loss64(logp, old, adv, cl=0.2, ch=0.28, c=3.0):
+    """verl's vanilla PPO loss per token in float64 (clip-higher, dual-clip for A < 0, the +-20 clamp)."""
+    ratio = (logp - old).clamp(-20, 20).exp()
+    clip1 = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - cl, 1 + ch))
+    return torch.where(adv < 0, torch.minimum(clip1, -adv * c), clip1)
+
+
+def run_mini_batches(rank, *, sd, mini_batches, epochs, mode):
+    """train_on with `mini_batches` x `epochs` updates, and the same updates re-derived: the old
+    log-probs from a forward before any update, groups split in halves, each mini-batch's loss
+    the float64 token mean of verl's per-token loss, one SGD step each. Returns both models'
+    weight changes and train_on's metrics."""
+    from megatron_trace.config import RLSection
+    from megatron_trace.megatron.model import build_model
+    from megatron_trace.megatron.schedule import run_microbatches
+    from megatron_trace.megatron.weights import load_full_state_dict
+    from megatron_trace.rl.losses import grpo_advantages
+    from megatron_trace.rl.packing import microbatches
+    from megatron_trace.rl.rollout_batch import rollout
+    from megatron_trace.rl.step import response_logprobs, train_on
+    from megatron_trace.rollout import SamplingParams
+    from sglang_rollout.engine import EngineConfig, TraceEngine
+
+    cfg = PRESETS["tiny"]
+    # FP32 weights keep the comparison free of BF16 rounding; trace mode needs the engine's BF16 ones
+    dtype = torch.bfloat16 if mode == "trace" else torch.float32
+    models = [build_model(cfg, "bf16", params_dtype=dtype, grouped_gemm=True) for _ in range(2)]
+    for m in models:
+        load_full_state_dict(m, sd)
+    engine = TraceEngine(cfg, EngineConfig(precision="bf16" if mode == "bf16" else "fp4",
+                                           guide="all" if mode == "trace" else "none"))
+    engine.update_weights(sd, 0)
+    rl = RLSection(mode=mode, group_size=4, mini_batches=mini_batches, epochs=epochs)
+    batch = rollout(engine, [(1, 2, 3, 4), (9, 8, 7), (5, 6), (7, 7, 7)], reward_low_ids, rl.group_size,
+                    SamplingParams(max_new_tokens=8, seed=4), 0)
+    ours, theirs = models
+    metrics = train_on(ours, sgd(ours, 2.0), batch, rl)
+
+    opt = sgd(theirs, 2.0)
+    adv = grpo_advantages(batch.rewards, rl.group_size).double()
+    logp, sample_of, _ = response_logprobs(theirs, batch, rl)
+    old = [logp[sample_of == i].double().cpu() for i in range(len(batch.out.samples))]
+    halves = [list(range(batch.num_groups))] if mini_batches == 1 else [[0, 1], [2, 3]]
+    for _ in range(epochs):
+        for groups in halves:
+            idx = [g * 4 + j for g in groups for j in range(4)]
+            sub = batch.select(groups)
+            mbs = microbatches(theirs, sub, 0, records=rl.mode.applies_guidance)
+            n_tokens = sum(len(s.tokens) for s in sub.out.samples)
+
+            def loss_fn(i, lp, mbs=mbs, idx=idx, n_tokens=n_tokens):
+                p = mbs[i]
+                k = p.sample_of.cpu()
+                o = torch.cat([old[idx[j]] for j in torch.unique_consecutive(k).tolist()])
+                per = verl_token_loss64(lp[p.index].double(), o, adv[torch.tensor(idx)[k]])
+                return per.sum() / n_tokens, {}
+
+            opt.zero_grad()
+            run_microbatches(opt.ddp, [p.batch for p in mbs], loss_fn)
+            opt.step()
+    deltas = {n: (ours.state_dict()[n].float() - sd[n], theirs.state_dict()[n].float() - sd[n]) for n in sd}
+    return deltas, metrics
+
+
+@pytest.mark.parametrize("mini_batches, epochs", [(1, 1), (2, 2)])
+def test_mini_batch_updates_follow_the_ppo_objective_re_derived_in_float64(mini_batches, epochs):
+    """Two mini-batches over two epochs (four SGD steps from one rollout: ratios move, clipping
+    acts) and the one-update step, against the same updates re-derived in float64."""
+    sd = {k: v.float() for k, v in sc.random_full_state_dict(PRESETS["tiny"], seed=6).items()}
+    deltas, m = spawn(run_mini_batches, {}, sd=sd, mini_batches=mini_batches, epochs=epochs, mode="bf16")[0]
+    assert m["updates"] == mini_batches * epochs
+    num = sum(float((a - b).square().sum()) for a, b in deltas.values()) ** 0.5
+    den = sum(float(b.square().sum()) for _, b in deltas.values()) ** 0.5
+    assert den > 0 and num <= 1e-4 * den, (num, den)
+    if epochs == 1:
+        assert m["clip_frac"] == 0 and m["ppo_kl"] == 0  # one update: the ratios are all 1
+    else:
+        assert m["clip_frac"] > 0.05 and m["ppo_kl"] != 0, m  # later updates see a moved policy
+
+
+def test_trace_mode_old_log_probs_follow_the_engine_with_several_updates():
+    """The extra forward that gives the old log-probs is guided: it reproduces the engine's FP4
+    rounding exactly, so the mismatch is nil and no code disagrees with the engine's."""
+    sd = {k: v.float() for k, v in sc.random_full_state_dict(PRESETS["tiny"], seed=7).items()}
+    _, m = spawn(run_mini_batches, {}, sd=sd, mini_batches=2, epochs=1, mode="trace")[0]
+    assert m["updates"] == 2 and m["k3_kl"] < 1e-9 and m["residual_flip_rate"] == 0 and m["flip_rate"] > 0

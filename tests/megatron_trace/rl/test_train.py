@@ -102,3 +102,49 @@ def test_a_budget_policy_guides_the_layers_that_flip_most_within_its_bytes(tmp_p
     for r in rows:
         assert set(r["flip_rate_by_layer"]) == {guided} and r["residual_flip_rate"] == 0
         assert r["guidance_bytes_per_token"] < 100 + 20  # one layer's records plus the routed experts
+
+
+def test_a_prompt_set_is_gone_through_in_epochs_and_a_resumed_run_draws_the_same():
+    """rl.prompt_set: 8 problems drawn once without moving the task's draw state, 4 prompts per
+    step: steps 0-1 are one epoch (each problem once), steps 2-3 another order; a source built
+    anew (a resumed run) gives step 3 the same prompts, from the step number alone."""
+    from megatron_trace.config import RLSection
+    from megatron_trace.rl.tasks import ArithmeticTask
+    from megatron_trace.rl.train import _PromptSource
+
+    task = ArithmeticTask(seed=3)
+    state = task.state_dict()
+    rl = RLSection(prompt_set=8, prompts_per_step=4)
+    source = _PromptSource(task, rl, seed=1)
+    assert task.state_dict() == state
+    steps = []
+    for step in range(4):
+        source.start(step)
+        steps.append(source.draw(4))
+    pool = {tuple(task.prompt_ids(p)) for p in ArithmeticTask(seed=3).problems(8)}
+    for epoch in (steps[0] + steps[1], steps[2] + steps[3]):
+        assert sorted(epoch) == sorted(pool)
+    assert steps[0] + steps[1] != steps[2] + steps[3]  # reshuffled
+    again = _PromptSource(ArithmeticTask(seed=3), rl, seed=1)
+    again.start(3)
+    assert again.draw(4) == steps[3]
+    assert source.reward(steps[3][0], []) == 0.0  # remembered for the reward
+
+
+def run_default_briefly(rank, *, out_dir):
+    from megatron_trace.cli import main
+
+    main(["train", "--set", "sft.steps=600", "--set", "rl.steps=20", "--set", "rl.prompt_set=16",
+          "--set", "checkpoint.every=0", "--set", f"output_dir={out_dir}"])
+
+
+def test_the_embedded_default_learns(tmp_path):
+    """The embedded default, shortened: 600 warm-up steps, then 20 RL steps on a 16-problem
+    prompt set; the mean reward of the last 5 steps is at least 0.07 above the first 5. Checked
+    on seeds 0, 1 and 2 (seed 2's warm-up ends lowest, at 0.09): rises of +0.14 to +0.25, as
+    different CPUs' BF16 kernels move where the warm-up ends the way seeds do."""
+    spawn(run_default_briefly, {}, out_dir=str(tmp_path))
+    rewards = [r["reward"] for r in _rows(tmp_path)]
+    assert len(rewards) == 20
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last >= first + 0.07, (first, last, rewards)

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The headline RL experiment (bench/rl_experiment.py: SFT of the moe-0.4b preset on the chain
+# task, GRPO in six modes x three seeds, evaluation of the final policies) on one H200 (device
+# tool, kind nvidia-h200), one call at a time:
+#   bash bench/gpu_rl_experiment.sh [TIME_LIMIT_S] [more bench/rl_experiment.py options]
+#   e.g. bash bench/gpu_rl_experiment.sh 560            (run with timeout_s=600)
+#        bash bench/gpu_rl_experiment.sh 560 --modes bf16,trace-all --seeds 0
+# It stops cleanly TIME_LIMIT_S seconds (default 540) after it starts, setup included: a trainer
+# still running then is stopped and resumes from its checkpoint at the next call. The run
+# directories live in runs/rl_experiment/ (ignored by git: it survives between calls while the
+# machine stays warm). Everything finished so far goes to $OUT: rl_experiment_<date>_gpu.{md,json,png}
+# and rl_experiment.log. Copy the .json into bench/results/ before the next call: on a fresh
+# machine the newest bench/results/rl_experiment_*_gpu.json is read back (--resume-from), so
+# finished runs and evaluations are not redone (the SFT is, once per fresh machine).
+# Exit status: 0 when the experiment is complete, 3 when the time limit stopped it (call again),
+# 1 when a trainer or tool failed (its log's tail is printed).
+LIMIT=${1:-540}
+shift 2>/dev/null || true
+source bench/gpu_setup.sh
+python3 -c 'import torch, triton, megatron.core as m; print("torch", torch.__version__, "triton", triton.__version__, "megatron-core", m.__version__)'
+export OMP_NUM_THREADS=8
+resume=()
+latest=$(ls -t bench/results/rl_experiment_*_gpu.json 2>/dev/null | head -n 1)
+if [ -n "$latest" ]; then resume=(--resume-from "$latest"); echo "resuming from $latest"; fi
+left=$((LIMIT - SECONDS))
+python3 bench/rl_experiment.py --time-limit "$left" --runs runs/rl_experiment --out "$OUT" "${resume[@]}" "$@" \
+  2>&1 | tr '\r' '\n' | grep --line-buffered -v -e '%|' -e 'warnings.warn' -e 'UserWarning' | tee "$OUT/rl_experiment.log"
+rc=${PIPESTATUS[0]}
+df -h runs/ | tail -n 1
+du -sh runs/rl_experiment 2>/dev/null
+case "$rc" in 0) what=complete ;; 3) what="stopped at the time limit: call again" ;; *) what=failed ;; esac
+echo "bench/rl_experiment.py exit status $rc ($what)"
+exit "$rc"

@@ -1,0 +1,78 @@
+"""bench/rl_experiment.py without training: its modes, how it keeps finished work across
+sessions, and the report it writes from a recorded state."""
+
+import importlib.util
+import json
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def rx():
+    spec = importlib.util.spec_from_file_location("rl_experiment", ROOT / "bench" / "rl_experiment.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["rl_experiment"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules["rl_experiment"]
+
+
+def test_modes_name_their_settings_and_how_they_are_served(rx):
+    assert rx.mode_sets("trace-deep4") == ["rl.mode=trace", "rl.guide=deep:4"]
+    assert rx.mode_sets("trace-sparse") == ["rl.mode=trace", "rl.guide=all", "rl.coding=sparse"]
+    assert rx.mode_sets("bf16") == ["rl.mode=bf16"]
+    with pytest.raises(SystemExit, match="unknown mode"):
+        rx.mode_sets("trace-deep")
+    assert rx.eval_kinds("bf16") == ["bf16", "ptq-fp4"] and rx.eval_kinds("trace-all") == ["fp4-export"]
+
+
+def _entry(mode, seed, steps, evals, reward=0.5):
+    rows = [{"step": t, "reward": reward + 0.01 * t, "k3_kl": 1e-15 if mode.startswith("trace") else 1e-3,
+             "step_s": 1.0} | ({"flip_rate": 1e-3, "flip_rate_by_layer": {"0": 1e-3, "1": 2e-3},
+                                "residual_flip_rate_by_layer": {"0": 0.0, "1": 0.0}} if mode != "bf16" else {})
+            for t in range(steps)]
+    ev = {k: {"correct": 30 + seed, "total": 50, "accuracy": (30 + seed) / 50, "lo": 0.4, "hi": 0.7, "wall_s": 1.0}
+          for k in evals}
+    return {"mode": mode, "seed": seed, "metrics": rows, "rl_done": True, "eval": ev, "sft_fingerprint": "ab"}
+
+
+def test_merging_keeps_the_most_finished_work_and_refuses_other_settings(rx):
+    s = rx.Settings(**(asdict(rx.Settings()) | rx.SMOKE))
+    mine, theirs = rx.new_state(s), rx.new_state(s)
+    mine["runs"]["bf16/s0"] = _entry("bf16", 0, 3, ["bf16"])  # evaluated in part
+    theirs["runs"]["bf16/s0"] = _entry("bf16", 0, 3, ["bf16", "ptq-fp4"])
+    theirs["runs"]["trace-all/s0"] = {"mode": "trace-all", "seed": 0, "eval": {}}  # started, not finished
+    mine["runs"]["trace-all/s0"] = _entry("trace-all", 0, 3, [])
+    theirs["sft"]["fingerprints"] = ["ab"]
+    rx.merge_state(mine, {"state": theirs}, "report.json")  # a report's JSON carries its state
+    assert set(mine["runs"]["bf16/s0"]["eval"]) == {"bf16", "ptq-fp4"} and mine["runs"]["trace-all/s0"]["rl_done"]
+    assert mine["sft"]["fingerprints"] == ["ab"]
+    other = rx.new_state(replace(s, rl_steps=4))
+    with pytest.raises(SystemExit, match="rl_steps=4"):
+        rx.merge_state(mine, other, "x.json")
+
+
+def test_the_report_from_a_recorded_state(rx, tmp_path):
+    s = rx.Settings(**(asdict(rx.Settings()) | rx.SMOKE | {"rl_steps": 12}))
+    state = rx.new_state(s)
+    for seed in (0, 1):
+        state["runs"][f"bf16/s{seed}"] = _entry("bf16", seed, 12, ["bf16", "ptq-fp4"])
+        state["runs"][f"trace-all/s{seed}"] = _entry("trace-all", seed, 12, ["fp4-export"], reward=0.6)
+    state["sft"]["eval"] = {"bf16": {"correct": 10, "total": 50, "accuracy": 0.2, "lo": 0.1, "hi": 0.3}}
+    (tmp_path / "state.json").write_text(json.dumps(state))
+    rc = rx.main(["--smoke", "--report-only", "--rl-steps", "12", "--runs", str(tmp_path), "--out", str(tmp_path),
+                  "--modes", "bf16,trace-all,fp4-qat", "--seeds", "0,1"])
+    assert rc == rx.STOPPED  # fp4-qat is missing
+    md = next(tmp_path.glob("rl_experiment_*.md")).read_text()
+    assert "| trace-all | 2 | 0.625 (0.625-0.625) | 0.685 (0.685-0.685) |" in md  # mean of the first / last 6 steps
+    assert "| trace-all | trace-export-fp4 -> FP4 engine | 0.600 [0.400, 0.700] | 0.620 [0.400, 0.700] |" in md
+    assert "Not finished: fp4-qat/s0, fp4-qat/s1." in md and "**Incomplete**" in md
+    report = json.loads(next(tmp_path.glob("rl_experiment_*.json")).read_text())
+    assert report["summary"]["bf16"]["eval"]["ptq-fp4"]["pooled"] == pytest.approx(61 / 100)
+    assert report["state"]["runs"].keys() == state["runs"].keys()  # resumable from the report
+    assert next(tmp_path.glob("rl_experiment_*.png")).stat().st_size > 10_000
