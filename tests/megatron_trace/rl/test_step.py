@@ -100,7 +100,8 @@ def run_dynamic_and_kl(rank):
         asked.append(n)
         return [(1, 5), (7, 7, 7)][:n]
 
-    dyn = RLSection(mode="bf16", dynamic_sampling=True, max_rounds=3, kl_coef=0.1)
+    dyn = RLSection(mode="bf16", dynamic_sampling=True, max_rounds=3, kl_coef=0.1,
+                    mini_batches=1)  # one update: the step's KL is the policy's before it moves
     first = rl_step(trainer, optimizer, engine, [(1, 2, 3, 4), (9, 8, 7)], reward, dyn, sampling, 0,
                     more_prompts=more_prompts, reference=reference)
     second = rl_step(trainer, optimizer, engine, [(6, 5), (9, 9)], reward, dyn, sampling, 1,
@@ -141,7 +142,7 @@ def run_microbatched_update(rank, *, sd, max_tokens, correction, threshold):
     engine = TraceEngine(cfg, EngineConfig(precision="fp4", guide="all"))
     engine.update_weights(sd, 0)
     rl = RLSection(mode="trace", group_size=3, correction=correction, correction_threshold=threshold,
-                          max_tokens_per_microbatch=max_tokens)
+                   max_tokens_per_microbatch=max_tokens, mini_batches=1)  # micro-batches of one update
     batch = rollout(engine, [(1, 2, 3, 4), (9, 8, 7), (5, 6), (7, 7, 7), (3, 3)], reward_low_ids, rl.group_size,
                     SamplingParams(max_new_tokens=8, seed=2), 0)
     mine = batch.select(list(dp_share(batch.num_groups, ps.get_data_parallel_rank(),
