@@ -52,8 +52,9 @@ def measure(overrides: list[str]) -> dict:
     )
 
     with tempfile.TemporaryDirectory() as out:
+        # one update per rollout: the plan sizes activations for all of a rank's samples at once
         cfg = load_config(None, ["model.preset=small", "sft.steps=0", "rl.steps=2", "checkpoint.every=0",
-                                 f"output_dir={out}", *overrides])
+                                 "rl.mini_batches=1", f"output_dir={out}", *overrides])
         init_one_process()
         model_cfg = resolve_model_config(cfg.model)
         plan = make_plan(cfg, architecture(cfg))
