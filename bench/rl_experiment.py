@@ -331,7 +331,8 @@ class Experiment:
         import torch
 
         from megatron_trace.checkpoint.cli import convert_megatron_main, export_main, ptq_main
-        from megatron_trace.rl.evaluate import eval_engine, evaluate, hf_state, load_fp4_export
+        from megatron_trace.checkpoint.fp4_export import load_fp4_export
+        from megatron_trace.rl.evaluate import eval_engine, evaluate, hf_state
 
         t = time.time()
         hf, fp4 = work / "hf", work / f"{kind}-modelopt"

@@ -176,3 +176,52 @@ def export_fp4(tensors: Iterable[tuple[str, torch.Tensor]], model_cfg: ModelConf
             extra["hf_quant_config.json"] = {"producer": {"name": "trace"}, "quantization": {
                 k: qcfg[k] for k in ("quant_algo", "group_size", "kv_cache_quant_algo", "exclude_modules")}}
         return writer.close(extra)
+
+
+# -- reading an export back (the inverse of the writer above) -----------------------------------
+def _fp4_parts(ckpt, module: str, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes, block scales, global scale g) of one exported HF linear."""
+    if fmt == "modelopt":
+        return ckpt.get(f"{module}.weight"), ckpt.get(f"{module}.weight_scale"), \
+            ckpt.get(f"{module}.weight_scale_2").float().reshape(())
+    g = 1 / ckpt.get(f"{module}.weight_global_scale").float().reshape(())
+    return ckpt.get(f"{module}.weight_packed"), ckpt.get(f"{module}.weight_scale"), g
+
+
+def load_fp4_export(directory: str | os.PathLike) -> tuple[ModelConfig, dict]:
+    """(ModelConfig, full state dict) of an FP4 export (`trace-export-fp4` / `trace-ptq-fp4`, ModelOpt
+    NVFP4 or compressed-tensors): FP4-site weights as tensor-scaled NVFP4 QTensors holding the
+    exported bytes (the HF linears of one Megatron weight, e.g. q/k/v or an expert's gate/up,
+    share its global scale), the other weights as stored (BF16). ValueError for an export whose
+    linears of one weight disagree on the global scale, or an unknown format."""
+    from trace_kernels.fp4 import Format, QTensor
+
+    from .qwen3_moe import config_from_hf, to_megatron
+    from .safetensors_io import SafetensorsDir
+
+    ckpt = SafetensorsDir(directory)
+    hf_cfg = ckpt.json("config.json")
+    fmt = (hf_cfg.get("quantization_config") or {}).get("quant_method")
+    if fmt not in ("modelopt", "compressed-tensors"):
+        raise ValueError(f"{directory}: config.json's quantization_config.quant_method is {fmt!r}, not an FP4 export "
+                         "(modelopt or compressed-tensors)")
+    model_cfg = config_from_hf(hf_cfg)
+    state: dict = {}
+    for name, shape in full_weight_shapes(model_cfg).items():
+        spec = hf_parts(name, model_cfg)
+        if fp4_site_of(name) is None:
+            state[name] = to_megatron(name, [ckpt.get(h) for h, _ in spec], model_cfg)
+            continue
+        codes = torch.empty(shape[0], shape[1] // 2, dtype=torch.uint8)
+        scales = torch.empty(shape[0], shape[1] // 16, dtype=torch.float8_e4m3fn)
+        gs = []
+        for hf_name, rows in spec:
+            c, s, g = _fp4_parts(ckpt, hf_name.removesuffix(".weight"), fmt)
+            index = slice(None) if rows is None else rows
+            codes[index], scales[index] = c, s
+            gs.append(g)
+        if any(not torch.equal(g, gs[0]) for g in gs[1:]):
+            raise ValueError(f"{directory}: the HF linears of {name} have different global scales "
+                             f"({[float(g) for g in gs]}); TRACE exports share one per Megatron weight")
+        state[name] = QTensor(codes, scales, gs[0].to(torch.float32), Format.NVFP4, torch.Size(shape))
+    return model_cfg, state

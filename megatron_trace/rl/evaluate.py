@@ -10,8 +10,8 @@ packed NVFP4 `QTensor`s at the FP4 sites):
   `dict(HFCheckpoint(dir))`, into a `bf16` engine (or an `fp4` engine, which quantizes on receipt);
 - a Megatron checkpoint: `megatron_state(dir)`;
 - an FP4 export (`trace-export-fp4`, `trace-ptq-fp4`; ModelOpt NVFP4 or compressed-tensors):
-  `load_fp4_export(dir)` reads the packed codes, block scales and global scales back as
-  QTensors with the engine's names, into an `fp4` engine, which serves exactly those bytes.
+  `checkpoint.fp4_export.load_fp4_export(dir)` (beside the writer) reads the packed codes, block
+  scales and global scales back as QTensors with the engine's names, into an `fp4` engine, which serves exactly those bytes.
   The export's static input scales are not used: the engine quantizes activations with one
   global scale per token (docs/design.md section 2), which those formats cannot express.
 
@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from ..backend import DEFAULT_ENGINE, make_backend
-from ..model_config import ModelConfig, fp4_site_of, full_weight_shapes
+from ..model_config import ModelConfig
 from ..modes import EnginePrecision
 from ..rollout import GroupRequest, SamplingParams
 
@@ -137,57 +137,11 @@ def hf_state(directory: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch
     return ckpt.model_cfg, dict(ckpt.items())
 
 
-def _fp4_parts(ckpt, module: str, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(codes, block scales, global scale g) of one exported HF linear."""
-    if fmt == "modelopt":
-        return ckpt.get(f"{module}.weight"), ckpt.get(f"{module}.weight_scale"), \
-            ckpt.get(f"{module}.weight_scale_2").float().reshape(())
-    g = 1 / ckpt.get(f"{module}.weight_global_scale").float().reshape(())
-    return ckpt.get(f"{module}.weight_packed"), ckpt.get(f"{module}.weight_scale"), g
-
-
-def load_fp4_export(directory: str | os.PathLike) -> tuple[ModelConfig, dict]:
-    """(ModelConfig, full state dict) of an FP4 export (`trace-export-fp4` / `trace-ptq-fp4`, ModelOpt
-    NVFP4 or compressed-tensors): FP4-site weights as tensor-scaled NVFP4 QTensors holding the
-    exported bytes (the HF linears of one Megatron weight, e.g. q/k/v or an expert's gate/up,
-    share its global scale), the other weights as stored (BF16). ValueError for an export whose
-    linears of one weight disagree on the global scale, or an unknown format."""
-    from trace_kernels.fp4 import Format, QTensor
-
-    from ..checkpoint.qwen3_moe import config_from_hf, hf_parts, to_megatron
-    from ..checkpoint.safetensors_io import SafetensorsDir
-
-    ckpt = SafetensorsDir(directory)
-    hf_cfg = ckpt.json("config.json")
-    fmt = (hf_cfg.get("quantization_config") or {}).get("quant_method")
-    if fmt not in ("modelopt", "compressed-tensors"):
-        raise ValueError(f"{directory}: config.json's quantization_config.quant_method is {fmt!r}, not an FP4 export "
-                         "(modelopt or compressed-tensors)")
-    model_cfg = config_from_hf(hf_cfg)
-    state: dict = {}
-    for name, shape in full_weight_shapes(model_cfg).items():
-        spec = hf_parts(name, model_cfg)
-        if fp4_site_of(name) is None:
-            state[name] = to_megatron(name, [ckpt.get(h) for h, _ in spec], model_cfg)
-            continue
-        codes = torch.empty(shape[0], shape[1] // 2, dtype=torch.uint8)
-        scales = torch.empty(shape[0], shape[1] // 16, dtype=torch.float8_e4m3fn)
-        gs = []
-        for hf_name, rows in spec:
-            c, s, g = _fp4_parts(ckpt, hf_name.removesuffix(".weight"), fmt)
-            index = slice(None) if rows is None else rows
-            codes[index], scales[index] = c, s
-            gs.append(g)
-        if any(not torch.equal(g, gs[0]) for g in gs[1:]):
-            raise ValueError(f"{directory}: the HF linears of {name} have different global scales "
-                             f"({[float(g) for g in gs]}); TRACE exports share one per Megatron weight")
-        state[name] = QTensor(codes, scales, gs[0].to(torch.float32), Format.NVFP4, torch.Size(shape))
-    return model_cfg, state
-
-
 # -- command line -------------------------------------------------------------------------------
 def _weights(args) -> tuple[ModelConfig, dict, str]:
     if args.fp4_export:
+        from ..checkpoint.fp4_export import load_fp4_export
+
         cfg, state = load_fp4_export(args.fp4_export)
         return cfg, state, "fp4"
     cfg, state = hf_state(args.hf) if args.hf else megatron_state(args.megatron)

@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from megatron_trace.rl.evaluate import Z95, evaluate, load_fp4_export, wilson_interval
+from megatron_trace.checkpoint.fp4_export import load_fp4_export
+from megatron_trace.rl.evaluate import Z95, evaluate, wilson_interval
 from megatron_trace.rl.tasks import EOS, ChainTask
 from megatron_trace.rollout import RolloutOutput, SampleResult
 
