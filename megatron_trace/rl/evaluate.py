@@ -11,7 +11,8 @@ packed NVFP4 `QTensor`s at the FP4 sites):
 - a Megatron checkpoint: `megatron_state(dir)`;
 - an FP4 export (`trace-export-fp4`, `trace-ptq-fp4`; ModelOpt NVFP4 or compressed-tensors):
   `checkpoint.fp4_export.load_fp4_export(dir)` (beside the writer) reads the packed codes, block
-  scales and global scales back as QTensors with the engine's names, into an `fp4` engine, which serves exactly those bytes.
+  scales and global scales back as QTensors with the engine's names, into an `fp4` engine,
+  which serves exactly those bytes.
   The export's static input scales are not used: the engine quantizes activations with one
   global scale per token (docs/design.md section 2), which those formats cannot express.
 
