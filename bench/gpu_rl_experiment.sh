@@ -18,7 +18,7 @@ LIMIT=${1:-540}
 shift 2>/dev/null || true
 source bench/gpu_setup.sh
 python3 -c 'import torch, triton, megatron.core as m; print("torch", torch.__version__, "triton", triton.__version__, "megatron-core", m.__version__)'
-export OMP_NUM_THREADS=8
+export OMP_NUM_THREADS=2  # per process: up to --parallel trainers share the 16 cores
 resume=()
 latest=$(ls -t bench/results/rl_experiment_*_gpu.json 2>/dev/null | head -n 1)
 if [ -n "$latest" ]; then resume=(--resume-from "$latest"); echo "resuming from $latest"; fi

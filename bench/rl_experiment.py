@@ -50,6 +50,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -71,15 +72,15 @@ class Settings:
     digits: int = 2
     ops: str = "+-"
     terms: int = 4
-    sft_steps: int = 1500
+    sft_steps: int = 800
     sft_batch: int = 128
     sft_lr: float = 5e-4
-    rl_steps: int = 60
-    prompts_per_step: int = 32
+    rl_steps: int = 40
+    prompts_per_step: int = 16
     group_size: int = 8
-    mini_batches: int = 4
+    mini_batches: int = 2
     prompt_set: int = 0  # fresh training problems every step: the held-out evaluation measures generalisation
-    rl_lr: float = 5e-5
+    rl_lr: float = 1e-4
     temperature: float = 1.0
     eval_n: int = 500
     eval_seed: int = 0
@@ -229,6 +230,7 @@ class Experiment:
         self.sft_model = self.sft_dir / "checkpoints" / "rl-000000" / "model"
         self.sft_fingerprint: str | None = None
         self.failed: str | None = None
+        self.lock = threading.RLock()  # the state, written by the trainer threads
         self.t0 = time.time()
 
     # -- shared settings -----------------------------------------------------------------------
@@ -248,7 +250,8 @@ class Experiment:
         return sets
 
     def save(self) -> None:
-        write_json(self.state_path, self.state)
+        with self.lock:
+            write_json(self.state_path, self.state)
 
     def log(self, message: str) -> None:
         """A line with the time since the start (under the progress bar)."""
@@ -282,7 +285,8 @@ class Experiment:
     # -- (b) RL --------------------------------------------------------------------------------
     def rl(self, mode: str, seed: int) -> dict:
         key = f"{mode}/s{seed}"
-        entry = self.state["runs"].setdefault(key, {"mode": mode, "seed": seed, "eval": {}})
+        with self.lock:
+            entry = self.state["runs"].setdefault(key, {"mode": mode, "seed": seed, "eval": {}})
         if entry.get("rl_done"):
             return entry
         out = self.runs / f"{mode}-s{seed}"
@@ -298,7 +302,8 @@ class Experiment:
         if [r["step"] for r in rows] != list(range(self.s.rl_steps)):
             raise RuntimeError(f"{out}/metrics.jsonl has steps {[r['step'] for r in rows]}, "
                                f"not 0..{self.s.rl_steps - 1}")
-        entry.update(metrics=rows, rl_done=True, sft_fingerprint=self.sft_fingerprint)
+        with self.lock:
+            entry.update(metrics=rows, rl_done=True, sft_fingerprint=self.sft_fingerprint)
         self.save()
         return entry
 
@@ -380,50 +385,86 @@ class Experiment:
                     out.append((mode, seed))
         return out
 
+    def train_run(self, mode: str, seed: int) -> tuple[dict, Path]:
+        """A run trained to its end (again when its final checkpoint is gone); its entry and final model."""
+        entry = self.rl(mode, seed)
+        model = self.final_model(mode, seed)
+        if model is None:  # trained in a session whose machine is gone, evaluated only in part
+            self.log(f"{mode} seed {seed}: its final checkpoint is gone; training it again")
+            with self.lock:
+                del self.state["runs"][f"{mode}/s{seed}"]
+            shutil.rmtree(self.runs / f"{mode}-s{seed}", ignore_errors=True)
+            entry = self.rl(mode, seed)
+            model = self.final_model(mode, seed)
+        return entry, model
+
     def run(self, modes: list[str], seeds: list[int]) -> bool:
-        """Every stage still to do; False when the time limit stopped it."""
+        """Every stage still to do; False when the time limit stopped it or a unit failed. Up to
+        --parallel trainers run at once (one GPU is far from busy with one small model); the runs
+        they finish are evaluated here, one at a time, while the others train."""
+        from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
         from tqdm import tqdm
 
         todo = self.pending(modes, seeds)
         sft_eval_todo = [k for k in eval_kinds("sft") if k not in self.state["sft"]["eval"]]
         bar = tqdm(total=len(todo) + bool(todo or sft_eval_todo), desc="experiment", unit="run", file=sys.stdout)
+        stopped: list[str] = []
         try:
             if todo or sft_eval_todo:
                 bar.set_postfix_str("sft")
                 self.sft()
+        except TimeUp as e:
+            stopped.append(str(e))
+        except RuntimeError as e:
+            self.failed = str(e)
+        if stopped or self.failed:
+            todo = sft_eval_todo = []
+        with ThreadPoolExecutor(max_workers=max(1, self.args.parallel)) as pool:
+            running = {pool.submit(self.train_run, mode, seed): (mode, seed) for mode, seed in todo}
+            bar.set_postfix_str(f"{len(running)} runs, up to {self.args.parallel} at once")
+            try:  # the SFT model is evaluated while the first runs train
                 for kind in sft_eval_todo:
                     self.check_time(f"evaluating the SFT model as {kind}")
-                    self.state["sft"]["eval"][kind] = self.evaluate(kind, self.sft_model, self.runs / "sft-eval")
+                    ev = self.evaluate(kind, self.sft_model, self.runs / "sft-eval")
+                    with self.lock:
+                        self.state["sft"]["eval"][kind] = ev
                     self.save()
                 shutil.rmtree(self.runs / "sft-eval", ignore_errors=True)
-                bar.update(1)
-                self.print_sft()
-            for mode, seed in todo:
-                bar.set_postfix_str(f"{mode} seed {seed}")
-                entry = self.rl(mode, seed)
-                out = self.runs / f"{mode}-s{seed}"
-                model = self.final_model(mode, seed)
-                if model is None:  # trained in a session whose machine is gone, evaluated only in part
-                    tqdm.write(f"{mode} seed {seed}: its final checkpoint is gone; training it again")
-                    del self.state["runs"][f"{mode}/s{seed}"]
-                    shutil.rmtree(out, ignore_errors=True)
-                    entry = self.rl(mode, seed)
-                    model = self.final_model(mode, seed)
-                self.evaluate_run(entry, model, out / "eval")
-                if not self.args.keep_checkpoints:
-                    shutil.rmtree(out / "checkpoints", ignore_errors=True)
-                bar.update(1)
-                tqdm.write(run_line(entry))
-        except TimeUp as e:
-            bar.close()
-            print(f"stopped: {e}. Run the same command again to continue (state: {self.state_path}).")
-            return False
-        except RuntimeError as e:  # a trainer or tool failed: report what finished, then exit 1
-            bar.close()
-            print(f"FAILED: {e}")
-            self.failed = str(e)
-            return False
+                if todo or sft_eval_todo:
+                    bar.update(1)
+                    self.print_sft()
+            except TimeUp as e:
+                stopped.append(str(e))
+            except RuntimeError as e:
+                tqdm.write(f"FAILED: evaluating the SFT model: {e}")
+                self.failed = str(e)
+            while running:
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                for fut in done:
+                    mode, seed = running.pop(fut)
+                    try:
+                        entry, model = fut.result()
+                        if stopped or self.failed:  # no evaluation after a stop: report in time
+                            continue
+                        self.evaluate_run(entry, model, self.runs / f"{mode}-s{seed}" / "eval")
+                        if not self.args.keep_checkpoints:
+                            shutil.rmtree(self.runs / f"{mode}-s{seed}" / "checkpoints", ignore_errors=True)
+                        bar.update(1)
+                        tqdm.write(run_line(entry))
+                    except TimeUp as e:
+                        stopped.append(f"{mode} seed {seed}: {e}")
+                    except RuntimeError as e:  # a trainer or tool failed: the others go on; exit 1 at the end
+                        tqdm.write(f"FAILED: {mode} seed {seed}: {e}")
+                        self.failed = self.failed or f"{mode} seed {seed}: {e}"
         bar.close()
+        if self.failed:
+            print(f"FAILED: {self.failed}")
+            return False
+        if stopped:
+            print(f"stopped: {stopped[0]}" + (f" (and {len(stopped) - 1} more)" if len(stopped) > 1 else "")
+                  + f". Run the same command again to continue (state: {self.state_path}).")
+            return False
         return True
 
     def print_sft(self) -> None:
@@ -741,6 +782,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoint-every", type=int, default=10, help="RL steps between checkpoints")
     ap.add_argument("--sft-checkpoint-every", type=int, default=500, help="SFT steps between checkpoints")
     ap.add_argument("--keep-checkpoints", action="store_true", help="keep each run's checkpoints after its evaluation")
+    ap.add_argument("--parallel", type=int, default=1,
+                    help="RL runs trained at once (separate processes on the same GPU; default 1)")
     ap.add_argument("--verbose", action="store_true", help="show the trainers' own output (else in <run>/log.txt)")
     ap.add_argument("--report-only", action="store_true", help="write the report from the state, run nothing")
     args = ap.parse_args(argv)
