@@ -1,10 +1,19 @@
-"""Core attention on `scaled_dot_product_attention` with the FP4 KV cache's quantization.
+"""Core attention on `scaled_dot_product_attention` with the FP4 KV cache's quantization, and
+the rotary embedding.
 
 The engine stores K (after RoPE) and V in its KV cache as NVFP4 with one global scale per
 (token, KV head); attention then runs on the dequantized values. The trainer does the same
 here: fake-quantize K and V per (token, KV head) row, then causal attention in high precision.
 Packed variable-length sequences (THD, `PackedSeqParams.cu_seqlens_q`) attend only within
 their own sequence.
+
+RoPE is applied here (the model is built with position_embedding_type="none" and hands this
+module its RotaryEmbedding as `rope`): Megatron's own THD path applies it one packed sequence at
+a time, ~20 kernels and autograd nodes per sequence and layer, which made an SFT step of 128
+short sequences of a 12-layer model take 2.3 s on an H200 for 0.2 s of GPU work
+(bench/results/sft_step_2026-12-01_h200.md). Here each token's frequencies are gathered by its
+position in its sequence and one call of Megatron's `apply_rotary_pos_emb` rotates the whole
+pack: the same elementwise arithmetic, so the same values.
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
@@ -30,31 +40,64 @@ class FP4CoreAttention(DotProductAttention):
     k_site: FP4Site | None = None
     v_site: FP4Site | None = None
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rope: torch.nn.Module | None = None  # Megatron's RotaryEmbedding (build_model sets it); None: no RoPE
+
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         mask_type = attn_mask_type or self.attn_mask_type
         if mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal) or attention_bias is not None:
             raise NotImplementedError(f"FP4CoreAttention is causal self-attention only (got {mask_type}, "
                                       f"attention_bias={'set' if attention_bias is not None else None})")
-        if self.k_site is not None:
+        thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        cu = packed_seq_params.cu_seqlens_q.tolist() if thd else None
+        if self.rope is not None:
+            query, key = self._rotate(query, key, cu)
+        if self.k_site is not None:  # the engine caches K after RoPE
             key = self.k_site.quantize_input(key)
             value = self.v_site.quantize_input(value)
-        thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
         if not thd:  # [S, B, h, d] -> [B, h, S, d]
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
             out = self._sdpa(q, k, v)
             return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
-        cu = packed_seq_params.cu_seqlens_q.tolist()
         if packed_seq_params.cu_seqlens_kv is not None and packed_seq_params.cu_seqlens_kv.tolist() != cu:
             raise NotImplementedError("packed self-attention needs cu_seqlens_kv == cu_seqlens_q")
-        outs = []
+        return self._packed(query, key, value, cu)
+
+    def _rotate(self, query, key, cu: list[int] | None):
+        """query, key with RoPE at each token's position in its sequence: [S, B, h, d] (position =
+        index along S) or THD [T, h, d] (position from the start of its packed sequence; tokens
+        after the last sequence get position 0, they attend to nothing)."""
+        if cu is None:
+            freqs = self.rope(query.shape[0])  # [S, 1, 1, d] float32
+            return (apply_rotary_pos_emb(t, freqs, self.config) for t in (query, key))
+        lengths = torch.tensor([hi - lo for lo, hi in pairwise(cu)])
+        pos = torch.zeros(query.shape[0], dtype=torch.long)
+        pos[:cu[-1]] = torch.arange(cu[-1]) - torch.repeat_interleave(torch.tensor(cu[:-1]), lengths)
+        freqs = self.rope(int(lengths.max()) if len(lengths) else 1)[pos.to(query.device)]  # [T, 1, 1, d]
+        return (apply_rotary_pos_emb(t.unsqueeze(1), freqs, self.config).squeeze(1) for t in (query, key))
+
+    def _packed(self, query, key, value, cu: list[int]):
+        """THD attention, one batched call per distinct sequence length: RL and SFT packs hold
+        hundreds of short sequences of few lengths, and a call per sequence costs far more in
+        launches than in math. Each sequence still attends exactly to itself (no padding)."""
+        by_length: dict[int, list[int]] = {}
         for lo, hi in pairwise(cu):
-            q, k, v = (t[lo:hi].transpose(0, 1).unsqueeze(0) for t in (query, key, value))
-            outs.append(self._sdpa(q, k, v)[0].transpose(0, 1))
-        pad = query.shape[0] - cu[-1]  # tokens after the last sequence (padding) attend to nothing
-        if pad:
-            outs.append(query.new_zeros(pad, *query.shape[1:]))
-        return torch.cat(outs).reshape(query.shape[0], -1)
+            if hi > lo:
+                by_length.setdefault(hi - lo, []).append(lo)
+        rows, outs = [], []
+        if not by_length:
+            return query.new_zeros(query.shape[0], query.shape[1] * query.shape[2])
+        for length, starts in by_length.items():
+            idx = (torch.tensor(starts, device=query.device)[:, None]
+                   + torch.arange(length, device=query.device)).reshape(-1)
+            q, k, v = (t[idx].unflatten(0, (len(starts), length)).transpose(1, 2) for t in (query, key, value))
+            rows.append(idx)
+            outs.append(self._sdpa(q, k, v).transpose(1, 2).flatten(0, 1))  # [n * length, heads, d]
+        # tokens after the last sequence (padding) attend to nothing: zeros
+        out = query.new_zeros(query.shape).index_copy(0, torch.cat(rows), torch.cat(outs))
+        return out.reshape(query.shape[0], -1)
 
     def _sdpa(self, q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,

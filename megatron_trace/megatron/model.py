@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state as ps
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -98,8 +99,13 @@ def build_model(model_cfg: ModelConfig, precision: TrainerPrecision | str = Trai
         config=tcfg, transformer_layer_spec=trace_block_spec(tcfg, grouped_gemm), vocab_size=model_cfg.vocab_size,
         max_sequence_length=model_cfg.max_position_embeddings, pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=model_cfg.tie_word_embeddings,
-        position_embedding_type="rope", rotary_base=int(model_cfg.rope_theta), parallel_output=True,
+        position_embedding_type="none", parallel_output=True,  # RoPE: in FP4CoreAttention (attention.py says why)
     )
+    model.rope = RotaryEmbedding(kv_channels=tcfg.kv_channels, rotary_percent=1.0,
+                                 rotary_interleaved=tcfg.rotary_interleaved, rotary_base=int(model_cfg.rope_theta),
+                                 use_cpu_initialization=tcfg.use_cpu_initialization)
+    for layer in model.decoder.layers:
+        layer.self_attention.core_attention.rope = model.rope
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     attach_sites(model)

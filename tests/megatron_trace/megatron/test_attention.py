@@ -1,0 +1,62 @@
+"""The trainer's core attention on THD-packed sequences against a float64 causal attention
+computed per sequence by hand: lengths repeated, unique and of one token, padding at the end,
+GQA; values and the gradients of q, k and v."""
+
+import math
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.enums import AttnMaskType
+
+from megatron_trace.megatron.attention import FP4CoreAttention
+
+LENGTHS = [5, 5, 3, 5, 1, 3, 7]
+PAD = 2
+HEADS, KV_HEADS, D = 4, 2, 8
+
+
+def _attention():
+    module = FP4CoreAttention.__new__(FP4CoreAttention)  # only the packed path's state: the softmax scale
+    torch.nn.Module.__init__(module)
+    module.softmax_scale = 1 / math.sqrt(D)
+    module.rope = None
+    return module
+
+
+def _reference(q, k, v, cu):
+    """float64 softmax(q k^T / sqrt(d) + causal mask) v per sequence; padding rows zero."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    rep = q.shape[1] // k.shape[1]
+    for lo, hi in zip(cu[:-1], cu[1:], strict=True):
+        qs, ks, vs = (t[lo:hi].double().transpose(0, 1) for t in (q, k, v))  # [heads, L, d]
+        ks, vs = ks.repeat_interleave(rep, 0), vs.repeat_interleave(rep, 0)
+        scores = qs @ ks.transpose(1, 2) / math.sqrt(D)
+        scores = scores.masked_fill(torch.ones(hi - lo, hi - lo, dtype=torch.bool).triu(1), -math.inf)
+        out[lo:hi] = (scores.softmax(-1) @ vs).transpose(0, 1)
+    return out.reshape(q.shape[0], -1)
+
+
+def test_packed_attention_is_per_sequence_causal_attention():
+    cu = [0]
+    for n in LENGTHS:
+        cu.append(cu[-1] + n)
+    tokens = cu[-1] + PAD
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(tokens, HEADS, D, generator=g, requires_grad=True)
+    k = torch.randn(tokens, KV_HEADS, D, generator=g, requires_grad=True)
+    v = torch.randn(tokens, KV_HEADS, D, generator=g, requires_grad=True)
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
+                          cu_seqlens_kv=torch.tensor(cu, dtype=torch.int32), max_seqlen_q=max(LENGTHS),
+                          max_seqlen_kv=max(LENGTHS))
+    out = _attention()(q, k, v, attn_mask_type=AttnMaskType.causal, packed_seq_params=psp)
+    assert out.shape == (tokens, HEADS * D) and out.dtype == torch.float32
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    want = _reference(q64, k64, v64, cu)
+    torch.testing.assert_close(out.double(), want.detach(), rtol=1e-5, atol=1e-6)
+    assert torch.equal(out[-PAD:], torch.zeros(PAD, HEADS * D))
+    upstream = torch.randn(out.shape, generator=g)
+    out.backward(upstream)
+    want.backward(upstream.double())
+    for got, ref in ((q, q64), (k, k64), (v, v64)):
+        torch.testing.assert_close(got.grad.double(), ref.grad, rtol=1e-5, atol=1e-6)
+    assert torch.equal(q.grad[-PAD:], torch.zeros(PAD, HEADS, D))  # padding takes no gradient
