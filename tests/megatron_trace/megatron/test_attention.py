@@ -60,3 +60,35 @@ def test_packed_attention_is_per_sequence_causal_attention():
     for got, ref in ((q, q64), (k, k64), (v, v64)):
         torch.testing.assert_close(got.grad.double(), ref.grad, rtol=1e-5, atol=1e-6)
     assert torch.equal(q.grad[-PAD:], torch.zeros(PAD, HEADS, D))  # padding takes no gradient
+
+
+
+def _rotate_in_megatron(rank):
+    """In a process with Megatron's parallel state: a model's core attention rotating a pack."""
+    from megatron_trace.megatron.model import build_model
+    from megatron_trace.model_config import PRESETS
+
+    cfg = PRESETS["tiny"]
+    core = build_model(cfg, "bf16").decoder.layers[0].self_attention.core_attention
+    cu = [0]
+    for n in LENGTHS:
+        cu.append(cu[-1] + n)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(cu[-1] + PAD, cfg.num_attention_heads, cfg.head_dim, generator=g)
+    k = torch.randn(cu[-1] + PAD, cfg.num_key_value_heads, cfg.head_dim, generator=g)
+    got_q, got_k = core._rotate(q, k, cu)
+    return dict(q=q, k=k, got_q=got_q, got_k=got_k, theta=cfg.rope_theta)
+
+
+def test_rope_over_the_pack_is_each_tokens_rotation_at_its_position_in_its_sequence():
+    from megatron_trace.megatron.spawn import spawn
+
+    (r,) = spawn(_rotate_in_megatron, {})
+    d = r["q"].shape[-1]
+    inv = r["theta"] ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)  # [d/2]
+    pos = torch.cat([torch.arange(n) for n in LENGTHS] + [torch.zeros(PAD, dtype=torch.long)]).double()
+    angle = torch.cat([pos[:, None] * inv] * 2, -1)[:, None, :]  # [T, 1, d]: the halves rotate together
+    for x, got in ((r["q"], r["got_q"]), (r["k"], r["got_k"])):
+        x = x.double()
+        rotated = torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1)
+        torch.testing.assert_close(got.double(), x * angle.cos() + rotated * angle.sin(), rtol=1e-5, atol=1e-5)
