@@ -39,7 +39,7 @@ def measure(overrides: list[str]) -> dict:
     from megatron_trace.checkpoint.safetensors_io import release_large_frees
 
     release_large_frees()  # freed tensors go back to the OS, so RSS follows live tensors as a GPU allocator's peak does
-    from megatron_trace.backend import engine_factory
+    from megatron_trace.backend import backend_options, engine_factory
     from megatron_trace.config import load_config
     from megatron_trace.megatron.spawn import init_one_process
     from megatron_trace.rl import train as train_module
@@ -58,7 +58,8 @@ def measure(overrides: list[str]) -> dict:
         init_one_process()
         model_cfg = resolve_model_config(cfg.model)
         plan = make_plan(cfg, architecture(cfg))
-        make_engine = engine_factory(cfg.engine, model_cfg, cfg.model.preset, engine_kv_blocks(cfg))
+        make_engine = engine_factory(cfg.rollout.backend, model_cfg, cfg.model.preset, engine_kv_blocks(cfg),
+                                     **backend_options(cfg))
         cuda = torch.cuda.is_available()
 
         def peak_bytes():  # on a GPU the caching allocator's peak, else the process's peak RSS

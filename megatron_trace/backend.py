@@ -8,11 +8,29 @@ import importlib
 
 import torch
 
-DEFAULT_ENGINE = "sglang_rollout.engine:TraceEngine"
+# rollout.backend's names (config.RolloutSection); any other backend goes by its dotted path
+BACKENDS = {"builtin": "sglang_rollout.engine:TraceEngine", "sglang": "sglang_rollout.sglang:SGLangEngine"}
+DEFAULT_ENGINE = BACKENDS["builtin"]
+
+
+def backend_path(backend: str) -> str:
+    """The dotted path `module:Class` of a backend name (`builtin`, `sglang`) or path."""
+    return BACKENDS.get(backend, backend)
+
+
+def backend_options(cfg) -> dict:
+    """The EngineConfig fields a run's config (a TrainConfig) sets beyond precision, guidance and
+    the KV cache's size: for SGLang its tensor parallelism (`dist.engine_tp`) and its own
+    ServerArgs (`rollout.sglang`)."""
+    if cfg.rollout.backend == "sglang":
+        return {"tp_size": cfg.dist.engine_tp, "sglang": dict(cfg.rollout.sglang)}
+    return {}
 
 
 def load_backend(path: str):
-    """The backend class at dotted path `module:Class`; SystemExit naming it when it cannot be imported."""
+    """The backend class at dotted path `module:Class` (or a name of BACKENDS); SystemExit naming
+    it when it cannot be imported."""
+    path = backend_path(path)
     module, _, name = path.partition(":")
     try:
         return getattr(importlib.import_module(module), name)
@@ -24,17 +42,27 @@ def make_backend(path: str, model_cfg, **engine_options):
     """An engine of the backend class at `path` for `model_cfg` (a ModelConfig), configured by
     its module's EngineConfig(**engine_options)."""
     engine_cls = load_backend(path)
-    config_cls = importlib.import_module(path.partition(":")[0]).EngineConfig
-    return engine_cls(model_cfg, config_cls(**engine_options))
+    return engine_cls(model_cfg, engine_config(path, **engine_options))
 
 
-def engine_factory(path: str, model_cfg, model_id: str, num_blocks: int = 4096):
-    """make_engine(precision, guide, coding) for the backend class at `path`, with a KV cache of
-    `num_blocks` blocks."""
-    load_backend(path)  # fail now, not at the first rollout
+def engine_config(path: str, **engine_options):
+    """The EngineConfig of the backend at `path` (or of a name of BACKENDS) with these fields:
+    ValueError (from the config's own checks) for a field or value it refuses."""
+    return importlib.import_module(backend_path(path).partition(":")[0]).EngineConfig(**engine_options)
+
+
+def engine_factory(path: str, model_cfg, model_id: str, num_blocks: int = 4096, probe: tuple | None = None,
+                   **options):
+    """make_engine(precision, guide, coding) for the backend class at `path` (or a name of
+    BACKENDS), with a KV cache of `num_blocks` blocks and the backend's further EngineConfig
+    fields `options` (backend_options). The backend and its options, with `probe` = (precision,
+    guide, coding) when given (the run's), are checked now, not at the first rollout."""
+    load_backend(path)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    settings = dict(zip(("precision", "guide", "coding"), probe or (), strict=False))
+    engine_config(path, device=device, model_id=model_id, num_blocks=num_blocks, **settings, **options)
 
     def make_engine(precision, guide, coding):
         return make_backend(path, model_cfg, precision=precision, guide=guide, coding=coding, device=device,
-                            model_id=model_id, num_blocks=num_blocks)
+                            model_id=model_id, num_blocks=num_blocks, **options)
     return make_engine

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .backend import DEFAULT_ENGINE, engine_factory
+from .backend import DEFAULT_ENGINE, backend_options, engine_factory
 from .checkpoint.cli import add_audit_parser, audit_main
 from .config import as_dict, load_config, reference_markdown
 from .megatron.spawn import init_one_process
@@ -35,21 +35,25 @@ def train_main(args: argparse.Namespace) -> list[dict]:
     steps' metrics."""
     import os
 
-    from .rl.factories import resolve_model_config
+    from .rl.factories import engine_settings, resolve_model_config
     from .rl.plan import engine_kv_blocks
     from .rl.slurm import torch_env_from_slurm
     from .rl.train import train
 
     os.environ.update(torch_env_from_slurm(dict(os.environ)))  # an srun task: torch.distributed's variables
     cfg = _config(args)
+    if cfg.dist.engine_tp != 1 and cfg.rollout.backend == "builtin":
+        raise SystemExit("error: dist.engine_tp > 1: the built-in engine runs on one GPU; rollout.backend=sglang "
+                         "shards an engine over dist.engine_tp GPUs")
     try:
         model_cfg = resolve_model_config(cfg.model)
         if cfg.dist.engine_ranks:
             history = _lost_peer_exits(_train_disaggregated, cfg, model_cfg)
         else:
             init_one_process()
-            history = train(cfg, engine_factory(cfg.engine, model_cfg, cfg.model.preset, engine_kv_blocks(cfg)),
-                            model_cfg)
+            make_engine = engine_factory(cfg.rollout.backend, model_cfg, cfg.model.preset, engine_kv_blocks(cfg),
+                                         probe=engine_settings(cfg.rl), **backend_options(cfg))
+            history = train(cfg, make_engine, model_cfg)
     except (ValueError, FileNotFoundError) as e:  # bad config for this run, an unusable checkpoint
         raise SystemExit(f"error: {e}") from None
     if history:
@@ -92,6 +96,7 @@ def _train_disaggregated(cfg, model_cfg) -> list[dict]:
     from .megatron.cpu_patches import initialize_model_parallel_cpu
     from .rl.bridge import Bridge, Roles, rendezvous_store
     from .rl.disaggregated import RemoteEngine, serve_engine
+    from .rl.factories import engine_settings
     from .rl.plan import engine_kv_blocks
     from .rl.train import train
 
@@ -103,7 +108,8 @@ def _train_disaggregated(cfg, model_cfg) -> list[dict]:
     store = rendezvous_store()
     bridge = Bridge(store, roles, cfg.dist.bridge)
     if not roles.is_trainer:
-        serve_engine(bridge, engine_factory(cfg.engine, model_cfg, cfg.model.preset, engine_kv_blocks(cfg)))
+        serve_engine(bridge, engine_factory(cfg.rollout.backend, model_cfg, cfg.model.preset, engine_kv_blocks(cfg),
+                                            probe=engine_settings(cfg.rl), **backend_options(cfg)))
         return []
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
                             store=dist.PrefixStore("trace-trainers", store), rank=roles.rank, world_size=roles.trainers)
@@ -156,9 +162,9 @@ def slurm_main(args: argparse.Namespace) -> None:
         script = render_sbatch(cfg, args.config, args.set or [])
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    if cfg.dist.engine_tp != 1 and cfg.engine == DEFAULT_ENGINE and not args.force:
-        raise SystemExit("error: dist.engine_tp > 1: the built-in engine runs on one GPU (engine tensor parallelism "
-                         "waits for the SGLang backend); --force renders the script anyway")
+    if cfg.dist.engine_tp != 1 and cfg.rollout.backend == "builtin" and not args.force:
+        raise SystemExit("error: dist.engine_tp > 1: the built-in engine runs on one GPU (rollout.backend=sglang "
+                         "shards an engine over dist.engine_tp GPUs); --force renders the script anyway")
     if not plan.fits and not args.force:
         raise SystemExit(format_plan(plan) + "\n(--force renders the script anyway)")
     if args.out:

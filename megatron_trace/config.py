@@ -29,7 +29,7 @@ from .rl.architecture import PLAN_ONLY
 from .rl.losses import Correction, KLKind
 
 # keys that were renamed: an old config file gets an error that names the new key
-RENAMED_KEYS = {"rl.precision": "rl.mode"}
+RENAMED_KEYS = {"rl.precision": "rl.mode", "engine": "rollout.backend"}
 
 
 def require(ok: bool, key: str, want: str) -> None:
@@ -251,6 +251,30 @@ class OptimSection(Section):
 
 
 @dataclass(frozen=True, kw_only=True)
+class RolloutSection(Section):
+    """The rollout engine: TRACE's built-in engine or SGLang (the same FP4 policy, guidance and
+    routed experts; sglang_rollout/sglang/README.md), colocated or on `dist.engine_ranks`."""
+
+    NAME: ClassVar[str] = "rollout"
+
+    backend: str = "builtin"
+    """`builtin` (one GPU per engine), `sglang` (SGLang's Engine with TRACE's plugin; `dist.engine_tp`
+    GPUs per engine), or a backend class by dotted path `module:Class` (its module exports its EngineConfig)."""
+    sglang: dict = field(default_factory=dict)
+    """SGLang's own ServerArgs, passed through to every SGLang engine (e.g. `{mem_fraction_static: 0.6,
+    ep_size: 2}`); they win over what TRACE derives. Checked against SGLang's ServerArgs at start."""
+
+    def check(self) -> None:
+        from .backend import BACKENDS
+
+        require(self.backend in BACKENDS or ":" in self.backend, "rollout.backend",
+                f"one of {', '.join(BACKENDS)} or a dotted path module:Class, not {self.backend!r}")
+        require(all(isinstance(k, str) for k in self.sglang), "rollout.sglang", "a mapping with string keys")
+        require(not self.sglang or self.backend == "sglang", "rollout.sglang",
+                f"empty unless rollout.backend is sglang (it is {self.backend!r}: the options would be ignored)")
+
+
+@dataclass(frozen=True, kw_only=True)
 class CheckpointSection(Section):
     """When the run checkpoints, and whether it resumes (`rl.run_checkpoint`)."""
 
@@ -291,7 +315,7 @@ class DistSection(Section):
     recompute: Literal["none", "full", "selective"] = "none"
     """Trainer activation recompute: `none`, `full` (every layer) or `selective` (the MoE layers)."""
     engine_tp: int = 1
-    """GPUs per engine; the built-in engine runs on one (more: for `trace-rl plan`, until the SGLang backend)."""
+    """GPUs per engine: SGLang's tp_size with rollout.backend=sglang; the built-in engine runs on one."""
     sync_bucket_mb: float = 256.0
     """Weight sync: the largest packed bucket a trainer rank holds and sends at a time (MiB)."""
 
@@ -352,24 +376,23 @@ class ClusterSection(Section):
 
 
 SECTIONS: dict[str, type[Section]] = {cls.NAME: cls for cls in (
-    ModelSection, TaskSection, SFTSection, RLSection, OptimSection, CheckpointSection, DistSection,
+    ModelSection, TaskSection, SFTSection, RLSection, OptimSection, RolloutSection, CheckpointSection, DistSection,
     ClusterSection)}
 
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    """A whole run: its sections and three top-level settings."""
+    """A whole run: its sections and two top-level settings."""
 
     model: ModelSection = field(default_factory=ModelSection)
     task: TaskSection = field(default_factory=TaskSection)
     sft: SFTSection = field(default_factory=SFTSection)
     rl: RLSection = field(default_factory=RLSection)
     optim: OptimSection = field(default_factory=OptimSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     dist: DistSection = field(default_factory=DistSection)
     cluster: ClusterSection = field(default_factory=ClusterSection)
-    engine: str = "sglang_rollout.engine:TraceEngine"
-    """The rollout backend class, `module:Class` (the module also exports its EngineConfig)."""
     output_dir: str = "runs/default"
     """Where metrics, TensorBoard logs, the report plot and checkpoints go."""
     seed: int = 0
@@ -379,10 +402,9 @@ class TrainConfig:
         hints = _hints(TrainConfig)
         for key in TOP_LEVEL:
             object.__setattr__(self, key, _coerce(getattr(self, key), hints[key], key))
-        require(":" in self.engine, "engine", "a dotted path module:Class")
 
 
-TOP_LEVEL = ("engine", "output_dir", "seed")
+TOP_LEVEL = ("output_dir", "seed")
 
 # settings a resumed run may change: how long it runs, how it checkpoints, and the trainer's
 # parallel layout (model and optimizer state are Megatron distributed checkpoints)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import ast
+import functools
+import importlib.util
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from megatron_trace.guidance import LayerPolicy
 from megatron_trace.modes import EnginePrecision
@@ -43,7 +47,7 @@ class EngineConfig:
         LayerPolicy.parse(self.guide)
         if self.coding != "dense":
             raise ValueError(f"EngineConfig.coding: the SGLang backend records dense guidance only, "
-                             f"got {self.coding!r}")
+                             f"got {getattr(self.coding, 'value', self.coding)!r}")
         if self.guide != "none" and self.precision is not EnginePrecision.FP4:
             raise ValueError("EngineConfig.guide needs precision='fp4': guidance records FP4 rounding")
         if not self.weight_bucket_mb > 0:
@@ -51,6 +55,21 @@ class EngineConfig:
         for name in ("num_blocks", "block_size", "tp_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        unknown = sorted(set(self.sglang) - server_arg_names())
+        if unknown:
+            raise ValueError(f"EngineConfig.sglang (rollout.sglang): {unknown} are not fields of SGLang's ServerArgs")
+
+
+@functools.cache
+def server_arg_names() -> frozenset[str]:
+    """The fields of the installed SGLang's ServerArgs, read from its source: importing SGLang
+    in the caller (a trainer) would need the CPU import shims there (cpu_patches)."""
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or spec.origin is None:
+        raise ValueError("rollout.backend=sglang: SGLang is not installed (the `sglang` extra of setup.cfg)")
+    tree = ast.parse((Path(spec.origin).parent / "srt" / "server_args.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ServerArgs")
+    return frozenset(n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name))
 
 
 MOE_PADDING = 32  # SGLang pads the experts' width per moe-TP rank to a multiple of this (configs/update_config.py)

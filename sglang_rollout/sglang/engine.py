@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import io
 import multiprocessing as mp
+import os
 import traceback
 
 import torch
@@ -175,8 +176,16 @@ class SGLangEngine:
         return _unpack(value)
 
 
+# torchrun's variables for the caller's job: SGLang's processes form a torch.distributed world of
+# their own, and a store client inherited from an elastic agent (TORCHELASTIC_USE_AGENT_STORE) hangs it
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                      "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def _host_main(conn, model_cfg: ModelConfig, engine_cfg: EngineConfig) -> None:
     """The host process: build the Session, then answer calls until told to shut down."""
+    for name in [k for k in os.environ if k in TORCHRUN_VARIABLES or k.startswith("TORCHELASTIC_")]:
+        del os.environ[name]
     session = None
     try:
         from .session import Session

@@ -37,7 +37,9 @@ def test_defaults_yaml_and_overrides_combine(tmp_path):
     ("model.preset=huge", "model.preset"), ("rl.group_size=1", "rl.group_size must be >= 2"),
     ("rl.guide=deep:x", "rl.guide: bad guidance layer policy"), ("cluster.engine_nodes=1", "cluster.engine_nodes"),
     ("rl.steps", "section.key=value"), ("rl=3", "rl is a section"), ("colour=red", "unknown key 'colour'"),
-    ("engine=sglang_rollout.engine.TraceEngine", "engine must be a dotted path module:Class"),
+    ("engine=sglang_rollout.engine:TraceEngine", "engine was renamed rollout.backend"),
+    ("rollout.backend=vllm", "rollout.backend must be one of builtin, sglang or a dotted path"),
+    ("rollout.sglang={mem_fraction_static: 0.5}", "rollout.sglang must be empty unless rollout.backend is sglang"),
     ("model.hf=/nowhere", "model.hf must be an HF checkpoint directory"),
 ])
 def test_a_bad_setting_is_an_error_that_names_it(override, message):

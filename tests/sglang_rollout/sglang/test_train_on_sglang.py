@@ -1,0 +1,84 @@
+"""`trace-rl train --set rollout.backend=sglang`: the RL loop on SGLang's real Engine (on the
+CPU), colocated in each run mode and disaggregated under torchrun (two trainer ranks and an
+SGLang engine rank), and `rollout.sglang` checked against SGLang's own ServerArgs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sglang_rollout.sglang import EngineConfig
+from sglang_rollout.sglang.config import server_arg_names
+from sglang_rollout.sglang.session import CPU_SITE
+
+ROOT = Path(__file__).resolve().parents[3]
+# the embedded default, small: a short warm-up, two RL steps of two prompts x 4 samples
+SHORT = ["rollout.backend=sglang", "sft.steps=10", "rl.steps=2", "rl.prompts_per_step=2", "rl.group_size=4",
+         "rl.mini_batches=1", "checkpoint.every=0"]
+
+
+def _env():
+    return dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1", PYTHON=sys.executable)
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_rollout_sglang_options_are_checked_against_sglangs_serverargs():
+    # the field names read from SGLang's source equal the real dataclass's (imported with the CPU shims)
+    code = ("import dataclasses, json; from sglang.srt.server_args import ServerArgs; "
+            "print(json.dumps(sorted(f.name for f in dataclasses.fields(ServerArgs))))")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(CPU_SITE), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert server_arg_names() == set(json.loads(run.stdout.splitlines()[-1]))
+    assert EngineConfig(sglang={"mem_fraction_static": 0.5, "ep_size": 1}).sglang["ep_size"] == 1
+    with pytest.raises(ValueError, match=r"\['mem_fraction'\] are not fields of SGLang's ServerArgs"):
+        EngineConfig(sglang={"mem_fraction": 0.5})
+
+
+def test_a_bad_sglang_option_stops_the_run_before_training(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "megatron_trace.cli", "train", "--set", "rollout.backend=sglang",
+                          "--set", "rollout.sglang={max_total_token: 64}", "--set", f"output_dir={tmp_path}"],
+                         env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and "['max_total_token'] are not fields of SGLang's ServerArgs" in run.stderr
+    assert not (tmp_path / "checkpoints").exists()  # refused at start: no warm-up ran
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp4-rollout", "fp4-qat", "trace"])
+def test_colocated_training_on_sglang_in_each_run_mode(tmp_path, mode):
+    sets = [*SHORT, f"rl.mode={mode}", f"output_dir={tmp_path}"]
+    run = subprocess.run([sys.executable, "-m", "megatron_trace.cli", "train", *[a for s in sets for a in ("--set", s)]],
+                         env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        assert 0 <= r["reward"] <= 1 and r["weight_sync_bytes"] > 0 and r["response_tokens"] > 0
+        if mode == "trace":  # SGLang's guidance applied: every one of its FP4 rounding decisions reproduced
+            assert r["residual_flip_rate"] == 0 and r["flip_rate"] > 0
+            # what remains is BF16 operation order (SGLang's norms, rotary and router are not the trainer's)
+            assert r["k3_kl"] < 1e-4
+        elif mode == "bf16":
+            assert r["k3_kl"] < 1e-3
+        else:  # FP4 rollouts without guidance: SGLang's rounding and the trainer's differ
+            assert r["k3_kl"] > 1e-4
+
+
+def test_disaggregated_training_with_an_sglang_engine_rank(tmp_path):
+    env = _env() | {"TRAINERS": "2", "ENGINES": "1"}
+    sets = [*SHORT, "rl.mode=trace", "dist.ep=2", f"output_dir={tmp_path}"]
+    run = subprocess.run(["bash", str(ROOT / "launch" / "local.sh"), *[a for s in sets for a in ("--set", s)]],
+                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:  # guidance streamed from the SGLang engine rank to both trainer ranks and applied there
+        assert r["residual_flip_rate"] == 0 and r["flip_rate"] > 0 and r["k3_kl"] < 1e-4
+        assert r["weight_sync_bytes"] > 0 and r["guidance_bytes_per_token"] > 0
