@@ -54,8 +54,9 @@ def test_a_bad_sglang_option_stops_the_run_before_training(tmp_path):
 @pytest.mark.parametrize("mode", ["bf16", "fp4-rollout", "fp4-qat", "trace"])
 def test_colocated_training_on_sglang_in_each_run_mode(tmp_path, mode):
     sets = [*SHORT, f"rl.mode={mode}", f"output_dir={tmp_path}"]
-    run = subprocess.run([sys.executable, "-m", "megatron_trace.cli", "train", *[a for s in sets for a in ("--set", s)]],
-                         env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=900)
+    args = [a for s in sets for a in ("--set", s)]
+    run = subprocess.run([sys.executable, "-m", "megatron_trace.cli", "train", *args], env=_env(), cwd=ROOT,
+                         capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = _rows(tmp_path)
     assert [r["step"] for r in rows] == [0, 1]
