@@ -3,8 +3,11 @@
 # task, GRPO in six modes x three seeds, evaluation of the final policies) on one H200 (device
 # tool, kind nvidia-h200), one call at a time:
 #   bash bench/gpu_rl_experiment.sh [TIME_LIMIT_S] [more bench/rl_experiment.py options]
-#   e.g. bash bench/gpu_rl_experiment.sh 560            (run with timeout_s=600)
+#   e.g. bash bench/gpu_rl_experiment.sh 560 --parallel 6 --seeds 0   (run with timeout_s=600)
 #        bash bench/gpu_rl_experiment.sh 560 --modes bf16,trace-all --seeds 0
+# --parallel N trains N runs at once (each a process on the one GPU: a 0.4 B model leaves it
+# mostly idle, the steps are host-bound). A seed's modes share one SFT model only when they are
+# trained on one machine: give each fresh machine whole seeds.
 # It stops cleanly TIME_LIMIT_S seconds (default 540) after it starts, setup included: a trainer
 # still running then is stopped and resumes from its checkpoint at the next call. The run
 # directories live in runs/rl_experiment/ (ignored by git: it survives between calls while the
