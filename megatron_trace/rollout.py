@@ -110,3 +110,12 @@ class RolloutBackend(Protocol):
     def generate(self, requests: list[GroupRequest], sampling: SamplingParams, on_group=None) -> RolloutOutput:
         """Generate every request's samples; a bad request fails alone (finish_reason "error").
         on_group(output), if given, receives each group's output as soon as it is complete."""
+
+
+def close_backend(engine) -> None:
+    """Stop a backend's processes and free what it holds, when it has any (`shutdown()`: the
+    SGLang backend's host process; the built-in engine lives in this process and has none).
+    Idempotent; None is allowed."""
+    shutdown = getattr(engine, "shutdown", None)
+    if shutdown is not None:
+        shutdown()

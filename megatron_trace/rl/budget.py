@@ -14,7 +14,7 @@ import dataclasses
 from ..config import DistSection, RLSection
 from ..guidance import GuidanceBatch, LayerPolicy
 from ..modes import EnginePrecision, RunMode
-from ..rollout import SamplingParams
+from ..rollout import SamplingParams, close_backend
 from .mismatch import FlipCounter
 from .ranks import distributed_trainer
 from .rollout_batch import rollout
@@ -42,6 +42,7 @@ def resolve_budget(rl: RLSection, trainer, make_engine, prompts: list[tuple[int,
     engine = make_engine(EnginePrecision.FP4, "all", "dense")
     sync_weights(trainer, engine, 0, sync_bucket_mb)
     batch = rollout(engine, prompts, lambda prompt, response: 0.0, rl.group_size, sampling, -1)
+    close_backend(engine)
     counter = FlipCounter()
     response_logprobs(trainer, batch, measure, observer=counter)
     flips = counter.rates(num_layers if distributed_trainer() else None)["flip_rate_by_layer"]
@@ -50,6 +51,7 @@ def resolve_budget(rl: RLSection, trainer, make_engine, prompts: list[tuple[int,
         engine = make_engine(EnginePrecision.FP4, "all", coding)
         sync_weights(trainer, engine, 0, sync_bucket_mb)
         guidance = rollout(engine, prompts, lambda prompt, response: 0.0, rl.group_size, sampling, -1).out.guidance
+        close_backend(engine)
     cost = bytes_per_token_by_layer(guidance, num_layers)
     layers = LayerPolicy.parse(policy).select(num_layers, flips, cost)
     return ("layers:" + ",".join(map(str, layers)) if layers else "none"), flips, cost

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from ..guidance import GuidanceBatch
 from ..modes import EnginePrecision
-from ..rollout import GroupRequest, RolloutOutput, SamplingParams
+from ..rollout import GroupRequest, RolloutOutput, SamplingParams, close_backend
 from .bridge import Bridge
 
 
@@ -114,9 +114,11 @@ def serve_engine(bridge: Bridge, make_engine) -> None:
     while True:
         msg = bridge.recv(0)
         if msg[0] == "stop":
+            close_backend(engine)
             return
         if msg[0] == "configure":
-            engine = None  # free the old one first
+            close_backend(engine)  # free the old one first
+            engine = None
             engine = make_engine(*msg[1:])
             continue
         if msg[0] == "weights":  # buckets from each sender in turn, written as they arrive

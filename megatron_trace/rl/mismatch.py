@@ -20,7 +20,7 @@ from ..megatron import context, qat
 from ..megatron.context import MicroBatchGuidance
 from ..megatron.model import pack_sequences, set_precision, token_logprobs
 from ..modes import EnginePrecision, RunMode
-from ..rollout import GroupRequest, SamplingParams
+from ..rollout import GroupRequest, SamplingParams, close_backend
 from .metrics import mismatch_metrics
 
 
@@ -116,6 +116,7 @@ def run_mismatch(trainer, make_engine, state_dict, prompts: list[tuple[int, ...]
         engine = make_engine(mode.engine_precision, "all" if fp4 else "none", "dense")
         engine.update_weights(state_dict, 0)
         out = engine.generate(requests, sampling)
+        close_backend(engine)
         errors = [s.error for s in out.samples if s.error]
         if errors:
             raise ValueError(f"rollout failed: {errors[0]}")
@@ -128,6 +129,7 @@ def run_mismatch(trainer, make_engine, state_dict, prompts: list[tuple[int, ...]
                 engine = make_engine(EnginePrecision.FP4, guide, coding)
                 engine.update_weights(state_dict, 0)
                 batch = engine.generate(requests, sampling).guidance
+                close_backend(engine)
             applied = MicroBatchGuidance.from_batch(batch, ids)
             records = [r for o in (*batch.groups.values(), *batch.samples.values()) for r in o.records.values()]
             elems = sum(r.header.rows * r.header.cols for r in records)

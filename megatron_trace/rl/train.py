@@ -21,7 +21,7 @@ from ..config import RESUMABLE, RLSection, TrainConfig, flat_config
 from ..megatron.model import build_model
 from ..megatron.weights import load_full_state_dict
 from ..model_config import ModelConfig
-from ..rollout import SamplingParams
+from ..rollout import SamplingParams, close_backend
 from .budget import resolve_budget
 from .factories import engine_settings, make_optimizer, make_reference, make_task
 from .ranks import distributed_trainer, is_rank0
@@ -141,6 +141,14 @@ def run_rl(run: Run, optimizer, make_engine) -> list[dict]:
     if cfg.rl.mode.applies_guidance and cfg.rl.guide.startswith("budget:") and not state.guide:
         state.guide = _resolve_budget(run, make_engine)
     engine = make_engine(*engine_settings(cfg.rl, state.guide))
+    try:
+        return _rl_steps(run, optimizer, engine)
+    finally:  # the SGLang backend's processes end with the run, whatever ended it
+        close_backend(engine)
+
+
+def _rl_steps(run: Run, optimizer, engine) -> list[dict]:
+    cfg, state = run.cfg, run.state
     sync_weights(run.trainer, engine, state.weight_version, cfg.dist.sync_bucket_mb)
     reference = make_reference(run.trainer, run.model_cfg, run.out_dir / "checkpoints" / "reference",
                                resumed=run.saved is not None) if cfg.rl.kl_coef else None

@@ -10,11 +10,13 @@ stop in one process, and a failed engine raises in the caller instead of killing
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import io
 import multiprocessing as mp
 import os
 import traceback
+import weakref
 
 import torch
 
@@ -46,6 +48,10 @@ class SGLangEngine:
                                  name="trace-sglang-host")
         self._host.start()
         child.close()
+        # at interpreter exit multiprocessing joins its non-daemon children, and the host only
+        # ends when told to: this runs first (atexit is last-in, first-out)
+        ref = weakref.ref(self)
+        atexit.register(lambda: (engine := ref()) is not None and engine.shutdown())
         self._call(None, timeout=START_TIMEOUT_S)  # the host reports once sglang.Engine is up
 
     @property

@@ -51,25 +51,37 @@ def test_a_bad_sglang_option_stops_the_run_before_training(tmp_path):
     assert not (tmp_path / "checkpoints").exists()  # refused at start: no warm-up ran
 
 
-@pytest.mark.parametrize("mode", ["bf16", "fp4-rollout", "fp4-qat", "trace"])
-def test_colocated_training_on_sglang_in_each_run_mode(tmp_path, mode):
-    sets = [*SHORT, f"rl.mode={mode}", f"output_dir={tmp_path}"]
-    args = [a for s in sets for a in ("--set", s)]
-    run = subprocess.run([sys.executable, "-m", "megatron_trace.cli", "train", *args], env=_env(), cwd=ROOT,
-                         capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stderr[-3000:]
-    rows = _rows(tmp_path)
-    assert [r["step"] for r in rows] == [0, 1]
-    for r in rows:
-        assert 0 <= r["reward"] <= 1 and r["weight_sync_bytes"] > 0 and r["response_tokens"] > 0
-        if mode == "trace":  # SGLang's guidance applied: every one of its FP4 rounding decisions reproduced
-            assert r["residual_flip_rate"] == 0 and r["flip_rate"] > 0
-            # what remains is BF16 operation order (SGLang's norms, rotary and router are not the trainer's)
-            assert r["k3_kl"] < 1e-4
-        elif mode == "bf16":
-            assert r["k3_kl"] < 1e-3
-        else:  # FP4 rollouts without guidance: SGLang's rounding and the trainer's differ
-            assert r["k3_kl"] > 1e-4
+MODES = ("bf16", "fp4-rollout", "fp4-qat", "trace")
+
+
+@pytest.fixture(scope="module")
+def colocated(tmp_path_factory):
+    """{mode: metrics rows} of a colocated run on SGLang per run mode (each its own process)."""
+    rows = {}
+    for mode in MODES:
+        out = tmp_path_factory.mktemp(mode)
+        args = [a for s in [*SHORT, f"rl.mode={mode}", f"output_dir={out}"] for a in ("--set", s)]
+        run = subprocess.run([sys.executable, "-m", "megatron_trace.cli", "train", *args], env=_env(), cwd=ROOT,
+                             capture_output=True, text=True, timeout=900)
+        assert run.returncode == 0, f"{mode}: {run.stderr[-3000:]}"
+        rows[mode] = _rows(out)
+    return rows
+
+
+def test_colocated_training_on_sglang_in_each_run_mode(colocated):
+    for mode, rows in colocated.items():
+        assert [r["step"] for r in rows] == [0, 1], mode
+        for r in rows:
+            assert 0 <= r["reward"] <= 1 and r["weight_sync_bytes"] > 0 and r["response_tokens"] > 0, mode
+    k3 = {mode: max(r["k3_kl"] for r in rows) for mode, rows in colocated.items()}
+    for r in colocated["trace"]:  # SGLang's guidance applied: every one of its FP4 rounding decisions reproduced
+        assert r["residual_flip_rate"] == 0 and r["flip_rate"] > 0
+    for r in colocated["fp4-qat"]:  # the same flips measured, not followed
+        assert r["flip_rate"] > 0
+    # what remains in trace mode is BF16 operation order (SGLang's norms, rotary and router are not
+    # the trainer's); FP4 without guidance is an order of magnitude and more further off
+    assert k3["trace"] < 1e-4 and k3["bf16"] < 1e-3
+    assert 10 * k3["trace"] < min(k3["fp4-rollout"], k3["fp4-qat"]), k3
 
 
 def test_disaggregated_training_with_an_sglang_engine_rank(tmp_path):
