@@ -18,6 +18,7 @@ pack: the same elementwise arithmetic, so the same values.
 
 from __future__ import annotations
 
+import functools
 from itertools import pairwise
 
 import torch
@@ -72,10 +73,9 @@ class FP4CoreAttention(DotProductAttention):
         if cu is None:
             freqs = self.rope(query.shape[0])  # [S, 1, 1, d] float32
             return (apply_rotary_pos_emb(t, freqs, self.config) for t in (query, key))
-        lengths = torch.tensor([hi - lo for lo, hi in pairwise(cu)])
-        pos = torch.zeros(query.shape[0], dtype=torch.long)
-        pos[:cu[-1]] = torch.arange(cu[-1]) - torch.repeat_interleave(torch.tensor(cu[:-1]), lengths)
-        freqs = self.rope(int(lengths.max()) if len(lengths) else 1)[pos.to(query.device)]  # [T, 1, 1, d]
+        pos = _packed_positions(tuple(cu), query.shape[0], query.device)
+        longest = max((hi - lo for lo, hi in pairwise(cu)), default=1)
+        freqs = self.rope(max(longest, 1))[pos]  # [T, 1, 1, d]
         return (apply_rotary_pos_emb(t.unsqueeze(1), freqs, self.config).squeeze(1) for t in (query, key))
 
     def _packed(self, query, key, value, cu: list[int]):
@@ -102,3 +102,13 @@ class FP4CoreAttention(DotProductAttention):
     def _sdpa(self, q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
                                               enable_gqa=k.shape[1] != q.shape[1])
+
+
+@functools.lru_cache(maxsize=8)
+def _packed_positions(cu: tuple[int, ...], tokens: int, device) -> torch.Tensor:
+    """int64 [tokens] on `device`: each token's position in its packed sequence (0 after the last
+    one). Cached: every layer of a micro-batch's forward and recompute asks for the same."""
+    lengths = torch.tensor([hi - lo for lo, hi in pairwise(cu)], dtype=torch.long)
+    pos = torch.zeros(tokens, dtype=torch.long)
+    pos[:cu[-1]] = torch.arange(cu[-1]) - torch.repeat_interleave(torch.tensor(cu[:-1], dtype=torch.long), lengths)
+    return pos.to(device)
