@@ -332,7 +332,20 @@ class Experiment:
         return path
 
     def evaluate(self, kind: str, model_dir: Path, work: Path) -> dict:
-        """Serve the Megatron checkpoint `model_dir` as `kind` says and measure its accuracy."""
+        """Serve the Megatron checkpoint `model_dir` as `kind` says and measure its accuracy. Any
+        error is a RuntimeError naming the model, its traceback in the log: the trainers still
+        running go on (an evaluation once stopped every run of a session)."""
+        try:
+            return self._evaluate(kind, model_dir, work)
+        except (TimeUp, RuntimeError):
+            raise
+        except Exception as e:
+            import traceback
+
+            traceback.print_exc(file=sys.stdout)
+            raise RuntimeError(f"evaluating {model_dir} as {kind}: {type(e).__name__}: {e}") from e
+
+    def _evaluate(self, kind: str, model_dir: Path, work: Path) -> dict:
         import torch
 
         from megatron_trace.checkpoint.cli import convert_megatron_main, export_main, ptq_main
@@ -454,7 +467,7 @@ class Experiment:
                         tqdm.write(run_line(entry))
                     except TimeUp as e:
                         stopped.append(f"{mode} seed {seed}: {e}")
-                    except RuntimeError as e:  # a trainer or tool failed: the others go on; exit 1 at the end
+                    except Exception as e:  # noqa: BLE001 - a trainer or tool failed: the others go on; exit 1 at the end
                         tqdm.write(f"FAILED: {mode} seed {seed}: {e}")
                         self.failed = self.failed or f"{mode} seed {seed}: {e}"
         bar.close()

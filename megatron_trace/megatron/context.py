@@ -21,7 +21,7 @@ import torch
 
 from ..guidance.batch import GuidanceBatch
 from ..guidance.codec import GuidanceFormatError
-from ..guidance.record import SITES
+from ..guidance.record import SITES, GuidanceRecord
 from ..guidance.rows import RowGuidance
 
 
@@ -98,7 +98,7 @@ class MicroBatchGuidance:
             GuidanceFormatError: a sample or record is missing, or does not fit.
         """
         keep = None if layers is None else set(layers)
-        per_site: dict[tuple[int, str], list[RowGuidance]] = {}
+        per_site: dict[tuple[int, str], list[GuidanceRecord]] = {}
         experts: dict[int, list[torch.Tensor]] = {}
         num_tokens = 0
         for sid in sample_ids:
@@ -119,7 +119,7 @@ class MicroBatchGuidance:
                         raise GuidanceFormatError(
                             f"record for layer {key[0]} site {key[1]} belongs to {rec.header.sample_id!r} at weight "
                             f"version {rec.header.weight_version}, used for {owner!r} at version {version}")
-                    per_site.setdefault(key, []).append(RowGuidance.from_record(rec))
+                    per_site.setdefault(key, []).append(rec)
             for layer in set(group.routed_experts) | set(sample.routed_experts):
                 if keep is not None and layer not in keep:
                     continue
@@ -128,7 +128,7 @@ class MicroBatchGuidance:
                                               f"of {sid!r}")
                 experts.setdefault(layer, []).extend([group.routed_experts[layer], sample.routed_experts[layer]])
             num_tokens += group.prompt_len + sample.response_len
-        return cls(num_tokens, {k: RowGuidance.cat(v).with_row_ids() for k, v in per_site.items()},
+        return cls(num_tokens, {k: RowGuidance.from_records(v).with_row_ids() for k, v in per_site.items()},
                    {k: torch.cat(v).long() for k, v in experts.items()})
 
 

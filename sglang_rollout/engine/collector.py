@@ -4,9 +4,6 @@ and the streaming of finished groups to an `on_group` callback."""
 
 from __future__ import annotations
 
-from itertools import pairwise
-
-import numpy as np
 import torch
 
 from megatron_trace.guidance import GroupGuidance, GuidanceBatch, SampleGuidance, capture, capture_dense
@@ -16,31 +13,25 @@ from trace_kernels.fp4 import quantize
 
 from .config import EngineConfig
 from .model import rows_per_token
-from .sequence import Rows, Sequence
-
-
-def _host_array(t: torch.Tensor) -> np.ndarray:
-    """numpy view of a host tensor (BF16 through its int16 bits: numpy has no bfloat16)."""
-    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
-
-
-def _host_tensor(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    t = torch.from_numpy(a)
-    return t.view(dtype) if dtype == torch.bfloat16 else t
+from .row_store import RowStore
+from .sequence import Sequence
 
 
 class RolloutCollector:
     """Results and guidance of one `generate` call over `requests` (see the module docstring)."""
 
     def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, weight_version: int,
-                 requests: list[GroupRequest], on_group=None):
+                 requests: list[GroupRequest], on_group=None, max_new_tokens: int = 0):
         self.model_cfg, self.engine_cfg, self.weight_version = model_cfg, engine_cfg, weight_version
         self.order = [f"{r.group_id}/{i}" for r in requests for i in range(r.n)]
         self.group_sizes = {r.group_id: r.n for r in requests}
         self.results: dict[str, SampleResult] = {}
         self.guidance = GuidanceBatch()
         self.on_group, self.streamed = on_group, set()
-        self._row_dtypes: dict[tuple[int, str], tuple[torch.dtype, ...]] = {}  # of each (layer, site)'s parts
+        # captured rows and routed experts ("experts": [tokens, layers, top_k]) of the running sequences
+        slot = max((len(r.prompt_ids) for r in requests), default=1) + max_new_tokens
+        self.rows = RowStore(slot, lambda key: 1 if key == "experts" else rows_per_token(model_cfg, key[1]),
+                             slots=min(64, sum(r.n + 1 for r in requests)))
 
     def sample_ids(self, req: GroupRequest) -> list[str]:
         """The ids of a request's samples, "<group id>/<index>"."""
@@ -53,32 +44,21 @@ class RolloutCollector:
                                              tokens=[], logprobs=torch.zeros(0), finish_reason="error",
                                              weight_version=self.weight_version, error=error)
 
-    def split_rows(self, captured: dict, sizes: list[int]) -> dict[tuple[int, str], list[Rows]]:
-        """{(layer, site): one piece per segment} of a step's captured host rows (segments of
-        `sizes` tokens, in order), as numpy views: a numpy slice costs a tenth of a torch view,
-        and slicing every sequence, layer and site as torch views cost 50 ms a step at 8 guided
-        layers and batch 64 (host time)."""
-        pieces = {}
-        bounds = [0]
-        for m in sizes:
-            bounds.append(bounds[-1] + m)
-        for (layer, site), rows in captured.items():
-            per = rows_per_token(self.model_cfg, site)
-            parts = rows if isinstance(rows, tuple) else (rows,)
-            self._row_dtypes[(layer, site)] = tuple(t.dtype for t in parts)
-            arrays = [_host_array(t) for t in parts]
-            cut = [(a * per, b * per) for a, b in pairwise(bounds)]
-            if isinstance(rows, tuple):
-                pieces[(layer, site)] = [tuple(x[a:b] for x in arrays) for a, b in cut]
-            else:
-                pieces[(layer, site)] = [arrays[0][a:b] for a, b in cut]
-        return pieces
+    def add_rows(self, captured: dict, routed: torch.Tensor, segments: list[tuple[Sequence, int]]) -> None:
+        """One forward's captured host rows ({(layer, site): rows}) and routed experts
+        [tokens, layers, top_k] of `segments` ((sequence, new tokens), in order)."""
+        self.rows.write({**captured, "experts": routed}, segments)
+
+    def drop_rows(self, seq: Sequence) -> None:
+        """Forget a sequence's rows (a prompt whose guidance another job records)."""
+        self.rows.drop(seq)
 
     def record_prompt(self, prompt: Sequence) -> None:
         """A group's prompt guidance and routed experts, once its prefill is taken in."""
+        rows = self.rows.take(prompt)
         self.guidance.add_group(GroupGuidance(group_id=prompt.group_id, prompt_len=prompt.prompt_len,
-                                              records=self._records(prompt, prompt.group_id),
-                                              routed_experts=self._experts(prompt)))
+                                              records=self._records(rows, prompt.group_id),
+                                              routed_experts=self._experts(rows)))
 
     def finish(self, seq: Sequence) -> None:
         """A finished sample's result and guidance; its group is streamed once complete."""
@@ -86,10 +66,11 @@ class RolloutCollector:
                                                 tokens=seq.response,
                                                 logprobs=torch.tensor(seq.logprobs, dtype=torch.float32),
                                                 finish_reason=seq.finish_reason, weight_version=self.weight_version)
+        rows = self.rows.take(seq)
         self.guidance.add_sample(SampleGuidance(sample_id=seq.seq_id, group_id=seq.group_id,
                                                 response_len=len(seq.response), weight_version=self.weight_version,
-                                                records=self._records(seq, seq.seq_id),
-                                                routed_experts=self._experts(seq)))
+                                                records=self._records(rows, seq.seq_id),
+                                                routed_experts=self._experts(rows)))
         self.stream(seq.group_id)
 
     def stream(self, group_id: str) -> None:
@@ -108,22 +89,16 @@ class RolloutCollector:
             self.stream(group_id)
         return RolloutOutput([self.results[sid] for sid in self.order], self.guidance)
 
-    def _join_rows(self, key: tuple[int, str], pieces: list[Rows]):
-        """A sequence's pieces of one (layer, site), concatenated in token order as torch tensors."""
-        dtypes = self._row_dtypes[key]
-        if isinstance(pieces[0], tuple):
-            return tuple(_host_tensor(np.concatenate(parts), d)
-                         for parts, d in zip(zip(*pieces, strict=True), dtypes, strict=True))
-        return _host_tensor(np.concatenate(pieces), dtypes[0])
-
-    def _experts(self, seq: Sequence) -> dict[int, torch.Tensor]:
-        routed = torch.cat(seq.experts)  # [tokens, layers, top_k]
+    def _experts(self, rows: dict) -> dict[int, torch.Tensor]:
+        routed = rows["experts"]  # [tokens, layers, top_k]
         return {layer: routed[:, layer].contiguous() for layer in range(self.model_cfg.num_layers)}
 
-    def _records(self, seq: Sequence, owner: str) -> dict:
+    def _records(self, rows: dict, owner: str) -> dict:
         cfg, records = self.engine_cfg, {}
-        for layer, site in seq.rows[0] if seq.rows else ():
-            kept = self._join_rows((layer, site), [step[(layer, site)] for step in seq.rows])
+        for key, kept in rows.items():
+            if key == "experts":
+                continue
+            layer, site = key
             header = dict(model_id=cfg.model_id, layer=layer, site=site, sample_id=owner,
                           weight_version=self.weight_version, policy=cfg.guide)
             if isinstance(kept, tuple):  # (bits, scales, g) from the fused quantize kernel

@@ -11,8 +11,9 @@ from megatron_trace.modes import EnginePrecision
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """precision: an EnginePrecision, "bf16" or "fp4" (W4A4 + FP4 KV cache, docs/design.md section 3).
-    block_size: tokens per KV-cache block. num_blocks: KV-cache blocks (the token capacity is
-    block_size * num_blocks). max_batch_tokens: new tokens per forward (prefill chunks + decodes).
+    block_size: tokens per KV-cache block. num_blocks: KV-cache blocks the sequences use (the token
+    capacity is block_size * num_blocks; with CUDA graphs the cache holds one more, their scratch).
+    max_batch_tokens: new tokens per forward (prefill chunks + decodes).
     guide: layer policy of the guidance records ("none", "all", "deep:K", "layers:..."; routed
     experts are returned for every layer regardless). coding / tau / scale_coding: as
     `megatron_trace.guidance.capture`. model_id: written into every record's header.

@@ -43,11 +43,6 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     return out.copy_(t, non_blocking=True)
 
 
-def _from_pinned(t: torch.Tensor) -> torch.Tensor:
-    """A pageable copy of a pinned host tensor, so that sequences do not hold pinned memory."""
-    return t.clone() if t.is_pinned() else t
-
-
 def _device_index(values: list[int], device) -> torch.Tensor:
     """int64 [len(values)] on `device`, copied without a host synchronisation (a plain copy from
     pageable memory waits for the device's queue)."""
@@ -80,7 +75,10 @@ class TraceEngine:
         self.model_cfg, self.engine_cfg = model_cfg, engine_cfg
         fp4 = engine_cfg.precision is EnginePrecision.FP4
         self.weights = EngineWeights(model_cfg, fp4, engine_cfg.device)
-        self.cache = PagedKVCache(model_cfg.num_layers, engine_cfg.num_blocks, engine_cfg.block_size,
+        # CUDA graphs for decode steps; their padding rows write K/V into one more cache block,
+        # beyond the num_blocks the sequences use
+        graphs = bool(engine_cfg.cuda_graph_max_batch) and torch.device(engine_cfg.device).type == "cuda"
+        self.cache = PagedKVCache(model_cfg.num_layers, engine_cfg.num_blocks + graphs, engine_cfg.block_size,
                                   model_cfg.num_key_value_heads, model_cfg.head_dim, fp4, engine_cfg.device)
         self.runner = ModelRunner(model_cfg, self.weights, self.cache, fp4, engine_cfg.kernels)
         self.guided_layers = frozenset(LayerPolicy.parse(engine_cfg.guide).select(model_cfg.num_layers))
@@ -90,12 +88,9 @@ class TraceEngine:
         self.weight_version = -1
         self._torn: str | None = None  # why the weights are a mix of versions (an update failed part-way)
         self._expert_ids = expert_id_dtype(model_cfg.num_experts)
-        # CUDA graphs for decode steps; their padding rows write K/V into a cache block kept
-        # out of the scheduler's reach
         self.graphs = None
-        graphs = engine_cfg.cuda_graph_max_batch and torch.device(engine_cfg.device).type == "cuda"
         scratch = self.cache.allocator.allocate(1)[0] if graphs else None
-        self.scheduler = Scheduler(model_cfg, engine_cfg, self.cache, share_prompts, reserved=int(bool(graphs)))
+        self.scheduler = Scheduler(model_cfg, engine_cfg, self.cache, share_prompts)
         if graphs:
             self.graphs = DecodeGraphs(self.runner, engine_cfg.cuda_graph_max_batch, self.scheduler.context_limit,
                                        scratch, self.guided_layers, codes=self._capture_codes)
@@ -190,7 +185,8 @@ class TraceEngine:
         if self.weight_version < 0:
             raise RuntimeError("the engine has no weights yet: call update_weights first")
         check_group_ids(requests)
-        collector = RolloutCollector(self.model_cfg, self.engine_cfg, self.weight_version, requests, on_group)
+        collector = RolloutCollector(self.model_cfg, self.engine_cfg, self.weight_version, requests, on_group,
+                                     sampling.max_new_tokens)
         for req in requests:
             error = self.scheduler.check(req, sampling)
             if error:
@@ -269,16 +265,8 @@ class TraceEngine:
         finished, drawn tokens appended. Returns the samples that run (or feed) next."""
         if step.done is not None:
             step.done.synchronize()
-        routed = _from_pinned(step.routed)
-        captured = {key: map_rows(_from_pinned, rows) for key, rows in step.captured.items()}
-        pieces = collector.split_rows(captured, step.sizes)
         seqs = step.work.decodes + [job.prompt for job in step.work.prefills]  # in segment order
-        offset = 0
-        for i, (m, seq) in enumerate(zip(step.sizes, seqs, strict=True)):
-            seq.experts.append(routed[offset:offset + m])
-            if pieces:
-                seq.rows.append({key: parts[i] for key, parts in pieces.items()})
-            offset += m
+        collector.add_rows(step.captured, step.routed, list(zip(seqs, step.sizes, strict=True)))
         running = []
         for seq in step.work.decodes:
             if seq.status is Status.FINISHED:  # its last token is now fed
@@ -307,4 +295,6 @@ class TraceEngine:
         """The prefilled prompt's guidance recorded (once per group), then its samples forked."""
         if job.records_prompt:
             collector.record_prompt(job.prompt)
+        else:
+            collector.drop_rows(job.prompt)
         return self.scheduler.fork(job)

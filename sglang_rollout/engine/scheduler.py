@@ -39,13 +39,13 @@ class ScheduledStep:
 
 
 class Scheduler:
-    """Admission and KV-block accounting over `cache` (see the module docstring). `reserved`
-    blocks are kept out of the sequences' reach (the CUDA graphs' scratch block)."""
+    """Admission and KV-block accounting over `cache` (see the module docstring): the
+    sequences use engine_cfg.num_blocks blocks (the cache may hold more: the CUDA graphs' scratch
+    block)."""
 
-    def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, cache: PagedKVCache, share_prompts: bool,
-                 reserved: int = 0):
+    def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, cache: PagedKVCache, share_prompts: bool):
         self.model_cfg, self.engine_cfg, self.cache, self.share_prompts = model_cfg, engine_cfg, cache, share_prompts
-        self.capacity = engine_cfg.num_blocks - reserved  # KV blocks sequences can use
+        self.capacity = engine_cfg.num_blocks  # KV blocks sequences can use
         self.committed = 0  # worst-case KV blocks of the admitted jobs
         self.waiting: deque[PromptJob] = deque()
 

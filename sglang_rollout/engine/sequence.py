@@ -6,19 +6,11 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import numpy as np
-import torch
-
 
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-# A captured site's rows for one forward's share of a sequence: rows [r, K] as a numpy view, or
-# (mantissa bits [r, K/8], scale bytes [r, K/16], g [r]) from the fused quantize kernel.
-Rows = np.ndarray | tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 @dataclass(kw_only=True)
@@ -36,8 +28,10 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     key: int = 0  # its random stream (sampler.sample_key)
     finish_reason: str | None = None
-    rows: list[dict[tuple[int, str], Rows]] = field(default_factory=list)  # per forward, in token order
-    experts: list[torch.Tensor] = field(default_factory=list)  # routed expert chunks [r, layers, top_k]
+    # its captured rows and routed experts live in the generate call's RowStore: its slot there
+    # (-1: none yet) and how many tokens of rows it holds
+    row_slot: int = -1
+    rows_stored: int = 0
     job: PromptJob | None = None  # the prompt job a sample forked from
 
     @property

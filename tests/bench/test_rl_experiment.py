@@ -76,3 +76,21 @@ def test_the_report_from_a_recorded_state(rx, tmp_path):
     assert report["summary"]["bf16"]["eval"]["ptq-fp4"]["pooled"] == pytest.approx(61 / 100)
     assert report["state"]["runs"].keys() == state["runs"].keys()  # resumable from the report
     assert next(tmp_path.glob("rl_experiment_*.png")).stat().st_size > 10_000
+
+
+def test_a_failing_evaluation_is_a_runtime_error_naming_the_model(rx, tmp_path, capsys):
+    """Any error of an evaluation (here an HF directory whose config.json is empty, met when the
+    engine is built) reaches the experiment as a RuntimeError naming the model and the kind, its
+    traceback in the log: the experiment records it and its trainers go on (a MemoryError of the
+    calibration engine once ended a whole session's runs)."""
+    import argparse
+
+    s = rx.Settings(**(asdict(rx.Settings()) | rx.SMOKE))
+    args = argparse.Namespace(runs=str(tmp_path / "runs"), state=None, resume_from=[], time_limit=None, reserve=45)
+    exp = rx.Experiment(args, s)
+    work = tmp_path / "work"
+    (work / "hf").mkdir(parents=True)
+    (work / "hf" / "config.json").write_text("{}")  # converted already, as the experiment sees it
+    with pytest.raises(RuntimeError, match=rf"evaluating {tmp_path / 'model'} as bf16: \w+Error"):
+        exp.evaluate("bf16", tmp_path / "model", work)
+    assert "Traceback" in capsys.readouterr().out

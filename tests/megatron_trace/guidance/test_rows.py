@@ -116,3 +116,25 @@ def test_micro_batch_refuses_what_does_not_fit():
         MicroBatchGuidance(5, routed_experts={0: torch.zeros(4, 2, dtype=torch.long)})
     with pytest.raises(GuidanceFormatError, match="unknown FP4 site"):
         MicroBatchGuidance(8, sites={(0, "lm_head"): RowGuidance.from_record(record_for(torch.randn(8, 32))[0])})
+
+
+@pytest.mark.parametrize("coding", ["dense", "sparse"])
+def test_records_join_as_their_rows_do(coding):
+    """from_records (the micro-batch's join; dense records field by field) gives cat of each
+    record's rows, and the rows resolve to the engine's quantization of every record."""
+    xs = [matmul_two_orders(rows, 64, 64, seed=10 + rows)[0] for rows in (3, 8, 1)]
+    made = [record_for(x, coding) for x in xs]
+    records = [rec for rec, _ in made]
+    joined = RowGuidance.from_records(records)
+    one_by_one = RowGuidance.cat([RowGuidance.from_record(r) for r in records])
+    assert joined.kind == one_by_one.kind and joined.num_rows == 12
+    for name in ("g", "scales", "bits", "scale_known", "bit_known"):
+        a, b = getattr(joined, name), getattr(one_by_one, name)
+        assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b)), name
+    if coding == "dense":  # every bit shipped: exactly the engine's quantization of each record
+        g, scales, bits = joined.resolve(torch.cat(xs))
+        assert torch.equal(g, torch.cat([q.global_scale for _, q in made]))
+        assert torch.equal(scales.view(torch.uint8), torch.cat([q.block_scales.view(torch.uint8) for _, q in made]))
+        assert torch.equal(bits, torch.cat([pack_bits(unpack_codes(q.codes) & 1) for _, q in made]))
+    with pytest.raises(GuidanceFormatError, match="widths"):
+        RowGuidance.from_records([records[0], record_for(matmul_two_orders(2, 64, 32, seed=3)[0], coding)[0]])

@@ -1,6 +1,6 @@
 """The trainer's core attention on THD-packed sequences against a float64 causal attention
-computed per sequence by hand: lengths repeated, unique and of one token, padding at the end,
-GQA; values and the gradients of q, k and v."""
+computed per sequence by hand: lengths repeated, unique, of one token and across the length
+classes that are padded together, padding at the end, GQA; values and the gradients of q, k and v."""
 
 import math
 
@@ -10,7 +10,7 @@ from megatron.core.transformer.enums import AttnMaskType
 
 from megatron_trace.megatron.attention import FP4CoreAttention
 
-LENGTHS = [5, 5, 3, 5, 1, 3, 7]
+LENGTHS = [5, 5, 3, 5, 1, 3, 7, 9, 16, 2]  # length classes 1, 2, 4, 8, 16, padded within
 PAD = 2
 HEADS, KV_HEADS, D = 4, 2, 8
 

@@ -108,3 +108,21 @@ def test_overlapped_graph_steps_give_the_serial_outputs(precision, guide):
         assert (a.tokens, a.finish_reason) == (b.tokens, b.finish_reason)
         assert torch.equal(a.logprobs, b.logprobs)
     assert outs[False].guidance.to_bytes() == outs[True].guidance.to_bytes()
+
+
+def test_num_blocks_is_what_sequences_get_with_cuda_graphs():
+    """With CUDA graphs the scratch block comes on top of num_blocks: an engine sized to exactly
+    one sequence's blocks (as trace-ptq-fp4's calibration sizes it) scores and calibrates it, and
+    its log-probs and amaxes are those of an engine without graphs."""
+    cfg = PRESETS["tiny"]
+    tokens = torch.randint(0, cfg.vocab_size, (64,), generator=torch.Generator().manual_seed(0)).tolist()
+    weights = sc.random_full_state_dict(cfg)
+    results = []
+    for graphs in (8, 0):
+        engine = TraceEngine(cfg, EngineConfig(precision="fp4", block_size=16, num_blocks=4, device="cuda",
+                                               max_batch_tokens=64, cuda_graph_max_batch=graphs))
+        engine.update_weights(weights, 0)
+        assert (engine.graphs is not None) == bool(graphs)
+        results.append((engine.score(tokens), engine.activation_amax([tokens])))
+    assert torch.equal(results[0][0], results[1][0])
+    assert results[0][1] == results[1][1]

@@ -1,6 +1,7 @@
 """`trace-rl train --set rollout.backend=sglang`: the RL loop on SGLang's real Engine (on the
 CPU), colocated in each run mode and disaggregated under torchrun (two trainer ranks and an
-SGLang engine rank), and `rollout.sglang` checked against SGLang's own ServerArgs."""
+SGLang engine rank; two engine ranks against one), resumed after a kill, ended cleanly when its
+SGLang engine dies, and `rollout.sglang` checked against SGLang's own ServerArgs."""
 
 from __future__ import annotations
 
@@ -95,3 +96,90 @@ def test_disaggregated_training_with_an_sglang_engine_rank(tmp_path):
     for r in rows:  # guidance streamed from the SGLang engine rank to both trainer ranks and applied there
         assert r["residual_flip_rate"] == 0 and r["flip_rate"] > 0 and r["k3_kl"] < 1e-4
         assert r["weight_sync_bytes"] > 0 and r["guidance_bytes_per_token"] > 0
+
+
+def test_a_killed_run_on_sglang_resumes_as_it_would_have_continued(tmp_path):
+    """trace mode on a colocated SGLang engine, killed (SIGKILL) after its step-1 checkpoint: no
+    SGLang process outlives it, and the resumed run (a new engine, loaded from the checkpoint)
+    gives the uninterrupted run's metrics (SGLang samples from per-sample seeds)."""
+    import time
+
+    import psutil
+
+    sets = [*[s for s in SHORT if not s.startswith(("rl.steps", "checkpoint.every"))], "rl.steps=3",
+            "checkpoint.every=1", "rl.mode=trace"]
+
+    def cmd(out):
+        return [sys.executable, "-m", "megatron_trace.cli", "train",
+                *[a for s in [*sets, f"output_dir={out}"] for a in ("--set", s)]]
+
+    whole = subprocess.run(cmd(tmp_path / "whole"), env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(cmd(killed), env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    latest, deadline = killed / "checkpoints" / "latest", time.time() + 900
+    while not (latest.exists() and latest.read_text().strip() == "rl-000001") and proc.poll() is None:
+        assert time.time() < deadline, "the run never reached its step-1 checkpoint"
+        time.sleep(0.05)
+    children = psutil.Process(proc.pid).children(recursive=True)
+    assert children, "SGLang's processes should be running"
+    proc.kill()
+    proc.wait()
+    _, alive = psutil.wait_procs(children, timeout=60)
+    assert not alive, f"the killed run left processes behind: {[p.cmdline()[:3] for p in alive]}"
+    resumed = subprocess.run(cmd(killed), env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0 and "resuming from" in resumed.stdout, resumed.stderr[-3000:]
+    want, got = _rows(tmp_path / "whole"), _rows(killed)
+    assert [r["step"] for r in got] == [0, 1, 2]
+    untimed = [{k: v for k, v in r.items() if not k.endswith("_s")} for r in (*want, *got)]
+    assert untimed[3:] == untimed[:3]
+
+
+def test_a_dead_sglang_engine_ends_every_rank_with_a_clear_message(tmp_path):
+    """Disaggregated (a trainer rank and an SGLang engine rank): SGLang's host process killed
+    after the first step ends the whole job, naming what died, within two minutes, and leaves
+    no process behind."""
+    import time
+
+    import psutil
+
+    env = _env() | {"TRAINERS": "1", "ENGINES": "1"}
+    sets = [*[s for s in SHORT if not s.startswith("rl.steps")], "rl.steps=20", f"output_dir={tmp_path}"]
+    proc = subprocess.Popen(["bash", str(ROOT / "launch" / "local.sh"), *[a for s in sets for a in ("--set", s)]],
+                            env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    metrics, deadline = tmp_path / "metrics.jsonl", time.time() + 900
+    while not (metrics.exists() and metrics.read_text().strip()) and proc.poll() is None:
+        assert time.time() < deadline, "the run never finished its first step"
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.stderr.read()[-3000:]
+    tree = psutil.Process(proc.pid).children(recursive=True)
+    engine_rank = next(p for p in tree if p.environ().get("RANK") == "1")  # ranks: trainers, then engines
+    # the host: the engine rank's spawned child that runs SGLang's processes (not the resource tracker)
+    host = next(p for p in engine_rank.children() if "spawn_main" in " ".join(p.cmdline()) and p.children())
+    host.kill()
+    try:
+        _, stderr = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError("the job hung after its SGLang engine died") from None
+    assert proc.returncode != 0
+    assert "the SGLang engine's host process died" in stderr, stderr[-3000:]
+    _, alive = psutil.wait_procs(tree, timeout=60)
+    assert not alive, f"processes left behind: {[p.cmdline()[:3] for p in alive]}"
+
+
+def test_two_sglang_engine_ranks_give_the_run_one_gives(tmp_path):
+    """3 groups over 2 SGLang engine ranks (2 + 1) against one engine rank: samples are seeded
+    by their ids, so the step is the same."""
+    rows = {}
+    for engines in (1, 2):
+        out = tmp_path / str(engines)
+        env = _env() | {"TRAINERS": "1", "ENGINES": str(engines)}
+        sets = [*[s for s in SHORT if not s.startswith(("rl.steps", "rl.prompts_per_step"))], "rl.steps=1",
+                "rl.prompts_per_step=3", "rl.mode=trace", f"output_dir={out}"]
+        run = subprocess.run(["bash", str(ROOT / "launch" / "local.sh"), *[a for s in sets for a in ("--set", s)]],
+                             env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+        assert run.returncode == 0, run.stderr[-3000:]
+        (row,) = _rows(out)
+        rows[engines] = {k: v for k, v in row.items() if not k.endswith("_s")}
+    assert rows[1] == rows[2] and rows[2]["residual_flip_rate"] == 0
