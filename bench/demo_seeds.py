@@ -76,6 +76,7 @@ def main() -> None:
     isa = os.environ.get("ATEN_CPU_CAPABILITY", "")
     caps = " ".join(f"{k}={os.environ[k]}" for k in ("ATEN_CPU_CAPABILITY", "DNNL_MAX_CPU_ISA") if k in os.environ)
     date = datetime.date.today().isoformat()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     stem = Path(args.out) / f"demo_seeds_{date}_cpu{'-' + isa if isa else ''}"
     flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
     cpu = f"{platform.machine()}, {'/'.join(f for f in ('avx512_bf16', 'amx_bf16') if f in flags) or 'no BF16 ISA'}"
