@@ -83,9 +83,9 @@ class FP4CoreAttention(DotProductAttention):
         sequences of many lengths, and a call per sequence (or per distinct length: ~35 per
         layer in an RL step, 4.5 s of a 12-layer model's step on an H200) costs far more in
         launches than in math. Sequences are grouped by length class and right-padded to its
-        power-of-two width: causal masking keeps every real query from the
-        padding after it, so each sequence still attends exactly to itself; the padded rows'
-        outputs are dropped (their gradients are zero)."""
+        power-of-two width: causal masking keeps every real query from the padding after it, so
+        each sequence still attends exactly to itself; the padded rows' outputs are dropped
+        (their gradients are zero)."""
         groups, keep, dest = _attention_groups(tuple(cu), query.device)
         if not groups:
             return query.new_zeros(query.shape[0], query.shape[1] * query.shape[2])

@@ -116,7 +116,7 @@ def eval_engine(model_cfg: ModelConfig, precision: EnginePrecision | str, proble
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     return make_backend(engine, model_cfg, precision=EnginePrecision(precision), device=device, guide="none",
-                        num_blocks=kv_blocks(problems, 1, prompt_tokens, max_new_tokens) + 1,
+                        num_blocks=kv_blocks(problems, 1, prompt_tokens, max_new_tokens),
                         max_batch_tokens=max(2048, prompt_tokens * min(problems, 64)), model_id="eval")
 
 

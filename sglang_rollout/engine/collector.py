@@ -21,7 +21,7 @@ class RolloutCollector:
     """Results and guidance of one `generate` call over `requests` (see the module docstring)."""
 
     def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, weight_version: int,
-                 requests: list[GroupRequest], on_group=None, max_new_tokens: int = 0):
+                 requests: list[GroupRequest], on_group, max_new_tokens: int):
         self.model_cfg, self.engine_cfg, self.weight_version = model_cfg, engine_cfg, weight_version
         self.order = [f"{r.group_id}/{i}" for r in requests for i in range(r.n)]
         self.group_sizes = {r.group_id: r.n for r in requests}
