@@ -2,6 +2,7 @@
 
     python bench/demo_seeds.py                      # seeds 0 1 2, two runs at a time, one thread each
     python bench/demo_seeds.py --seeds 3,4 --parallel 1
+    python bench/demo_seeds.py --set rl.steps=60 --out /tmp/trial   # a candidate default, beside today's
 
 Each seed runs `trace-rl train --set seed=<s>` exactly as `make demo` does (OMP_NUM_THREADS=1),
 and writes bench/results/demo_seeds_<date>_cpu[-<isa>].{md,json,png}: per seed the mean reward
@@ -28,13 +29,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_seed(seed: int, runs: Path) -> dict:
+def run_seed(seed: int, runs: Path, sets: list[str]) -> dict:
     out = runs / f"seed{seed}"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     t0 = time.perf_counter()
     with (runs / f"seed{seed}.log").open("w") as log:
         subprocess.run([sys.executable, "-c", "from megatron_trace.quiet import trace_rl; trace_rl()", "train",
-                        "--set", f"seed={seed}", "--set", f"output_dir={out}"],
+                        "--set", f"seed={seed}", "--set", f"output_dir={out}",
+                        *(a for x in sets for a in ("--set", x))],
                        check=True, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     rewards = [r["reward"] for r in rows]
@@ -67,12 +69,14 @@ def main() -> None:
     ap.add_argument("--parallel", type=int, default=2, help="runs at a time (one CPU thread each)")
     ap.add_argument("--runs", default="runs/demo_seeds")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a `trace-rl --set` override on top of the embedded default (repeatable)")
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     runs = Path(args.runs).resolve()
     runs.mkdir(parents=True, exist_ok=True)
     with ThreadPoolExecutor(args.parallel) as pool:
-        results = list(pool.map(lambda s: run_seed(s, runs), seeds))
+        results = list(pool.map(lambda s: run_seed(s, runs, args.set), seeds))
     isa = os.environ.get("ATEN_CPU_CAPABILITY", "")
     caps = " ".join(f"{k}={os.environ[k]}" for k in ("ATEN_CPU_CAPABILITY", "DNNL_MAX_CPU_ISA") if k in os.environ)
     date = datetime.date.today().isoformat()
@@ -84,7 +88,7 @@ def main() -> None:
         cpu += f"; kernels capped by {caps}"
     meta = {"date": date, "machine": f"{os.cpu_count()} CPU cores ({cpu})", "parallel": args.parallel,
             "command": f"{caps + ' ' if caps else ''}python bench/demo_seeds.py --seeds {args.seeds} "
-                       f"--parallel {args.parallel}"}
+                       f"--parallel {args.parallel}" + "".join(f" --set {x}" for x in args.set)}
     stem.with_suffix(".json").write_text(json.dumps({**meta, "results": results}, indent=1))
     plot(results, stem.with_suffix(".png"))
     lines = [f"# `make demo` on {len(seeds)} seeds ({date}, {meta['machine']})", "",

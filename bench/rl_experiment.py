@@ -92,21 +92,35 @@ SMOKE = dict(preset="demo", sft_steps=60, sft_batch=16, sft_lr=3e-3, rl_steps=3,
 
 
 def mode_sets(mode: str) -> list[str]:
-    """The `--set` overrides of an experiment mode name."""
+    """The `--set` overrides of an experiment mode name: `bf16`, `fp4-rollout`, `fp4-qat`,
+    `trace-all`, `trace-deep<K>`, `trace-sparse`, each optionally with `@lr=<float>` for its own RL
+    learning rate (a sweep sharing the one SFT model, e.g. `bf16@lr=1e-5`)."""
+    base, at, lr = mode.partition("@lr=")
     fixed = {"bf16": ["rl.mode=bf16"], "fp4-rollout": ["rl.mode=fp4-rollout"], "fp4-qat": ["rl.mode=fp4-qat"],
              "trace-all": ["rl.mode=trace", "rl.guide=all"],
              "trace-sparse": ["rl.mode=trace", "rl.guide=all", "rl.coding=sparse"]}
-    if mode in fixed:
-        return fixed[mode]
-    if m := re.fullmatch(r"trace-deep(\d+)", mode):
-        return ["rl.mode=trace", f"rl.guide=deep:{m[1]}"]
-    raise SystemExit(f"unknown mode {mode!r}: bf16, fp4-rollout, fp4-qat, trace-all, trace-deep<K>, trace-sparse")
+    if base in fixed:
+        sets = fixed[base]
+    elif m := re.fullmatch(r"trace-deep(\d+)", base):
+        sets = ["rl.mode=trace", f"rl.guide=deep:{m[1]}"]
+    else:
+        raise SystemExit(f"unknown mode {mode!r}: bf16, fp4-rollout, fp4-qat, trace-all, trace-deep<K>, "
+                         "trace-sparse, optionally with @lr=<float>")
+    if at:
+        try:
+            if not float(lr) > 0:
+                raise ValueError
+        except ValueError:
+            raise SystemExit(f"mode {mode!r}: @lr= needs a positive number, got {lr!r}") from None
+        sets = [*sets, f"rl.lr={lr}"]  # after the experiment's rl.lr: the later --set wins
+    return sets
 
 
 def eval_kinds(mode: str) -> list[str]:
     """How a mode's final policy is served: FP4-trained ones as their FP4 export; BF16-trained
     ones in BF16 (the ceiling) and rounded to FP4 after training (PTQ)."""
-    return ["bf16", "ptq-fp4"] if mode in ("bf16", "fp4-rollout", "sft") else ["fp4-export"]
+    base = mode.partition("@")[0]
+    return ["bf16", "ptq-fp4"] if base in ("bf16", "fp4-rollout", "sft") else ["fp4-export"]
 
 
 EVAL_LABELS = {"fp4-export": "trace-export-fp4 -> FP4 engine", "ptq-fp4": "trace-ptq-fp4 -> FP4 engine",
@@ -627,7 +641,8 @@ def report(exp: Experiment, modes: list[str], seeds: list[int], complete: bool) 
              + (" (**more than one**: SFT was redone on a fresh machine and differed; runs record theirs)"
                 if len(state["sft"]["fingerprints"]) > 1 else "") + ".",
              f"- GRPO: {s.rl_steps} steps of {s.prompts_per_step} prompts x {s.group_size} samples, "
-             f"{s.mini_batches} mini-batch(es) per step, lr {s.rl_lr}, temperature {s.temperature}, "
+             f"{s.mini_batches} mini-batch(es) per step, lr {s.rl_lr} (a mode named `@lr=X` uses X), "
+             f"temperature {s.temperature}, "
              f"max {exp.max_new_tokens} new tokens; seeds {', '.join(map(str, seeds))} (a seed fixes the prompts and "
              "sampling seeds for every mode).",
              f"- Evaluation: {s.eval_n} held-out problems (`ChainTask.eval_problems(seed={s.eval_seed})`, disjoint "

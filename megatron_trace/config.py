@@ -138,7 +138,7 @@ class RLSection(Section):
 
     NAME: ClassVar[str] = "rl"
 
-    steps: int = 40
+    steps: int = 60
     """RL steps (each: rollout, `mini_batches` x `epochs` optimizer steps, weight sync)."""
     prompts_per_step: int = 16
     """Prompts drawn per step (GRPO groups)."""
@@ -162,7 +162,7 @@ class RLSection(Section):
     """Trainer micro-batches of at most this many tokens (gradients accumulate); 0: all of a rank's samples at once."""
     temperature: float = 1.0
     """Sampling temperature of the rollouts."""
-    lr: float = 3e-4
+    lr: float = 4e-4
     """AdamW learning rate."""
     mode: RunMode = RunMode.TRACE
     """Engine and trainer precision (`modes.RunMode`): `bf16`, `fp4-rollout` (FP4 engine, BF16

@@ -2,15 +2,23 @@
 the compact cache's record and batch formats, layer policies and flip-rate metrics."""
 
 from .batch import GroupGuidance, GuidanceBatch, SampleGuidance, expert_id_dtype
-from .capture import DEFAULT_TAU, capture, capture_dense, guided_inputs
+from .capture import (
+    DEFAULT_SCALE_TAU,
+    DEFAULT_TAU,
+    capture,
+    capture_dense,
+    capture_sparse,
+    guided_inputs,
+    sparse_parts,
+)
 from .codec import GuidanceFormatError, decode_positions, encode_positions
 from .metrics import FlipStats, calibrate_tau, code_flips
 from .policy import LayerPolicy
 from .record import FORMAT_VERSION, SITES, Coding, GuidanceRecord, RecordHeader
 
 __all__ = [
-    "DEFAULT_TAU", "FORMAT_VERSION", "SITES", "Coding", "FlipStats", "GroupGuidance", "GuidanceBatch",
-    "GuidanceFormatError", "GuidanceRecord", "LayerPolicy", "RecordHeader", "SampleGuidance", "calibrate_tau",
-    "capture", "capture_dense", "code_flips", "decode_positions", "encode_positions", "expert_id_dtype",
-    "guided_inputs",
+    "DEFAULT_SCALE_TAU", "DEFAULT_TAU", "FORMAT_VERSION", "SITES", "Coding", "FlipStats", "GroupGuidance",
+    "GuidanceBatch", "GuidanceFormatError", "GuidanceRecord", "LayerPolicy", "RecordHeader", "SampleGuidance",
+    "calibrate_tau", "capture", "capture_dense", "capture_sparse", "code_flips", "decode_positions",
+    "encode_positions", "expert_id_dtype", "guided_inputs", "sparse_parts",
 ]

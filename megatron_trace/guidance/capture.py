@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from trace_kernels.fp4 import QTensor, mantissa_bits, pack_bits, unpack_codes
+from trace_kernels.fp4 import QTensor, mantissa_bits, pack_bits
 from trace_kernels.fp4.formats import E2M1_ROUNDING_BOUNDARIES
 from trace_kernels.fp4.reference import (
     nvfp4_block_amax,
@@ -82,26 +82,96 @@ def capture(
     coding = Coding(coding)
     if q.fmt.value != "nvfp4" or not q.is_row_scaled or tuple(q.shape) != tuple(x_RK.shape) or x_RK.dim() != 2:
         raise GuidanceFormatError("capture needs 2-D rows and their row-scaled NVFP4 QTensor of the same shape")
-    rows, cols = x_RK.shape
     g_R1 = q.global_scale
     if coding is Coding.DENSE:
         return capture_dense(mantissa_bits(q.codes), q.block_scales.view(torch.uint8), g_R1.reshape(-1),
                              model_id=model_id, layer=layer, site=site, sample_id=sample_id,
                              weight_version=weight_version, policy=policy)
-    payload = {"g": g_R1.reshape(-1).float().cpu()}
-    header = dict(model_id=model_id, layer=layer, site=site, rows=rows, cols=cols, sample_id=str(sample_id),
-                  weight_version=weight_version, policy=policy, coding=coding)
+    header = dict(model_id=model_id, layer=layer, site=site, sample_id=sample_id, weight_version=weight_version,
+                  policy=policy)
+    return capture_sparse(*sparse_parts(x_RK, q, tau, scale_coding, scale_tau), **header, tau=tau,
+                          scale_coding=scale_coding, scale_tau=scale_tau)
 
-    elem_idx = (boundary_distance_ulps(nvfp4_scaled_values(x_RK, g_R1, q.block_scales))
-                < tau).reshape(-1).nonzero().reshape(-1)
-    payload |= {"elem_pos": encode_positions(elem_idx),
-                "elem_bits": pack_padded_bits(unpack_codes(q.codes).reshape(-1)[elem_idx] & 1).cpu()}
-    scale_bytes = q.block_scales.view(torch.uint8).reshape(-1)
+
+def sparse_parts(
+    x_RK: torch.Tensor,
+    q: QTensor,
+    tau: float = DEFAULT_TAU,
+    scale_coding: str = "lsb",
+    scale_tau: float = DEFAULT_SCALE_TAU,
+) -> tuple[torch.Tensor, ...]:
+    """What a sparse record keeps about rows x_RK and their row-scaled NVFP4 QTensor q, as
+    row-aligned tensors on x's device: the engine computes them for a whole step's rows on the
+    GPU and slices them per sequence (quantizing each sequence's host rows again cost most of a
+    sparse RL step's host time).
+
+    Returns:
+        (mantissa bits uint8 [R, K/8] (element i in bit i % 8 of byte i // 8), block scale bytes
+         uint8 [R, K/16], g float32 [R], near-boundary elements uint8 [R, K/8] packed alike
+         (within `tau` BF16 ulps of an E2M1 rounding boundary)), and with scale_coding "near" a
+        fifth part: uint8 [R, K/16], 1 for the block scales within `scale_tau` ulps (or of an
+        all-zero block). `capture_sparse` turns a slice of them into the record.
+    """
+    if scale_coding not in ("lsb", "near"):
+        raise GuidanceFormatError(f"scale_coding must be 'lsb' or 'near', got {scale_coding!r}")
+    if q.fmt.value != "nvfp4" or not q.is_row_scaled or tuple(q.shape) != tuple(x_RK.shape) or x_RK.dim() != 2:
+        raise GuidanceFormatError("sparse_parts needs 2-D rows and their row-scaled NVFP4 QTensor of the same shape")
+    g_R1, scales = q.global_scale, q.block_scales
+    # in row chunks: the distance to every boundary is a [rows, K, boundaries] float32 tensor
+    n = max(1, (1 << 22) // x_RK.shape[1])
+    near = x_RK.new_zeros(x_RK.shape, dtype=torch.bool)
+    for i in range(0, x_RK.shape[0], n):
+        v = nvfp4_scaled_values(x_RK[i:i + n], g_R1[i:i + n], scales[i:i + n])
+        near[i:i + n] = boundary_distance_ulps(v) < tau
+    parts = (mantissa_bits(q.codes), q.block_scales.view(torch.uint8), g_R1.reshape(-1).float(),
+             pack_bits(near.to(torch.uint8)))
+    if scale_coding == "near":
+        parts += (scale_margin_mask(nvfp4_block_amax(x_RK), g_R1, scale_tau).to(torch.uint8),)
+    return parts
+
+
+def unpack_bits(bits_RK8: torch.Tensor) -> torch.Tensor:
+    """uint8 [R, K/8] (element i in bit i % 8 of byte i // 8) -> uint8 0/1 [R, K]."""
+    shifts = torch.arange(8, device=bits_RK8.device, dtype=torch.uint8)
+    return ((bits_RK8.unsqueeze(-1) >> shifts) & 1).reshape(bits_RK8.shape[0], -1)
+
+
+def capture_sparse(
+    bits_RK8: torch.Tensor,
+    scales_RB: torch.Tensor,
+    g_R: torch.Tensor,
+    near_RK8: torch.Tensor,
+    scale_near_RB: torch.Tensor | None = None,
+    *,
+    model_id: str,
+    layer: int,
+    site: str,
+    sample_id: str,
+    weight_version: int,
+    policy: str,
+    tau: float = DEFAULT_TAU,
+    scale_coding: str = "lsb",
+    scale_tau: float = DEFAULT_SCALE_TAU,
+) -> GuidanceRecord:
+    """A sparse guidance record from (a row slice of) `sparse_parts`: g always, the mantissa
+    bits of the near-boundary elements with their positions, block scales by `scale_coding`
+    ("lsb": every scale's last bit; "near": the marked scales with their positions).
+    Payload tensors on the CPU."""
+    if (scale_coding == "near") != (scale_near_RB is not None):
+        raise GuidanceFormatError(f"capture_sparse: scale_coding {scale_coding!r} "
+                                  f"{'needs' if scale_coding == 'near' else 'takes no'} marked scales")
+    rows, cols = bits_RK8.shape[0], bits_RK8.shape[1] * 8
+    header = dict(model_id=model_id, layer=layer, site=site, rows=rows, cols=cols, sample_id=str(sample_id),
+                  weight_version=weight_version, policy=policy, coding=Coding.SPARSE)
+    elem_idx = unpack_bits(near_RK8).reshape(-1).nonzero().reshape(-1)
+    payload = {"g": g_R.reshape(-1).float().cpu(), "elem_pos": encode_positions(elem_idx),
+               "elem_bits": pack_padded_bits(unpack_bits(bits_RK8).reshape(-1)[elem_idx]).cpu()}
+    scale_bytes = scales_RB.reshape(-1)
     if scale_coding == "lsb":
         payload["scale_bits"] = pack_padded_bits(scale_bytes & 1).cpu()
         n_scales = scale_bytes.numel()
     else:
-        scale_idx = scale_margin_mask(nvfp4_block_amax(x_RK), g_R1, scale_tau).reshape(-1).nonzero().reshape(-1)
+        scale_idx = scale_near_RB.reshape(-1).nonzero().reshape(-1)
         payload |= {"scale_pos": encode_positions(scale_idx), "scale_val": scale_bytes[scale_idx].cpu()}
         n_scales = scale_idx.numel()
     return GuidanceRecord(RecordHeader(**header, tau=tau, scale_coding=scale_coding,

@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import torch
 
-from megatron_trace.guidance import GroupGuidance, GuidanceBatch, SampleGuidance, capture, capture_dense
+from megatron_trace.guidance import (
+    GroupGuidance,
+    GuidanceBatch,
+    SampleGuidance,
+    capture,
+    capture_dense,
+    capture_sparse,
+)
 from megatron_trace.model_config import ModelConfig
 from megatron_trace.rollout import GroupRequest, RolloutOutput, SampleResult
 from trace_kernels.fp4 import quantize
@@ -101,10 +108,12 @@ class RolloutCollector:
             layer, site = key
             header = dict(model_id=cfg.model_id, layer=layer, site=site, sample_id=owner,
                           weight_version=self.weight_version, policy=cfg.guide)
-            if isinstance(kept, tuple):  # (bits, scales, g) from the fused quantize kernel
+            if isinstance(kept, tuple) and cfg.coding == "dense":  # (bits, scales, g) of the fused quantize kernel
                 records[(layer, site)] = capture_dense(*kept, **header)
-                continue
-            sparse = {} if cfg.coding == "dense" else {"tau": cfg.tau, "scale_coding": cfg.scale_coding}
-            records[(layer, site)] = capture(kept, quantize(kept, "nvfp4", scale="row"), **header, coding=cfg.coding,
-                                             **sparse)
+            elif isinstance(kept, tuple):  # guidance.sparse_parts, computed by the engine for the whole step
+                records[(layer, site)] = capture_sparse(*kept, **header, tau=cfg.tau, scale_coding=cfg.scale_coding)
+            else:  # the rows themselves
+                sparse = {} if cfg.coding == "dense" else {"tau": cfg.tau, "scale_coding": cfg.scale_coding}
+                records[(layer, site)] = capture(kept, quantize(kept, "nvfp4", scale="row"), **header,
+                                                 coding=cfg.coding, **sparse)
         return records

@@ -17,11 +17,12 @@ from dataclasses import dataclass
 import torch
 
 from megatron_trace.checkpoint.audit import table_from_weights
-from megatron_trace.guidance import LayerPolicy, expert_id_dtype
+from megatron_trace.guidance import LayerPolicy, expert_id_dtype, sparse_parts
 from megatron_trace.model_config import ModelConfig
 from megatron_trace.modes import EnginePrecision
 from megatron_trace.rollout import GroupRequest, RolloutOutput, SamplingParams, check_group_ids
 from megatron_trace.weight_buckets import Coverage, read_bucket
+from trace_kernels.fp4 import quantize
 
 from .collector import RolloutCollector
 from .config import EngineConfig
@@ -83,8 +84,10 @@ class TraceEngine:
         self.runner = ModelRunner(model_cfg, self.weights, self.cache, fp4, engine_cfg.kernels)
         self.guided_layers = frozenset(LayerPolicy.parse(engine_cfg.guide).select(model_cfg.num_layers))
         # dense records come straight from the fused quantize kernel (bits, scales, g); sparse
-        # coding needs the rows themselves (their distance to rounding boundaries)
+        # coding needs the rows themselves (their distance to rounding boundaries), turned into
+        # row-aligned parts on the device a step at a time (`_sparse_parts`)
         self._capture_codes = fp4 and engine_cfg.coding == "dense"
+        self._capture_sparse = fp4 and engine_cfg.coding == "sparse"
         self.weight_version = -1
         self._torn: str | None = None  # why the weights are a mix of versions (an update failed part-way)
         self._expert_ids = expert_id_dtype(model_cfg.num_experts)
@@ -251,6 +254,8 @@ class TraceEngine:
         # type that holds the ids (as they travel to the trainer)
         routed = _to_host(torch.stack([routed[layer] for layer in range(self.model_cfg.num_layers)], 1)
                           .to(self._expert_ids))
+        if self._capture_sparse:
+            captured = {key: self._sparse_parts(rows) for key, rows in captured.items()}
         captured = {key: map_rows(_to_host, rows) for key, rows in captured.items()}  # one copy per layer and site
         done = None
         if logits.is_cuda:
@@ -258,6 +263,12 @@ class TraceEngine:
             done.record()
         return LaunchedStep(work=work, sizes=[len(seg.token_ids) for seg in work.segments], draws=draws, tokens=tokens,
                             drawn=drawn, routed=routed, captured=captured, done=done)
+
+    def _sparse_parts(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A step's captured rows [R, K] of one site -> what its sparse records keep
+        (guidance.sparse_parts), computed where the rows are, for every sequence at once."""
+        cfg = self.engine_cfg
+        return sparse_parts(rows, quantize(rows, "nvfp4", scale="row"), cfg.tau, cfg.scale_coding)
 
     def _take(self, step: LaunchedStep, sampling: SamplingParams, collector: RolloutCollector) -> list[Sequence]:
         """Take in a launched step's results (waiting for its copies): routed experts and

@@ -29,6 +29,13 @@ def test_modes_name_their_settings_and_how_they_are_served(rx):
     with pytest.raises(SystemExit, match="unknown mode"):
         rx.mode_sets("trace-deep")
     assert rx.eval_kinds("bf16") == ["bf16", "ptq-fp4"] and rx.eval_kinds("trace-all") == ["fp4-export"]
+    # a learning-rate sweep: the mode's own rl.lr comes after the experiment's, so it wins
+    assert rx.mode_sets("bf16@lr=1e-5") == ["rl.mode=bf16", "rl.lr=1e-5"]
+    assert rx.eval_kinds("bf16@lr=1e-5") == ["bf16", "ptq-fp4"]
+    assert rx.eval_kinds("trace-deep4@lr=3e-6") == ["fp4-export"]
+    for bad in ("bf16@lr=", "bf16@lr=fast", "bf16@lr=-1e-5", "bf17@lr=1e-5"):
+        with pytest.raises(SystemExit, match="mode"):
+            rx.mode_sets(bad)
 
 
 def _entry(mode, seed, steps, evals, reward=0.5):

@@ -14,10 +14,12 @@ from megatron_trace.guidance import (
     SampleGuidance,
     calibrate_tau,
     capture,
+    capture_sparse,
     code_flips,
     decode_positions,
     encode_positions,
     guided_inputs,
+    sparse_parts,
 )
 from tests.support.guidance import CODINGS, matmul_two_orders, record_for
 from trace_kernels.fp4 import quantize, quantize_guided, unpack_codes
@@ -72,6 +74,39 @@ def test_scale_lsbs_recover_engine_scales_under_drift_below_half_an_e4m3_step():
     lsb = s_e.view(torch.uint8) & 1
     assert not torch.equal(nvfp4_block_scales(amax_t, gs).view(torch.uint8), s_e.view(torch.uint8))
     assert torch.equal(nvfp4_block_scales_guided(amax_t, gs, lsb).view(torch.uint8), s_e.view(torch.uint8))
+
+
+@pytest.mark.parametrize("scale_coding", ["lsb", "near"])
+def test_sparse_parts_of_a_whole_step_sliced_per_sequence_give_each_sequences_record(scale_coding):
+    # the engine computes sparse_parts once over a step's rows (all its sequences) and slices
+    # them per sequence: each slice must give the record of that sequence's rows alone
+    x, _ = matmul_two_orders(48, 96, 256, seed=4)
+    x[5:9] = 0.0  # all-zero rows: every block scale is "near"
+    parts = sparse_parts(x, quantize(x, scale="row"), 2.0, scale_coding)
+    header = dict(model_id="m", layer=1, site="qkv", weight_version=3, policy="all")
+    for lo, hi in ((0, 7), (7, 30), (30, 48)):
+        ref = capture(x[lo:hi], quantize(x[lo:hi], scale="row"), **header, sample_id="s", coding="sparse",
+                      tau=2.0, scale_coding=scale_coding)
+        got = capture_sparse(*(p[lo:hi] for p in parts), **header, sample_id="s", tau=2.0, scale_coding=scale_coding)
+        assert got.header == ref.header and got.payload.keys() == ref.payload.keys()
+        for k in ref.payload:
+            assert torch.equal(got.payload[k], ref.payload[k]), k
+        assert 0 < got.header.n_elems < (hi - lo) * 256  # a real selection, not all or nothing
+    # positions and bits against a float64 re-derivation of the selection
+    from megatron_trace.guidance.capture import BF16_ULP, MAGNITUDE_FLOOR
+    from trace_kernels.fp4.formats import E2M1_ROUNDING_BOUNDARIES
+    from trace_kernels.fp4.reference import nvfp4_scaled_values
+
+    q = quantize(x, scale="row")
+    v = nvfp4_scaled_values(x, q.global_scale, q.block_scales).double().abs()
+    dist = (v[..., None] - torch.tensor(E2M1_ROUNDING_BOUNDARIES, dtype=torch.float64)).abs().amin(-1)
+    want = (dist / (BF16_ULP * v.clamp(min=MAGNITUDE_FLOOR)) < 2.0).reshape(-1).nonzero().reshape(-1)
+    rec = capture_sparse(*parts, **header, sample_id="s", tau=2.0, scale_coding=scale_coding)
+    assert torch.equal(decode_positions(rec.payload["elem_pos"], rec.header.n_elems, x.numel()), want)
+    with pytest.raises(GuidanceFormatError, match="marked scales"):
+        capture_sparse(*parts[:4], **header, sample_id="s", scale_coding="near")
+    with pytest.raises(GuidanceFormatError, match="scale_coding"):
+        sparse_parts(x, q, 2.0, "every")
 
 
 def test_sparse_on_realistic_drift_leaves_few_residual_flips():
