@@ -266,9 +266,11 @@ class TraceEngine:
 
     def _sparse_parts(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """A step's captured rows [R, K] of one site -> what its sparse records keep
-        (guidance.sparse_parts), computed where the rows are, for every sequence at once."""
+        (guidance.sparse_parts), computed where the rows are, for every sequence at once. No
+        finiteness check: it would wait for the device at every site (the forward's own
+        quantization of these rows, fake_quantize_rows, does not check either)."""
         cfg = self.engine_cfg
-        return sparse_parts(rows, quantize(rows, "nvfp4", scale="row"), cfg.tau, cfg.scale_coding)
+        return sparse_parts(rows, quantize(rows, "nvfp4", scale="row", check_finite=False), cfg.tau, cfg.scale_coding)
 
     def _take(self, step: LaunchedStep, sampling: SamplingParams, collector: RolloutCollector) -> list[Sequence]:
         """Take in a launched step's results (waiting for its copies): routed experts and
