@@ -89,7 +89,9 @@ def test_a_killed_run_resumes_as_it_would_have_continued(tmp_path):
     assert [e.step for e in ea.Scalars("reward")] == [0, 1, 2, 3]
     # a changed setting that a resumed run cannot take is named
     bad = subprocess.run(_train_cmd(killed, "--set", "rl.lr=0.1"), env=env, capture_output=True, text=True)
-    assert bad.returncode != 0 and "config rl.lr was 0.0003, now 0.1" in bad.stderr
+    from megatron_trace.config import TrainConfig
+
+    assert bad.returncode != 0 and f"config rl.lr was {TrainConfig().rl.lr}, now 0.1" in bad.stderr
 
 
 def test_a_budget_policy_guides_the_layers_that_flip_most_within_its_bytes(tmp_path):
