@@ -38,14 +38,15 @@ def pack_bits(bits: torch.Tensor) -> torch.Tensor:
     """Pack booleans (or 0/1 integers) eight per byte along the last dimension.
 
     Args:
-        bits: bool or integer [..., N] of 0/1, N a multiple of 8.
+        bits: bool or integer [..., N] of 0/1, N a multiple of 8. Integer values are checked
+            (one host synchronisation on the GPU); bools are 0/1 by construction and are not.
     Returns:
         uint8 [..., N/8]; element 8j+i in bit i of byte j (little-endian bit order).
     """
     if bits.dim() == 0 or bits.shape[-1] % 8:
         raise ValueError(f"pack_bits needs a last dimension divisible by 8, got {tuple(bits.shape)}")
     b = bits.to(torch.uint8).reshape(*bits.shape[:-1], -1, 8)
-    if b.numel() and int(b.max()) > 1:
+    if bits.dtype != torch.bool and b.numel() and int(b.max()) > 1:
         raise ValueError("pack_bits got a value other than 0 or 1")
     weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=bits.device)
     return (b * weights).sum(-1, dtype=torch.uint8)

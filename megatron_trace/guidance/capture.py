@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from trace_kernels.fp4 import QTensor, mantissa_bits, pack_bits
+from trace_kernels.fp4 import QTensor, mantissa_bits, pack_bits, unpack_bits
 from trace_kernels.fp4.formats import E2M1_ROUNDING_BOUNDARIES
 from trace_kernels.fp4.reference import (
     nvfp4_block_amax,
@@ -124,16 +124,10 @@ def sparse_parts(
         v = nvfp4_scaled_values(x_RK[i:i + n], g_R1[i:i + n], scales[i:i + n])
         near[i:i + n] = boundary_distance_ulps(v) < tau
     parts = (mantissa_bits(q.codes), q.block_scales.view(torch.uint8), g_R1.reshape(-1).float(),
-             pack_bits(near.to(torch.uint8)))
+             pack_bits(near))  # a bool mask: packed without a host synchronisation
     if scale_coding == "near":
         parts += (scale_margin_mask(nvfp4_block_amax(x_RK), g_R1, scale_tau).to(torch.uint8),)
     return parts
-
-
-def unpack_bits(bits_RK8: torch.Tensor) -> torch.Tensor:
-    """uint8 [R, K/8] (element i in bit i % 8 of byte i // 8) -> uint8 0/1 [R, K]."""
-    shifts = torch.arange(8, device=bits_RK8.device, dtype=torch.uint8)
-    return ((bits_RK8.unsqueeze(-1) >> shifts) & 1).reshape(bits_RK8.shape[0], -1)
 
 
 def capture_sparse(

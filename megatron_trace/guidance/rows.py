@@ -175,7 +175,8 @@ class RowGuidance:
             scales = torch.where(rg.scale_known, rg.scales, own).view(torch.float8_e4m3fn)
         if rg.bit_known is None:
             return rg.g, scales, rg.bits
-        own_bits = pack_bits(round_scaled_to_e2m1(nvfp4_scaled_values(x_RK, rg.g, scales)) & 1)
+        # as bools: packed without a host synchronisation (on the GPU, once per site)
+        own_bits = pack_bits((round_scaled_to_e2m1(nvfp4_scaled_values(x_RK, rg.g, scales)) & 1).bool())
         return rg.g, scales, (rg.bits & rg.bit_known) | (own_bits & ~rg.bit_known)
 
     # -- moving with tokens ----------------------------------------------------------------

@@ -10,13 +10,11 @@ from megatron_trace.guidance import (
     GroupGuidance,
     GuidanceBatch,
     SampleGuidance,
-    capture,
     capture_dense,
     capture_sparse,
 )
 from megatron_trace.model_config import ModelConfig
 from megatron_trace.rollout import GroupRequest, RolloutOutput, SampleResult
-from trace_kernels.fp4 import quantize
 
 from .config import EngineConfig
 from .model import rows_per_token
@@ -108,12 +106,8 @@ class RolloutCollector:
             layer, site = key
             header = dict(model_id=cfg.model_id, layer=layer, site=site, sample_id=owner,
                           weight_version=self.weight_version, policy=cfg.guide)
-            if isinstance(kept, tuple) and cfg.coding == "dense":  # (bits, scales, g) of the fused quantize kernel
+            if cfg.coding == "dense":  # (bits, scales, g) of the fused quantize kernel
                 records[(layer, site)] = capture_dense(*kept, **header)
-            elif isinstance(kept, tuple):  # guidance.sparse_parts, computed by the engine for the whole step
+            else:  # guidance.sparse_parts, computed by the engine for the whole step
                 records[(layer, site)] = capture_sparse(*kept, **header, tau=cfg.tau, scale_coding=cfg.scale_coding)
-            else:  # the rows themselves
-                sparse = {} if cfg.coding == "dense" else {"tau": cfg.tau, "scale_coding": cfg.scale_coding}
-                records[(layer, site)] = capture(kept, quantize(kept, "nvfp4", scale="row"), **header,
-                                                 coding=cfg.coding, **sparse)
         return records

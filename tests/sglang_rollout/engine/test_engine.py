@@ -171,7 +171,7 @@ def test_sparse_records_ship_the_dense_records_bits_at_their_positions(sd, scale
     # the sparse engine quantizes a step's rows once on the device and slices the parts per
     # sequence; the dense engine's records are the reference for what each sample's rows were
     from megatron_trace.guidance import decode_positions
-    from megatron_trace.guidance.capture import unpack_bits
+    from trace_kernels.fp4 import unpack_bits
 
     sampling = SamplingParams(max_new_tokens=5, seed=7)
     dense = engine(sd, "fp4", guide="all").generate(REQUESTS, sampling)
