@@ -1,6 +1,8 @@
 """Training step time with Megatron's DDP + distributed optimizer (the trainer's optimizer now)
 against the optimizer it replaced (FP32 master copies + torch AdamW, replicated, gradients in
-the parameters' .grad), on one device, same model, same batch.
+the parameters' .grad), and with `optim.cpu_offload` (Megatron's HybridDeviceOptimizer: FP32
+masters, gradients' copies and moments on the host, the step on the CPU), on one device, same
+model, same batch.
 
 A step is zero_grad, forward + backward of one packed micro-batch (`--precision`, default
 fp4-rne: QAT's weight and activation quantization), and the optimizer step (clipping off for
@@ -9,6 +11,7 @@ alone, peak memory, and the optimizer state bytes per rank measured from the liv
 
     python bench/optimizer_step.py                                         # tiny model on the CPU
     python bench/optimizer_step.py --model qwen3-30b-a3b --layers 4 --tokens 16384 --record   # a GPU
+    python bench/optimizer_step.py --optimizers megatron-distributed,megatron-offload ...
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
@@ -35,7 +39,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--record", action="store_true")
+    ap.add_argument("--optimizers", default="master-adamw,megatron-distributed",
+                    help="comma-separated, the first the baseline: master-adamw, megatron-distributed, "
+                         "megatron-offload")
     args = ap.parse_args()
+    names = args.optimizers.split(",")
+    unknown = set(names) - {"master-adamw", "megatron-distributed", "megatron-offload"}
+    if unknown:
+        ap.error(f"--optimizers: unknown {sorted(unknown)}")
     _init()
     from megatron.core.distributed import finalize_model_grads
 
@@ -55,7 +66,7 @@ def main() -> None:
             torch.cuda.synchronize()
 
     rows = []
-    for name in ("master-adamw", "megatron-distributed"):
+    for name in names:
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
@@ -66,7 +77,8 @@ def main() -> None:
             opt = MasterAdamW(model, 1e-6)
             zero, finish, step, state = opt.zero_grad, (lambda: None), opt.step, opt.state_bytes
         else:
-            opt = TrainerOptimizer(model, 1e-6, OptimSection(clip_grad=0.0, distributed=True))
+            opt = TrainerOptimizer(model, 1e-6, OptimSection(clip_grad=0.0, distributed=True,
+                                                             cpu_offload=name == "megatron-offload"))
             zero, step, state = opt.zero_grad, opt.step, opt.local_state_bytes
             finish = lambda o=opt: finalize_model_grads([o.ddp])  # noqa: E731 - what the schedule calls
         fwd = opt.ddp if name != "master-adamw" else model
@@ -86,30 +98,36 @@ def main() -> None:
             if i >= args.warmup:
                 steps.append(t2 - t0)
                 opt_s.append(t2 - t1)
+        host = psutil.Process().memory_info().rss / 2**30
         row = {"optimizer": name, "step_s": statistics.median(steps), "optimizer_step_s": statistics.median(opt_s),
+               "host_rss_gib": host,
                "state_gib": state() / 2**30, "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
                "params": sum(p.numel() for p in model.parameters()), "gpu": gpu,
                "date": datetime.date.today().isoformat(), "model": args.model, "layers": args.layers,
                "tokens": args.tokens, "precision": args.precision}
         rows.append(row)
         print(f"{name:22s} step {row['step_s'] * 1e3:9.1f} ms  optimizer {row['optimizer_step_s'] * 1e3:8.1f} ms  "
-              f"state {row['state_gib']:.2f} GiB  peak {row['peak_gib'] or 0:.1f} GiB", flush=True)
+              f"state {row['state_gib']:.2f} GiB  peak {row['peak_gib'] or 0:.1f} GiB  host RSS {host:.1f} GiB",
+              flush=True)
         del model, opt, zero, finish, step, state, fwd
-    ratios = [f"step time {r['optimizer']} / master-adamw = {r['step_s'] / rows[0]['step_s']:.3f}" for r in rows[1:]]
+    base = rows[0]
+    ratios = [f"{r['optimizer']} / {base['optimizer']}: step time {r['step_s'] / base['step_s']:.3f}, "
+              f"peak device memory {(r['peak_gib'] or 0) / (base['peak_gib'] or 1):.3f}" for r in rows[1:]]
     print("\n".join(ratios))
     if args.record:
-        stem = RESULTS / f"optimizer_step_{rows[0]['date']}_{'h200' if 'H200' in gpu else gpu.replace(' ', '_')}"
+        tag = "" if names == ["master-adamw", "megatron-distributed"] else "_" + "_vs_".join(names[1:] + names[:1])
+        stem = RESULTS / f"optimizer_step{tag}_{rows[0]['date']}_{'h200' if 'H200' in gpu else gpu.replace(' ', '_')}"
         stem.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
         cmd = "python bench/optimizer_step.py " + " ".join(sys.argv[1:])
-        lines = [f"# Training step: Megatron's distributed optimizer vs the replaced FP32-master AdamW, "
+        lines = [f"# Training step: {', '.join(names[1:])} against {names[0]}, "
                  f"{rows[0]['date']}, {gpu}", "", f"`{cmd}`", "",
                  f"{args.model} at full width, {args.layers} layers ({rows[0]['params'] / 1e9:.2f} B parameters), "
                  f"one micro-batch of {args.tokens} tokens, {args.precision}; one device (data-parallel size 1, "
                  "so the distributed optimizer shards nothing here: per-rank state is 1/DP of this).", "",
-                 "| optimizer | step (ms) | optimizer step (ms) | optimizer state (GiB) | peak (GiB) |",
-                 "|---|---|---|---|---|"]
+                 "| optimizer | step (ms) | optimizer step (ms) | optimizer state (GiB) | peak device (GiB) | "
+                 "host RSS (GiB) |", "|---|---|---|---|---|---|"]
         lines += [f"| {r['optimizer']} | {r['step_s'] * 1e3:.1f} | {r['optimizer_step_s'] * 1e3:.1f} | "
-                  f"{r['state_gib']:.2f} | {r['peak_gib'] or 0:.1f} |" for r in rows]
+                  f"{r['state_gib']:.2f} | {r['peak_gib'] or 0:.1f} | {r['host_rss_gib']:.1f} |" for r in rows]
         lines += ["", *[f"- {r}" for r in ratios], ""]
         stem.with_suffix(".md").write_text("\n".join(lines))
 

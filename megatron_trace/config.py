@@ -229,8 +229,9 @@ class OptimSection(Section):
     """Megatron's distributed optimizer: FP32 main parameters and AdamW moments sharded over the
     data-parallel ranks (expert parameters over the expert-data-parallel ranks)."""
     cpu_offload: bool = False
-    """Megatron's optimizer_cpu_offload (the optimizer state and its step on the host): modelled by
-    `trace-rl plan`; training refuses it (megatron-core 0.19.2's offload fails on FP32 norm weights)."""
+    """Megatron's optimizer_cpu_offload, all of it, precision-aware (HybridDeviceOptimizer: FP32
+    masters, a gradient copy and AdamW moments of this rank's shard on the host, the step on the
+    CPU; the GPU keeps no optimizer state). Needs optim.distributed."""
     overlap_grad_reduce: bool = True
     """Reduce gradients bucket by bucket while backward runs (with data parallelism)."""
     weight_decay: float = 0.0

@@ -32,6 +32,7 @@ KNOWN_WARNINGS = [
 KNOWN_LOG_MESSAGES = [
     r"GPTModel IS DEPRECATED",
     r"DistributedDataParallel: full_param_layout not provided",  # DDP computes the layout itself
+    r"MCore's async save is deprecated",  # logged by every torch_dist save; TRACE saves synchronously
 ]
 
 

@@ -4,8 +4,8 @@ Test-harness / CPU-launch-path only: the patches replace parts of ``torch.cuda``
 megatron-core for the whole process.  megatron-core itself is not modified on disk.  On a machine
 with CUDA, :func:`apply_cpu_patches` does nothing.
 
-See docs/notes/megatron-core-on-cpu.md for the background (patch names P1..P7 follow it; P8 is from
-docs/notes/scale-trainer-deepspeed-te.md).
+See docs/notes/megatron-core-on-cpu.md for the background (patch names P1..P7 and P9 follow it; P8 is
+from docs/notes/scale-trainer-deepspeed-te.md).
 P3 is fixed in 0.19; P5 (norms under sequence parallelism) is not a CPU matter and is solved
 in the model itself (`spec.TraceRMSNorm`), so it is not patched here.
 
@@ -425,6 +425,38 @@ def _patch_p8_tensor_type() -> None:
 
 
 # --------------------------------------------------------------------------------------------------
+# P9: HybridDeviceOptimizer (optimizer CPU offload) takes the model's CPU parameters for device ones
+# --------------------------------------------------------------------------------------------------
+
+
+def _patch_p9_offload_split() -> None:
+    """P9: megatron's ``HybridDeviceOptimizer._get_sub_optimizer_param_groups`` offloads the
+    parameters whose ``is_cuda`` is true (a pinned host clone of each goes to the CPU optimizer,
+    keyed by the device parameter) and counts everything already on the host as the host's own.
+    On a CPU machine every parameter is on the host, so nothing would be offloaded and the step
+    would look up host clones that were never made (KeyError). While that method runs, the
+    parameters it was given report ``is_cuda`` true and everything else (the clones it makes)
+    false: the offload path then runs as on a GPU, its "device" and host tensors distinct CPU
+    tensors, the copies between them real copies."""
+    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
+    orig = HybridDeviceOptimizer._get_sub_optimizer_param_groups
+    is_cuda = torch.Tensor.is_cuda
+
+    @functools.wraps(orig)
+    def _get_sub_optimizer_param_groups(self, offload_fraction):
+        device = {id(p) for group in self.param_groups for p in group["params"]}
+        torch.Tensor.is_cuda = property(lambda t: id(t) in device)
+        try:
+            _hit("p9_offload_split")
+            return orig(self, offload_fraction)
+        finally:
+            torch.Tensor.is_cuda = is_cuda
+
+    _replace(HybridDeviceOptimizer, "_get_sub_optimizer_param_groups", _get_sub_optimizer_param_groups)
+
+
+# --------------------------------------------------------------------------------------------------
 # public API
 # --------------------------------------------------------------------------------------------------
 
@@ -440,6 +472,7 @@ def apply_cpu_patches() -> None:
     _patch_p6_move_to_cpu()
     _patch_p7_uneven_collectives()
     _patch_p8_tensor_type()
+    _patch_p9_offload_split()
     _APPLIED = True
 
 

@@ -65,13 +65,6 @@ class TrainerOptimizer:
         )
 
         optim = optim or OptimSection()
-        if optim.cpu_offload:
-            # measured on the CPU and an H200: HybridDeviceOptimizer is handed non-leaf slices of
-            # the FP32 parameters of a BF16 model (TRACE's norms are FP32) and refuses them
-            raise ValueError("config: optim.cpu_offload does not run yet: megatron-core 0.19.2's offload "
-                             "(HybridDeviceOptimizer) fails on a BF16 model with FP32 norm weights (\"can't optimize "
-                             "a non-leaf Tensor\"); `trace-rl plan` models what it would save")
-
         opt_extra, ddp_extra = _split_passthrough(optim.megatron)
         dp = ps.get_data_parallel_world_size()
         ddp_cfg = DistributedDataParallelConfig(**{
@@ -96,8 +89,18 @@ class TrainerOptimizer:
             "optimizer": "adam", "lr": lr, "min_lr": lr, "weight_decay": optim.weight_decay,
             "bf16": dtype == torch.bfloat16, "params_dtype": dtype, "use_distributed_optimizer": optim.distributed,
             "clip_grad": optim.clip_grad,
+            # offloaded: the FP32 masters, gradients and moments all on the host (precision-aware:
+            # no FP32 master stays beside the BF16 model), as Megatron's docs pair them
+            **({"optimizer_cpu_offload": True, "optimizer_offload_fraction": 1.0,
+                "use_precision_aware_optimizer": True} if optim.cpu_offload else {}),
             **self._opt_extra})
-        self.optimizer = get_megatron_optimizer(self.config, [self.ddp], use_gloo_process_groups=False)
+        # (under no_grad: the distributed optimizer's shards of FP32 parameters, TRACE's norms,
+        # are views that CPU offload's optimizer must take as leaves)
+        with torch.no_grad():
+            self.optimizer = get_megatron_optimizer(self.config, [self.ddp], use_gloo_process_groups=False)
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            if hasattr(opt.optimizer, "sub_optimizers"):
+                _load_offloaded_masters(opt.optimizer)
         self.scheduler = self._scheduler(lr)
         self.stepped = False  # a fresh optimizer's state is the model's weights: nothing to save
 
@@ -163,6 +166,9 @@ class TrainerOptimizer:
                     if not opt.state[p]:
                         opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
                                         "exp_avg_sq": torch.zeros_like(p)}
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            if hasattr(opt.optimizer, "sub_optimizers"):  # offloaded: the state Megatron reads is its mirror
+                opt.optimizer._sync_sub_optimizers_state_to_hdo()
 
     def _sharded(self, is_loading: bool) -> dict:
         return self.optimizer.sharded_state_dict(self.model.sharded_state_dict(), is_loading=is_loading,
@@ -244,25 +250,53 @@ def _regroup(loaded: dict, current: int) -> dict:
 def _copy_states_without_step(opt) -> None:
     """megatron-core 0.19.2 with torch's AdamW (no Apex / TE): loading a "fully_reshardable"
     state copies every tensor of a parameter's live AdamW state from the checkpoint's, "step"
-    included, which the checkpoint keeps per param group instead (KeyError: 'step'). This
-    instance's copy leaves "step" out; Megatron sets it from the param groups itself."""
+    included, which the checkpoint keeps per param group instead (KeyError: 'step'); offloaded,
+    the live state also holds "master_param", the tensor the host optimizer steps, which the
+    checkpoint keeps as "param". This instance's copy leaves out what the checkpoint does not
+    hold; Megatron sets the step from the param groups itself, `_load_offloaded_masters` the
+    master."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     if not isinstance(opt, DistributedOptimizer) or not isinstance(opt.optimizer, torch.optim.Optimizer):
         return
     copy = opt._set_main_param_and_optimizer_states
 
-    def without_step(model_param, tensors):
+    def without_unsaved(model_param, tensors):
         group, order = opt.model_param_group_index_map[model_param]
         state = opt.optimizer.state[opt.optimizer.param_groups[group]["params"][order]]
-        step = state.pop("step", None) if "step" not in tensors else None
+        unsaved = {k: state.pop(k) for k in ("step", "master_param") if k in state and k not in tensors}
         try:
             copy(model_param, tensors)
         finally:
-            if step is not None:
-                state["step"] = step
+            for k, v in unsaved.items():  # (precision-aware, the copy sets "master_param" itself)
+                state.setdefault(k, v)
 
-    opt._set_main_param_and_optimizer_states = without_step
+    opt._set_main_param_and_optimizer_states = without_unsaved
+
+
+def _load_offloaded_masters(hdo) -> None:
+    """megatron-core 0.19.2's offloading optimizer (HybridDeviceOptimizer) after loading a state:
+    its own update of the tensors its sub-optimizers step (`_update_fp32_params_by_new_state`)
+    covers only the FP32 copies it made of BF16 parameters, raises KeyError on any other (the
+    distributed optimizer's FP32 main shards, TRACE's FP32 norms), and leaves the host copies
+    of offloaded parameters at their values from before the load, so the next step would start
+    from those. This instance's update writes each loaded master value (the parameter itself
+    when it is FP32, else the state's "master_param") into the tensor that is stepped, and
+    keeps "master_param" that tensor, as a step leaves it."""
+
+    @torch.no_grad()  # (the FP32 shards are views made under no_grad, see restart)
+    def update_stepped_params_from_state():
+        for param, state in hdo.state.items():
+            inner = hdo.param_to_inner_param.get(param, param)
+            if inner is param:
+                continue
+            master = param if param.dtype == torch.float32 else state.get("master_param")
+            if master is not None and master is not inner:
+                inner.data.copy_(master)
+            if hdo.param_update_in_fp32:
+                state["master_param"] = inner
+
+    hdo._update_fp32_params_by_new_state = update_stepped_params_from_state
 
 
 def _torch_optimizers(optimizer) -> list:

@@ -9,8 +9,8 @@ DistributedDataParallel and `get_megatron_optimizer` (`megatron/optimizer.py`):
   under the distributed optimizer); the optimizer's FP32 main parameters (4 B per BF16
   parameter; an FP32 one is its own) and AdamW moments (8 B per parameter), with
   `optim.distributed` a 1/DP shard of the dense parameters' and a 1/expert-DP shard of the
-  experts', with `optim.cpu_offload` only the FP32 main shard (moments and the step on the
-  host); QAT's dequantized weight copies and STE masks kept for backward; the KL reference's
+  experts', with `optim.cpu_offload` none of it (FP32 masters, a gradient copy, moments and
+  the step on the host); QAT's dequantized weight copies and STE masks kept for backward; the KL reference's
   weights; activations of the rank's largest micro-batch (all its samples packed, sequence-
   parallel under TP; with recompute only layer inputs plus one layer); the logits; the decoded
   guidance of the micro-batches in flight; and, while the weights sync, one packed bucket;
@@ -246,18 +246,22 @@ def held_params(arch: Architecture, lay: Layout) -> Held:
     return Held(dense=dense, norms=stage_layers * arch.norm_params + h, expert=expert, fp4=fp4)
 
 
-def optimizer_bytes(held: Held, dp: int, expert_dp: int, distributed: bool, offload: bool) -> tuple[float, float]:
+def optimizer_bytes(held: Held, dp: int, expert_dp: int, distributed: bool, offload: bool,
+                    device_main: bool = False) -> tuple[float, float]:
     """(GPU bytes, host bytes) of one rank's optimizer state under Megatron's optimizers: FP32
     main parameters (4 B per BF16 parameter; an FP32 parameter is its own main parameter) and
     AdamW's exp_avg and exp_avg_sq (8 B per parameter). Distributed: the rank holds 1/dp of the
     dense parameters' and 1/expert_dp of the experts'. Offloaded (HybridDeviceOptimizer, all of
-    it): the GPU keeps the FP32 main shard, which the host's updated copy is written back into;
-    the host holds that copy, the moments and an FP32 gradient copy, 16 B per sharded parameter."""
+    it, precision-aware as TRACE builds it): the host holds the FP32 masters, an FP32 copy of
+    the gradients and the moments, 16 B per sharded parameter, and the GPU nothing; with
+    `device_main` (precision-aware turned off) the GPU also keeps the FP32 main shard."""
     if not distributed:
         dp = expert_dp = 1
     shard = held.dense / dp + held.expert / expert_dp
     main = 4 * (shard - held.norms / dp)
-    return (main, 16 * shard) if offload else (main + 8 * shard, 0.0)
+    if offload:
+        return (main if device_main else 0.0), 16 * shard
+    return main + 8 * shard, 0.0
 
 
 def grad_reduction_bytes(held: Held, dp: int, expert_dp: int, distributed: bool) -> float:
@@ -294,7 +298,8 @@ def make_plan(cfg, arch: Architecture, layout: Layout | None = None) -> Plan:
         rank_tokens, max(rl.max_tokens_per_microbatch, rl.max_prompt_tokens + rl.max_new_tokens))
     guided = _guided_layers(rl.guide, arch, rl.mode, rl.coding)
     ids_stage = routed_expert_bytes_per_token(arch) * stage_layers / arch.layers
-    opt_gpu, opt_host = optimizer_bytes(held, dp, expert_dp, optim.distributed, optim.cpu_offload)
+    opt_gpu, opt_host = optimizer_bytes(held, dp, expert_dp, optim.distributed, optim.cpu_offload,
+                                        not optim.megatron.get("use_precision_aware_optimizer", True))
     fp4_engine = rl.mode.engine_precision is EnginePrecision.FP4
     packed_rank = held.fp4 * (0.5 + 1 / 16) + 2 * (held.total - held.fp4) if fp4_engine else 2 * held.total
     bucket = min(dist.sync_bucket_mb * MiB, packed_rank)
@@ -331,8 +336,7 @@ def make_plan(cfg, arch: Architecture, layout: Layout | None = None) -> Plan:
     if arch.implemented:
         problems.append(f"{arch.name} is plan-only: {arch.implemented}")
     how = ("distributed" if optim.distributed else "replicated") + (
-        ", offloaded (modelled only: trace-rl train refuses optim.cpu_offload for now, see optimizer.py)"
-        if optim.cpu_offload else "")
+        ", offloaded to the host" if optim.cpu_offload else "")
     return Plan(arch=arch, layout=lay, trainer_gpus=trainer_gpus, engine_gpus=engine_gpus, dp=dp, expert_dp=expert_dp,
                 optimizer=how, trainer=trainer, engine=engine, traffic=traffic, seconds=seconds, host=host,
                 limits=limits, problems=problems)

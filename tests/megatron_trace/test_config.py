@@ -125,14 +125,6 @@ def test_megatrons_own_optimizer_options_pass_through_and_are_checked():
         load_config(None, ["optim.distributed=false", "optim.cpu_offload=true"])
 
 
-def test_cpu_offload_is_refused_by_name():
-    """optim.cpu_offload is in the schema for `trace-rl plan`; the trainer refuses it, saying why."""
-    from megatron_trace.megatron.optimizer import TrainerOptimizer
-
-    with pytest.raises(ValueError, match="optim.cpu_offload does not run yet"):
-        TrainerOptimizer(None, 1e-3, load_config(None, ["optim.cpu_offload=true"]).optim)
-
-
 def test_tiny_yaml_spells_out_the_embedded_default():
     """launch/configs/tiny.yaml is the defaults written out (its cluster is one GPU, the default eight)."""
     tiny = load_config(ROOT / "launch" / "configs" / "tiny.yaml")

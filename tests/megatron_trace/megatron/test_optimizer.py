@@ -225,10 +225,10 @@ def _train_step(opt, seqs):
     return opt.step()["grad_norm"]
 
 
-def run_resharded_resume(rank, *, sd, seqs, directory, save):
+def run_resharded_resume(rank, *, sd, seqs, directory, save, dtype=torch.float32, offload=False, megatron=None):
     """save: two steps under this layout, then model and optimizer saved, then a third step.
     Else: model and optimizer loaded under this layout (and, beside them, a fresh optimizer),
-    then the third step. Returns {global name: FP32 weight} after the third step (and the fresh one's)."""
+    then the third step. Returns {global name: weight} after the third step (and the fresh one's)."""
     from megatron_trace.checkpoint.dist import load_model, save_model
     from megatron_trace.config import OptimSection
     from megatron_trace.megatron.model import build_model
@@ -236,9 +236,10 @@ def run_resharded_resume(rank, *, sd, seqs, directory, save):
     from megatron_trace.megatron.weights import global_name, load_full_state_dict
 
     def build():
-        model = build_model(CFG, "bf16", grouped_gemm=True, params_dtype=torch.float32)
+        model = build_model(CFG, "bf16", grouped_gemm=True, params_dtype=dtype)
         load_full_state_dict(model, sd)
-        return model, TrainerOptimizer(model, LR, OptimSection(distributed=True, clip_grad=0.5))
+        return model, TrainerOptimizer(model, LR, OptimSection(distributed=True, clip_grad=0.5, cpu_offload=offload,
+                                                                   megatron=megatron or {}))
 
     def weights(model):
         return {global_name(n, model): p.detach().clone() for n, p in model.named_parameters()}
@@ -279,3 +280,68 @@ def test_a_dp2_optimizer_checkpoint_resumes_under_one_rank_and_under_tp2(tmp_pat
                 torch.testing.assert_close(w, ref, rtol=0, atol=1e-5, msg=lambda m, n=name: f"{layout} {n}: {m}")
                 far = max(far, float((fresh[name] - ref).abs().max()))
             assert far > 0.2 * LR, layout  # without the saved moments the step is another one
+
+
+# DP2 over gloo on the CPU; on a GPU machine (NCCL, one GPU per rank) as many ranks as it has, up to 2
+OFFLOAD_LAYOUT = {"dp": 2} if not torch.cuda.is_available() or torch.cuda.device_count() >= 2 else {}
+
+
+@pytest.mark.parametrize("precision_aware", [True, False])
+def test_cpu_offload_steps_like_the_device_optimizer_and_resumes_exactly(tmp_path, precision_aware):
+    """optim.cpu_offload: Megatron's HybridDeviceOptimizer holds the FP32 masters and AdamW
+    moments of each rank's shard on the host and steps them there (CPU patch P9 makes it treat
+    the model's parameters as device ones, so its host copies are distinct tensors and every
+    transfer a real copy). At DP2 on a BF16 model with FP32 norms, precision-aware (TRACE's
+    default: no FP32 master on the device) or not (FP32 main shards on the device, copied to the
+    host): three steps give the device optimizer's weights; a run saved after two steps and
+    resumed gives the uninterrupted run's third step exactly, while a fresh optimizer on the same
+    weights does not (megatron-core 0.19.2 raised KeyError on FP32 parameters when loading, and
+    left the host copies of FP32 main shards at their values from before the load)."""
+    sd = sc.random_full_state_dict(CFG, seed=7)
+    seqs = sc.make_sequences(CFG, [12, 9, 14, 7], seed=8)
+    kw = dict(sd=sd, seqs=seqs, dtype=torch.bfloat16, megatron={"use_precision_aware_optimizer": precision_aware})
+    device = spawn(run_resharded_resume, OFFLOAD_LAYOUT, **{**kw, "megatron": {}}, directory=str(tmp_path / "device"),
+                   save=True)
+    saved = spawn(run_resharded_resume, OFFLOAD_LAYOUT, **kw, directory=str(tmp_path), save=True, offload=True)
+    resumed = spawn(run_resharded_resume, OFFLOAD_LAYOUT, **kw, directory=str(tmp_path), save=False, offload=True)
+    for (want, _), (off, _), (got, fresh) in zip(device, saved, resumed, strict=True):
+        _same_weights(off, want, "offloaded against device")
+        far = 0.0
+        for name, w in off.items():
+            assert torch.equal(got[name], w), f"resumed {name}"
+            far = max(far, float((fresh[name].float() - w.float()).abs().max()))
+        assert far > 0.2 * LR  # the saved moments and masters matter
+
+
+def run_offload_layout(rank):
+    """What optim.cpu_offload builds: every parameter the host optimizer steps is a copy apart
+    from the model's main parameter, on the host, and no FP32 master stays beside the model
+    (precision-aware)."""
+    from megatron_trace.config import OptimSection
+    from megatron_trace.megatron.cpu_patches import PATCH_HITS
+    from megatron_trace.megatron.model import build_model
+    from megatron_trace.megatron.optimizer import TrainerOptimizer
+
+    model = build_model(CFG, "bf16", grouped_gemm=True)
+    opt = TrainerOptimizer(model, LR, OptimSection(distributed=True, cpu_offload=True))
+    (inner,) = [o.optimizer for o in opt.optimizer.chained_optimizers]
+    params = [p for g in inner.param_groups for p in g["params"]]
+    copies = list(inner.gpu_params_map_cpu_copy.values())
+    return {"optimizer": type(inner).__name__, "params": len(params), "copies": len(copies),
+            "apart": all(c.untyped_storage().data_ptr() != p.untyped_storage().data_ptr()
+                         for p, c in inner.gpu_params_map_cpu_copy.items()),
+            "copy_devices": {c.device.type for c in copies}, "param_devices": {p.device.type for p in params},
+            "device_optimizer": inner.gpu_optimizer is not None,
+            "precision_aware": opt.config.use_precision_aware_optimizer, "p9": PATCH_HITS.get("p9_offload_split", 0)}
+
+
+def test_cpu_offload_moves_every_shard_to_the_host_optimizer():
+    """On the CPU through patch P9; on a GPU the copies are on the host and the parameters on the device."""
+    (r,) = spawn(run_offload_layout, {})
+    assert r["optimizer"] == "HybridDeviceOptimizer" and r["precision_aware"] and not r["device_optimizer"]
+    assert r["params"] > 0 and r["copies"] == r["params"] and r["apart"]
+    assert r["copy_devices"] == {"cpu"}
+    if torch.cuda.is_available():
+        assert r["param_devices"] == {"cuda"}
+    else:
+        assert r["p9"] >= 1

@@ -226,6 +226,44 @@ def test_optimizer_state_per_rank_equals_megatrons_live_tensors(layout):
                                     + 12 * expert)
 
 
+def run_offloaded_state(rank):
+    """optim.cpu_offload on the tiny model: this rank's bytes of the host optimizer's tensors
+    after a step (FP32 masters it steps, gradient copies, moments), and of FP32 main parameters
+    left beside the model on the device."""
+    from megatron_trace.config import OptimSection
+    from megatron_trace.megatron.model import build_model
+    from megatron_trace.megatron.optimizer import TrainerOptimizer
+
+    model = build_model(PRESETS["tiny"], "bf16", grouped_gemm=True)
+    opt = TrainerOptimizer(model, 1e-3, OptimSection(distributed=True, cpu_offload=True, lr_warmup_steps=0))
+    opt.zero_grad()
+    opt.step()
+    (hdo,) = [o.optimizer for o in opt.optimizer.chained_optimizers]
+    host = list(hdo.gpu_params_map_cpu_copy.values()) + list(hdo.cpu_copy_map_grad.values())
+    host += [t for o in hdo.sub_optimizers for st in o.state.values() for t in st.values()
+             if torch.is_tensor(t) and t.dim() and all(t is not h for h in host)]
+    model_storage = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    device_mains = [p for g in hdo.param_groups for p in g["params"]
+                    if p.untyped_storage().data_ptr() not in model_storage]
+    return {"host": sum(t.numel() * t.element_size() for t in host),
+            "device": sum(t.numel() * t.element_size() for t in device_mains)}
+
+
+def test_offloaded_optimizer_state_is_the_plans_host_bytes():
+    """optim.cpu_offload: the plan puts 16 B per sharded parameter on the host (FP32 master,
+    gradient copy, two moments) and none on the GPU; measured from the live tensors of the
+    offloading optimizer at DP2 over gloo (CPU patch P9 makes its host copies distinct tensors)."""
+    cfg = load_config(None, ["model.preset=tiny", "dist.engine_ranks=1", "cluster.gpus_per_node=3",
+                             "optim.cpu_offload=true"])
+    live = spawn(run_offloaded_state, {"dp": 2})
+    plan = make_plan(cfg, TINY)
+    assert plan.trainer["optimizer state (FP32 main params + AdamW moments)"] == 0
+    per_rank = plan.host["trainer node: offloaded optimizer state"] / 2
+    assert all(r["device"] == 0 for r in live)
+    assert sum(r["host"] for r in live) == pytest.approx(2 * per_rank, abs=16 * 64 * 2), (live, per_rank)
+    assert "offloaded" in plan.optimizer
+
+
 def test_sparse_guidance_bytes_are_the_measured_ones():
     """Sparse guidance (rl.coding=sparse) is counted from its measured kept fraction, not as the
     dense upper bound: the plan's formula gives back the bench's measured bits per element
@@ -281,10 +319,12 @@ def test_large_configs_memory_and_traffic_by_independent_arithmetic():
     opt = plan.trainer["optimizer state (FP32 main params + AdamW moments)"]
     assert opt == pytest.approx((4 * (dense - norms) + 8 * dense) / dp + 12 * expert / edp)
     off = make_plan(load_config(ROOT / "launch" / "configs" / "qwen3-235b-a22b.yaml", ["optim.cpu_offload=true"]), arch)
-    assert off.trainer["optimizer state (FP32 main params + AdamW moments)"] == pytest.approx(
-        4 * ((dense - norms) / dp + expert))
+    assert off.trainer["optimizer state (FP32 main params + AdamW moments)"] == 0  # precision-aware
     assert off.host["trainer node: offloaded optimizer state"] == pytest.approx(8 * 16 * (dense / dp + expert))
-    assert "refuses optim.cpu_offload" in off.optimizer  # the plan says that training cannot run it yet
+    keep = make_plan(load_config(ROOT / "launch" / "configs" / "qwen3-235b-a22b.yaml", [
+        "optim.cpu_offload=true", "optim.megatron={use_precision_aware_optimizer: false}"]), arch)
+    assert keep.trainer["optimizer state (FP32 main params + AdamW moments)"] == pytest.approx(
+        4 * ((dense - norms) / dp + expert))
     repl = make_plan(load_config(ROOT / "launch" / "configs" / "qwen3-235b-a22b.yaml", ["optim.distributed=false"]),
                      arch)
     assert repl.trainer["optimizer state (FP32 main params + AdamW moments)"] == pytest.approx(
