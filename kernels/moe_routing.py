@@ -54,9 +54,7 @@ def route(h: torch.Tensor, weight: torch.Tensor, k: int, *, backend: str = "auto
     if weight.shape != (e, hidden) or not 1 <= k <= e:
         raise ValueError(f"route: weight {tuple(weight.shape)} and top-{k} do not fit h {tuple(h.shape)}")
     if not _use_triton(h, backend):
-        logits = h.float() @ weight.float().T
-        top_logits, top = torch.topk(logits, k, dim=-1)
-        return top, torch.softmax(top_logits, -1)
+        return top_k_softmax(router_logits(h, weight), k)
     if h.dtype != torch.bfloat16:
         raise ValueError(f"route: the kernel takes bfloat16 h, got {h.dtype}")
     top = torch.empty((n, k), dtype=torch.int64, device=h.device)
@@ -75,6 +73,19 @@ def route(h: torch.Tensor, weight: torch.Tensor, k: int, *, backend: str = "auto
                                                      K_PAD=triton.next_power_of_2(k), E_PAD=triton.next_power_of_2(e),
                                                      BT=TOPK_BT, INTERPRET=_interpreting(), num_warps=1)
     return top, gate
+
+
+def router_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The router's FP32 logits [n, E] of h [n, H] (bf16) and weight [E, H] (BF16 values), as the
+    trainer's router computes them (Megatron's moe_router_dtype fp32)."""
+    return h.float() @ weight.float().T
+
+
+def top_k_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(top int64 [n, k], gate float32 [n, k]): each row's k largest logits (float32 [n, E]) by
+    descending value and the softmax over those k."""
+    top_logits, top = torch.topk(logits, k, dim=-1)
+    return top, torch.softmax(top_logits, -1)
 
 
 def expert_order(top: torch.Tensor, num_experts: int, *, backend: str = "auto"):

@@ -63,6 +63,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, backend: str 
     return y.view(x.shape)
 
 
+def rope_inv_freq(theta: float, d: int, device=None) -> torch.Tensor:
+    """The rotary embedding's inverse frequencies float32 [d/2]: theta^(-2i/d), as Megatron's
+    RotaryEmbedding computes them (non-interleaved halves, no scaling)."""
+    return 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
+
+
+def rope_tables(pos: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [n, 1, d] in `dtype` (the activations', as Megatron's bshd path casts them) at
+    positions pos (int [n]): the same for q and k and every layer."""
+    freqs = pos.float()[:, None] * inv_freq[None]
+    emb = torch.cat([freqs, freqs], -1)[:, None]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x * cos + rotate_half(x) * sin (x [n, heads, d], cos / sin [n, 1, d]), in x's dtype."""
     x1, x2 = x.chunk(2, -1)

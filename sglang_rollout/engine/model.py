@@ -25,7 +25,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from megatron_trace.model_config import ModelConfig
 from trace_kernels.fp4 import QTensor, fake_quantize_rows, mantissa_bits
@@ -35,7 +34,7 @@ from trace_kernels.fp4.linear import (
     fp4_linear_parts,
     sum_parts,
 )
-from trace_kernels.fp4.paged_attention import paged_decode_attention
+from trace_kernels.fp4.paged_attention import cached_causal_attention, paged_decode_attention
 from trace_kernels.fused_inputs import (
     add_rms_norm_fake_quantize_rows,
     rms_norm_fake_quantize_rows,
@@ -43,7 +42,7 @@ from trace_kernels.fused_inputs import (
     silu_mul_fake_quantize_rows,
 )
 from trace_kernels.moe_routing import combine_experts, expert_order, route
-from trace_kernels.norm_rope import qk_norm_rope, qk_norm_rope_into_cache, rms_norm
+from trace_kernels.norm_rope import qk_norm_rope, qk_norm_rope_into_cache, rms_norm, rope_inv_freq, rope_tables
 
 from .kv_cache import PagedKVCache
 from .weights import EngineWeights
@@ -106,9 +105,7 @@ class ModelRunner:
         if kernels not in ("auto", "torch", "triton"):
             raise ValueError(f"kernels must be 'auto', 'torch' or 'triton', got {kernels!r}")
         self.backend = kernels
-        d = model_cfg.head_dim
-        self.inv_freq = (1.0 / (model_cfg.rope_theta
-                                ** (torch.arange(0, d, 2, dtype=torch.float32) / d))).to(weights.device)
+        self.inv_freq = rope_inv_freq(model_cfg.rope_theta, model_cfg.head_dim, weights.device)
 
     def _site(self, rows, layer, name, x, codes=False):
         """Fake-quantize an FP4 site's input rows (fp4) and, when the layer is captured, keep the
@@ -162,13 +159,6 @@ class ModelRunner:
             return fp4_linear_parts(x, self.w.tensors[name], backend=self.backend)
         return x @ self.w.dense(name).T
 
-    def _rope_tables(self, pos, dtype):
-        """cos, sin [N, 1, d] in the activations' dtype (like Megatron's bshd path), for the rotary:
-        the same for q and k and every layer, so computed once per forward."""
-        freqs = pos.float()[:, None] * self.inv_freq[None]
-        emb = torch.cat([freqs, freqs], -1)[:, None]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
     @torch.no_grad()
     def forward(self, segments: list[Segment], capture_layers=frozenset(), all_logits: bool = False,
                 codes: bool = False, ids: torch.Tensor | None = None):
@@ -199,7 +189,7 @@ class ModelRunner:
         n = ids.numel()
         captured, routed = {}, {}
         x_NH = w.dense("embedding.word_embeddings.weight")[ids]
-        cos, sin = self._rope_tables(pos, x_NH.dtype)
+        cos, sin = rope_tables(pos, self.inv_freq, x_NH.dtype)  # once per forward
         for L in range(cfg.num_layers):
             p = f"decoder.layers.{L}."
             rows = captured if L in capture_layers else None
@@ -243,19 +233,9 @@ class ModelRunner:
         for seg in batch.segments:
             m = len(seg.token_ids)
             keys, values = self.cache.read(L, self.cache.slots(seg.block_table, 0, seg.start + m))
-            ctx_NQD[offset:offset + m] = self._attend(q_NQD[offset:offset + m], keys, values, seg.start)
+            ctx_NQD[offset:offset + m] = cached_causal_attention(q_NQD[offset:offset + m], keys, values, seg.start)
             offset += m
         return ctx_NQD
-
-    def _attend(self, q, keys, values, start):
-        """Queries [m, Q, D] at positions start.. over the cached keys and values [start + m, G, D]
-        (positions 0..start+m-1), causal, GQA."""
-        m, nq, _ = q.shape
-        allowed = (torch.arange(keys.shape[0], device=q.device)[None]
-                   <= (start + torch.arange(m, device=q.device))[:, None])
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-                                             attn_mask=allowed, enable_gqa=keys.shape[1] != nq)
-        return out.transpose(0, 1)
 
     def _experts(self, x, L, site, counts, tiles=None, x_rows=None):
         """Rows of x grouped by expert (counts per expert) through the layer's fc1 or fc2; tiles:

@@ -15,11 +15,10 @@ Shapes: T tokens of the forward, B requests, Hq / Hkv this rank's query / KV hea
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from trace_kernels.fp4.paged_attention import paged_decode_attention, read_cache_rows
+from trace_kernels.fp4.paged_attention import cached_causal_attention, paged_decode_attention, read_cache_rows
 
 from .quant import kernel_backend
 
@@ -84,11 +83,15 @@ class TraceFP4AttnBackend(AttentionBackend):
             self.pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, None), k, v)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True) -> torch.Tensor:
-        """q [B, Hq * D] (one new token per request) -> [B, Hq * D]."""
+        """q [B, Hq * D] (one new token per request) -> [B, Hq * D]. On a GPU the paged kernels;
+        on the CPU each request's rows through `cached_causal_attention`, as the built-in engine."""
         self._store(layer, forward_batch, k, v, save_kv_cache)
+        q_ = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        if not q_.is_cuda:
+            lens = forward_batch.seq_lens_cpu.tolist()
+            return self._per_request(q_, layer, forward_batch, [n - 1 for n in lens], [1] * len(lens))
         tables, lens = self.meta
         kc, vc = self._caches(layer)
-        q_ = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         out = paged_decode_attention(q_.contiguous(), kc, vc, tables, lens, self.page, scale=layer.scaling,
                                      backend=kernel_backend(q_))
         return out.reshape(q_.shape[0], -1)
@@ -96,25 +99,20 @@ class TraceFP4AttnBackend(AttentionBackend):
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True) -> torch.Tensor:
         """q [T, Hq * D] (each request's new tokens, after its cached prefix) -> [T, Hq * D]."""
         self._store(layer, forward_batch, k, v, save_kv_cache)
+        q_ = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        return self._per_request(q_, layer, forward_batch, forward_batch.extend_prefix_lens_cpu,
+                                 forward_batch.extend_seq_lens_cpu)
+
+    def _per_request(self, q_, layer, forward_batch, prefixes, news) -> torch.Tensor:
+        """Each request's new queries over its dequantized cached rows (the new ones included):
+        `cached_causal_attention`, the built-in engine's. q_ [T, Hq, D] -> [T, Hq * D]."""
         kc, vc = self._caches(layer)
-        hq, d = layer.tp_q_head_num, layer.qk_head_dim
-        q_ = q.reshape(-1, hq, d)
         out = torch.empty_like(q_)
         start = 0
-        for b, (prefix, new) in enumerate(zip(forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu,
-                                              strict=True)):
-            n = prefix + new
-            slots = self.req_to_token[forward_batch.req_pool_indices[b], :n].long()
-            keys, values = (read_cache_rows(c, slots, kernel_backend(q_)).transpose(0, 1)[None] for c in (kc, vc))
-            query = q_[start:start + new].transpose(0, 1)[None]
-            if prefix == 0:
-                o = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=layer.scaling,
-                                                   enable_gqa=True)
-            else:
-                mask = torch.arange(n, device=q.device)[None, :] <= prefix + torch.arange(new, device=q.device)[:, None]
-                o = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=layer.scaling,
-                                                   enable_gqa=True)
-            out[start:start + new] = o[0].transpose(0, 1)
+        for b, (prefix, new) in enumerate(zip(prefixes, news, strict=True)):
+            slots = self.req_to_token[forward_batch.req_pool_indices[b], :prefix + new].long()
+            keys, values = (read_cache_rows(c, slots, kernel_backend(q_)) for c in (kc, vc))
+            out[start:start + new] = cached_causal_attention(q_[start:start + new], keys, values, prefix)
             start += new
         return out.reshape(q_.shape[0], -1)
 
@@ -126,9 +124,10 @@ def _check_layer(layer) -> None:
     """ValueError for attention this backend does not compute (it would be silently wrong)."""
     window = getattr(layer, "sliding_window_size", None)
     if layer.is_cross_attention or (window is not None and window > -1) or getattr(layer, "logit_cap", 0) > 0 \
-            or layer.qk_head_dim != layer.v_head_dim:
+            or layer.qk_head_dim != layer.v_head_dim or abs(layer.scaling * layer.qk_head_dim ** 0.5 - 1) > 1e-6:
         raise ValueError(f"attention backend {NAME!r}: layer {layer.layer_id} needs cross attention, a sliding "
-                         "window, a logit cap or another V head dim, which it does not compute")
+                         "window, a logit cap, another V head dim or a scale other than 1/sqrt(head dim), "
+                         "which it does not compute")
 
 
 def create(runner) -> TraceFP4AttnBackend:

@@ -5,8 +5,9 @@ TRACE's NVFP4 KV cache), and hooks SGLang's KV-pool construction so that an engi
 `quantization="trace_fp4"` stores its KV cache in TRACE's NVFP4 (`kv_cache`). Engines that
 ask for anything else are untouched. In the processes of an engine TRACE started (`SEEDED` set),
 a request's `sampling_seed` fixes its draws (SGLang reads it only in its deterministic mode,
-which its CPU attention does not support); with guidance asked for (capture.ENV), the capturer
-is hooked around each forward and each request's end.
+which its CPU attention does not support) and the loaded model computes what the trainer
+computes (`numerics`); with guidance asked for (capture.ENV), the capturer is hooked around
+each forward and each request's end.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ logger = logging.getLogger(__name__)
 KV_POOL_BUILDER = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_mha_kv_pool"
 QUANTIZED_KV_WRITE = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._set_quantized_kv_buffer"
 MODEL_FORWARD = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
+MODEL_LOADED = "sglang.srt.model_executor.model_runner.ModelRunner.load_model"
 FUSED_KV_WRITE = "sglang.srt.models.utils.enable_fused_set_kv_buffer"
 DISTRIBUTED_UPDATE = ("sglang.srt.model_executor.model_runner_components.weight_updater."
                       "WeightUpdater.update_weights_from_distributed")
@@ -55,6 +57,7 @@ def register() -> None:
     HookRegistry.register(DISTRIBUTED_UPDATE, _update_from_distributed, HookType.AROUND)
     if os.environ.get(SEEDED) == "1":
         _seed_sampling()
+        HookRegistry.register(MODEL_LOADED, _align_numerics, HookType.AFTER)
     from sglang.srt.managers.scheduler import Scheduler
 
     Scheduler.trace_quantization_table = _quantization_table
@@ -151,6 +154,14 @@ def _dump_guidance(scheduler, rids: list[str], path: str) -> None:
     from . import capture
 
     capture.dump(rids, path, get_tensor_model_parallel_rank())
+
+
+def _align_numerics(result, runner, *args, **kwargs):
+    """The trainer's arithmetic in the model just loaded (numerics.align_model)."""
+    from .numerics import align_model
+
+    align_model(runner)
+    return result
 
 
 def _seed_sampling() -> None:
