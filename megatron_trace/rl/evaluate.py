@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from ..backend import DEFAULT_ENGINE, make_backend
+from ..backend import BACKENDS, DEFAULT_ENGINE, backend_path, make_backend
 from ..model_config import ModelConfig
 from ..modes import EnginePrecision
 from ..rollout import GroupRequest, SamplingParams
@@ -110,14 +110,16 @@ def evaluate(backend, task, problems, max_new_tokens: int, batch: int = 512, pro
 
 def eval_engine(model_cfg: ModelConfig, precision: EnginePrecision | str, problems: int, prompt_tokens: int,
                 max_new_tokens: int, engine: str = DEFAULT_ENGINE, device: str | None = None):
-    """A backend of class `engine` ("module:Class") with room for `problems` greedy responses at
-    once (one sample each, no guidance recorded)."""
+    """A backend `engine` (a name of backend.BACKENDS, `builtin` or `sglang`, or "module:Class")
+    with room for `problems` greedy responses at once (one sample each, no guidance recorded)."""
     from .plan import kv_blocks
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return make_backend(engine, model_cfg, precision=EnginePrecision(precision), device=device, guide="none",
-                        num_blocks=kv_blocks(problems, 1, prompt_tokens, max_new_tokens),
-                        max_batch_tokens=max(2048, prompt_tokens * min(problems, 64)), model_id="eval")
+    options = dict(precision=EnginePrecision(precision), device=device, guide="none", model_id="eval",
+                   num_blocks=kv_blocks(problems, 1, prompt_tokens, max_new_tokens))
+    if backend_path(engine) == DEFAULT_ENGINE:  # the built-in engine's forward size (SGLang sizes its own)
+        options["max_batch_tokens"] = max(2048, prompt_tokens * min(problems, 64))
+    return make_backend(engine, model_cfg, **options)
 
 
 # -- weights as a user has them -----------------------------------------------------------------
@@ -167,7 +169,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--n", type=int, default=500, help="held-out problems")
     ap.add_argument("--seed", type=int, default=0, help="which held-out problems")
     ap.add_argument("--max-new-tokens", type=int, default=0, help="0: the task's longest response")
-    ap.add_argument("--engine", default=DEFAULT_ENGINE)
+    ap.add_argument("--engine", default="builtin",
+                    help=f"the serving engine: {' or '.join(BACKENDS)} (SGLang with TRACE's plugin), or module:Class")
     ap.add_argument("--json", help="write the result here")
     args = ap.parse_args(argv)
     if args.fp4_export and args.precision not in (None, "fp4"):
