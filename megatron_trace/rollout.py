@@ -112,6 +112,22 @@ class RolloutBackend(Protocol):
         on_group(output), if given, receives each group's output as soon as it is complete."""
 
 
+def release_backend_memory(engine) -> None:
+    """Let a backend that shares the trainer's GPU give its memory back while the trainer trains
+    (`release_memory()`: the SGLang backend colocated); others keep theirs. None is allowed."""
+    release = getattr(engine, "release_memory", None)
+    if release is not None:
+        release()
+
+
+def resume_backend_memory(engine) -> None:
+    """Take back what `release_backend_memory` gave (`resume_memory()`); the weight sync that
+    follows sends every weight again."""
+    resume = getattr(engine, "resume_memory", None)
+    if resume is not None:
+        resume()
+
+
 def close_backend(engine) -> None:
     """Stop a backend's processes and free what it holds, when it has any (`shutdown()`: the
     SGLang backend's host process; the built-in engine lives in this process and has none).

@@ -24,7 +24,7 @@ from ..megatron import qat
 from ..megatron.model import set_precision
 from ..megatron.schedule import run_microbatches
 from ..modes import RunMode
-from ..rollout import SamplingParams
+from ..rollout import SamplingParams, release_backend_memory, resume_backend_memory
 from .losses import grpo_advantages, kl_penalty, policy_loss, rollout_correction
 from .metrics import mismatch_metrics
 from .mismatch import FlipCounter
@@ -61,8 +61,10 @@ def rl_step(trainer, optimizer, engine, prompts: list[tuple[int, ...]], reward_f
     trained = batch.num_groups
     if not trained and distributed_trainer():  # the other ranks' collectives need this rank's forward and
         batch = first.select([0])  # backward: a group of equal rewards has zero advantage, no gradient
+    release_backend_memory(engine)  # colocated SGLang: its memory is the trainer's while it trains
     metrics = train_on(trainer, optimizer, batch, rl, reference) if batch.num_groups else {"skipped": 1.0}
     t2 = time.perf_counter()
+    resume_backend_memory(engine)
     metrics["weight_sync_bytes"] = sync_weights(trainer, engine, engine.weight_version + 1, sync_bucket_mb)
     t3 = time.perf_counter()
     every = torch.cat([b.rewards for b in sampled])

@@ -21,8 +21,10 @@ class EngineConfig:
     "dense" only for now). model_id: written into every record. device: "cpu" or "cuda".
     num_blocks x block_size: the KV cache's token capacity (SGLang's max_total_tokens).
     tp_size: SGLang's tensor parallelism. weight_bucket_mb: the most a weight update sends in one
-    SGLang call (a packed FP4 weight's parts travel together). sglang: SGLang's own ServerArgs
-    options, passed through (they override what this config derives)."""
+    SGLang call (a packed FP4 weight's parts travel together). release_memory: the engine shares
+    its GPU with a trainer (colocated): release_memory() / resume_memory() free and retake SGLang's
+    memory between rollouts (SGLang's enable_memory_saver on a GPU, which needs torch_memory_saver).
+    sglang: SGLang's own ServerArgs options, passed through (they override what this config derives)."""
 
     precision: EnginePrecision = EnginePrecision.FP4
     guide: str = "none"
@@ -33,6 +35,7 @@ class EngineConfig:
     block_size: int = 16
     tp_size: int = 1
     weight_bucket_mb: float = 512
+    release_memory: bool = False
     sglang: dict = field(default_factory=dict)
 
     @property
@@ -106,6 +109,8 @@ def server_args(model_dir: str, cfg: EngineConfig) -> dict:
                 attention_backend="trace_fp4" if fp4 else "torch_native" if cpu else "triton")
     if fp4 and cfg.guide != "none":
         args["disable_cuda_graph"] = True  # guidance capture runs in Python, outside any graph
+    if cfg.release_memory and not cpu:
+        args["enable_memory_saver"] = True  # what release_memory frees (torch_memory_saver's regions)
     if cpu:
         # CPU: no CUDA graphs; the overlap scheduler's host copies alias the device buffers on the
         # CPU and corrupt routed experts (docs/notes/sglang-integration.md)

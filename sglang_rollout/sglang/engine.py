@@ -129,6 +129,15 @@ class SGLangEngine:
                              GuidanceBatch({k: v for part in ordered for k, v in part.guidance.groups.items()},
                                            {k: v for part in ordered for k, v in part.guidance.samples.items()}))
 
+    def release_memory(self) -> None:
+        """Free SGLang's GPU memory while a trainer on the same GPU trains (Session.release_memory;
+        a no-op unless EngineConfig.release_memory)."""
+        self._call(("release_memory",))
+
+    def resume_memory(self) -> None:
+        """Take it back; every weight must then be sent again before generate (Session.resume_memory)."""
+        self._call(("resume_memory",))
+
     def quantization_table(self) -> dict[str, str]:
         """{HF module: "fp4" | "bf16"} of every linear and KV site as SGLang built them (the audit's view)."""
         return self._call(("quantization_table",))

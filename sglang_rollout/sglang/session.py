@@ -34,7 +34,7 @@ from megatron_trace.guidance import (
     capture_dense,
     expert_id_dtype,
 )
-from megatron_trace.model_config import ModelConfig
+from megatron_trace.model_config import ModelConfig, full_weight_shapes
 from megatron_trace.modes import EnginePrecision
 from megatron_trace.rollout import GroupRequest, RolloutOutput, SampleResult, SamplingParams, check_group_ids
 from sglang_rollout.engine.sampler import sample_key
@@ -57,6 +57,8 @@ class Session:
         self.weight_version = -1
         self._group_name = None  # the trainer's weight group, once joined (init_weights_update_group)
         self._torn = False  # a bucketed update from the group stopped part way
+        self._released = False  # release_memory: SGLang's GPU memory is given back to the trainer
+        self._unsent: set[str] = set()  # weights not yet sent again since resume_memory
         self.guided_layers = sorted(LayerPolicy.parse(engine_cfg.guide).select(model_cfg.num_layers))
         self._dir = tempfile.TemporaryDirectory(prefix="trace-sglang-")
         Path(self._dir.name, "config.json").write_text(json.dumps(hf_config(model_cfg)))
@@ -101,7 +103,28 @@ class Session:
         for i, bucket in enumerate(parts):
             self._applied(self.engine.update_weights_from_tensor(flatten(bucket), load_format=LOADER,
                                                                  flush_cache=i == len(parts) - 1))
+        self._unsent -= set(state_dict)
         self.weight_version = version
+
+    # -- memory (colocated with a trainer) ----------------------------------------------------
+    def release_memory(self) -> None:
+        """Give SGLang's GPU memory (weights, KV cache, CUDA graphs) to a trainer on the same GPU
+        until resume_memory: SGLang's release_memory_occupation, which frees it with
+        `enable_memory_saver` (EngineConfig.release_memory, torch_memory_saver) and otherwise runs
+        only its bookkeeping (on the CPU). A no-op without EngineConfig.release_memory."""
+        if not self.engine_cfg.release_memory or self._released:
+            return
+        self.engine.release_memory_occupation()
+        self._released = True
+
+    def resume_memory(self) -> None:
+        """Take the memory back (SGLang's resume_memory_occupation). The weights' contents are not
+        kept: generate refuses until every weight has been sent again (update_weights)."""
+        if not self._released:
+            return
+        self.engine.resume_memory_occupation()
+        self._released = False
+        self._unsent = set(full_weight_shapes(self.model_cfg))
 
     def init_weights_update_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
                                   backend: str) -> None:
@@ -117,6 +140,8 @@ class Session:
         The caller checked the whole update first (weight_payload.check_update)."""
         if self._group_name is None:
             raise RuntimeError("receive_weights before init_weights_update_group")
+        if self._released:
+            raise RuntimeError("the engine's memory is released (release_memory): resume_memory before sending weights")
         self._torn = True  # until the last bucket is in, the weights are neither the old nor the new ones
         self._applied(self.engine.update_weights_from_distributed(names, dtypes, shapes, self._group_name,
                                                                   flush_cache=last, load_format=LOADER))
@@ -125,6 +150,8 @@ class Session:
             self.weight_version = version
 
     def _check_update(self, state_dict, version: int) -> None:
+        if self._released:
+            raise RuntimeError("the engine's memory is released (release_memory): resume_memory before sending weights")
         if version <= self.weight_version:
             raise ValueError(f"weight version {version} is not newer than the engine's {self.weight_version}")
         check_update(self.model_cfg, state_dict, self.precision is EnginePrecision.FP4)
@@ -153,6 +180,11 @@ class Session:
             raise RuntimeError("the engine has no weights yet: call update_weights first")
         if self._torn:
             raise RuntimeError("the engine's last weight update stopped part way: send a whole update first")
+        if self._released:
+            raise RuntimeError("the engine's memory is released (release_memory): resume_memory first")
+        if self._unsent:
+            raise RuntimeError(f"the engine's memory was resumed and {len(self._unsent)} weights were not sent again "
+                               f"(e.g. {sorted(self._unsent)[0]}): send every weight first")
         check_group_ids(requests)
         self._calls += 1
         parts = self.engine.loop.run_until_complete(self._run(requests, sampling, on_group))

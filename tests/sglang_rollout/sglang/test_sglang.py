@@ -173,6 +173,37 @@ def test_sglangs_fp4_engine_computes_what_the_built_in_engine_computes(sd, rollo
     assert k3["bf16"] < 1e-3, k3
 
 
+def test_released_memory_is_taken_back_and_the_weights_sent_again(sd):
+    """Colocated with a trainer (EngineConfig.release_memory), the engine gives its memory back
+    between rollouts (SGLang's release/resume_memory_occupation; freed with torch_memory_saver on
+    a GPU, its bookkeeping alone on the CPU), refuses to generate or take weights while released,
+    and after resuming until every weight was sent again; then it generates what it did before."""
+    engine = SGLangEngine(CFG, EngineConfig(device=DEVICE, precision="fp4", guide="all", release_memory=True,
+                                            num_blocks=1 << 16 if DEVICE == "cuda" else 512))
+    try:
+        engine.update_weights(sd, 0)
+        before = engine.generate(REQUESTS, SAMPLING)
+        free = torch.cuda.mem_get_info()[0] if DEVICE == "cuda" else 0
+        engine.release_memory()
+        freed = torch.cuda.mem_get_info()[0] - free if DEVICE == "cuda" else 0
+        with pytest.raises(RuntimeError, match="released"):
+            engine.generate(REQUESTS, SAMPLING)
+        with pytest.raises(RuntimeError, match="released"):
+            engine.update_weights(sd, 1)
+        engine.resume_memory()
+        with pytest.raises(RuntimeError, match="not sent again"):
+            engine.generate(REQUESTS, SAMPLING)
+        engine.update_weights(sd, 1)
+        after = engine.generate(REQUESTS, SAMPLING)
+    finally:
+        engine.shutdown()
+    assert [s.tokens for s in after.samples] == [s.tokens for s in before.samples]
+    for a, b in zip(after.samples, before.samples, strict=True):
+        assert torch.equal(a.logprobs, b.logprobs)
+    if DEVICE == "cuda":  # at least the KV pool: 2^20 token slots x 2 KV heads x 13 bytes, K and V, 2 layers
+        assert freed > 100 * 2**20, freed
+
+
 def test_weights_broadcast_over_a_weight_group_equal_a_fresh_load(sd, rollouts):
     """The disaggregated path: this process opens a weight group with SGLang's scheduler
     processes (gloo: on a GPU machine this process and the engine share a GPU, which NCCL

@@ -1,0 +1,185 @@
+"""SGLang's own loaders on TRACE's FP4 exports (GPU: run through bench/gpu_sglang.sh's `export` step).
+
+    bash .sglrun/run.sh bench/sglang_export_check.py --out $OUT/sglang_export.json
+
+A random Qwen3-MoE of the `small` preset's shape (hidden 512, 16 experts of 256: widths SGLang's
+Marlin kernels take) saved as an HF checkpoint, converted to Megatron and exported by
+`trace-export-fp4` in both formats. Each export is loaded by `sglang.Engine` itself:
+
+- ModelOpt NVFP4 through SGLang's `modelopt_fp4` method. On Hopper (no FP4 tensor cores) SGLang
+  runs it weight-only through Marlin (`fp4_gemm_backend="marlin"`, Marlin MoE): its prompt
+  log-probabilities are compared with SGLang serving a BF16 checkpoint that holds our dequantized
+  weights (W4A16 on the same weights: the same model up to GEMM order), and with the original
+  BF16 weights (the quantization's own effect, for scale);
+- compressed-tensors NVFP4 through SGLang's `compressed-tensors` method: SGLang 0.5.17 asks for
+  compute capability 10.0 (Blackwell) for its W4A4 NVFP4 schemes, so on an H200 the load is
+  expected to be refused; the refusal is recorded;
+- the ModelOpt export through `trace_fp4` (TRACE's W4A4 on the exported bytes) against the
+  built-in engine on the same export (tests/sglang_rollout/sglang/test_serve_export.py is the CPU
+  version).
+
+Writes a JSON summary (k3_kl and the largest log-prob difference per comparison, errors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9], [1, 2, 3, 4, 5, 6, 7, 8]]
+
+
+def save_hf(path: Path) -> None:
+    """A random BF16 Qwen3-MoE (the `small` preset's shape, 2 layers) written by transformers."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from megatron_trace.model_config import PRESETS
+
+    c = PRESETS["small"]
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=512, hidden_size=c.hidden_size, intermediate_size=1024,
+                         moe_intermediate_size=c.moe_intermediate_size, num_hidden_layers=2,
+                         num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+                         head_dim=c.head_dim, num_experts=c.num_experts, num_experts_per_tok=c.top_k,
+                         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rope_theta=c.rope_theta,
+                         max_position_embeddings=512, tie_word_embeddings=False, initializer_range=0.05)
+    Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+
+
+def dequantized_copy(export: Path, out: Path) -> None:
+    """An HF BF16 checkpoint holding the ModelOpt export's weights dequantized (every other tensor as stored)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from megatron_trace.checkpoint.fp4_export import _fp4_parts
+    from megatron_trace.checkpoint.safetensors_io import SafetensorsDir
+    from trace_kernels.fp4 import Format, QTensor, dequantize
+
+    ckpt = SafetensorsDir(export)
+    tensors = {}
+    for file in sorted(export.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            names = list(f.keys())
+        for name in names:
+            module = name.removesuffix(".weight")
+            if name.endswith((".weight_scale", ".weight_scale_2", ".input_scale", ".k_scale", ".v_scale")):
+                continue
+            if f"{module}.weight_scale" in ckpt:
+                codes, scales, g = _fp4_parts(ckpt, module, "modelopt")
+                shape = torch.Size((codes.shape[0], codes.shape[1] * 2))
+                tensors[name] = dequantize(QTensor(codes, scales, g, Format.NVFP4, shape), torch.bfloat16).contiguous()
+            else:
+                tensors[name] = ckpt.get(name).contiguous()
+    out.mkdir(parents=True)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((export / "config.json").read_text())
+    cfg.pop("quantization_config", None)
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+
+
+def prompt_logprobs(model_path: Path, **args) -> list[torch.Tensor]:
+    """Each prompt's token log-probs (positions 1..) under sglang.Engine serving model_path."""
+    import sglang
+
+    engine = sglang.Engine(model_path=str(model_path), skip_tokenizer_init=True, log_level="error",
+                           disable_cuda_graph=True, mem_fraction_static=0.3, random_seed=0, **args)
+    try:
+        outs = engine.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+                               return_logprob=True, logprob_start_len=0)
+    finally:
+        engine.shutdown()
+    return [torch.tensor([lp for lp, _, _ in o["meta_info"]["input_token_logprobs"][1:]]) for o in outs]
+
+
+def compare(a: list[torch.Tensor], b: list[torch.Tensor]) -> dict:
+    from megatron_trace.rl.metrics import mismatch_metrics
+
+    return {"k3_kl": mismatch_metrics(a, b)["k3_kl"],
+            "max_abs_logprob_diff": max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    from megatron_trace.checkpoint.cli import export_main
+    from megatron_trace.checkpoint.convert import hf_to_megatron
+
+    work = Path(tempfile.mkdtemp())
+    result = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "runs": {}}
+    save_hf(work / "hf")
+    hf_to_megatron(work / "hf", work / "megatron")
+    for fmt, kv in (("modelopt", "fp4"), ("modelopt", "none"), ("compressed-tensors", "fp4")):
+        export_main(["--megatron", str(work / "megatron"), "--out", str(work / f"{fmt}-kv-{kv}"), "--format", fmt,
+                     "--kv-cache", kv, "--calib-random", "2", "--calib-len", "32"])
+    dequantized_copy(work / "modelopt-kv-none", work / "dequantized")
+
+    def attempt(name, fn):
+        t0 = time.perf_counter()
+        try:
+            value = fn()
+            result["runs"][name] = {"ok": True, "s": time.perf_counter() - t0}
+            return value
+        except Exception as e:  # noqa: BLE001 - every outcome is recorded, the next check still runs
+            result["runs"][name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:2000],
+                                    "trace": traceback.format_exc()[-3000:]}
+            return None
+
+    bf16 = attempt("sglang bf16, original weights", lambda: prompt_logprobs(work / "hf", attention_backend="triton"))
+    deq = attempt("sglang bf16, dequantized FP4 weights",
+                  lambda: prompt_logprobs(work / "dequantized", attention_backend="triton"))
+    marlin = dict(quantization="modelopt_fp4", fp4_gemm_backend="marlin", moe_runner_backend="marlin",
+                  attention_backend="triton")
+    # as exported for TRACE's engines (kv_cache_quant_algo NVFP4), then without the KV-cache field
+    attempt("sglang modelopt_fp4 (Marlin W4A16), kv_cache_quant_algo NVFP4",
+            lambda: prompt_logprobs(work / "modelopt-kv-fp4", **marlin))
+    w4a16 = attempt("sglang modelopt_fp4 (Marlin W4A16), no KV-cache field",
+                    lambda: prompt_logprobs(work / "modelopt-kv-none", **marlin))
+    attempt("sglang compressed-tensors NVFP4", lambda: prompt_logprobs(
+        work / "compressed-tensors-kv-fp4", quantization="compressed-tensors", attention_backend="triton"))
+    if w4a16 is not None and deq is not None:
+        result["modelopt W4A16 vs BF16 dequantized"] = compare(w4a16, deq)
+    if bf16 is not None and deq is not None:
+        result["BF16 dequantized vs BF16 original"] = compare(deq, bf16)
+    result["trace_fp4 vs built-in engine"] = attempt("trace_fp4 on the export", lambda: trace_fp4_check(work))
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
+    for name, r in result["runs"].items():
+        print(f"{name}: {'ok' if r['ok'] else r['error'][:400]}")
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def trace_fp4_check(work: Path) -> dict:
+    """The ModelOpt export through trace_fp4 against the built-in engine on the same bytes (greedy)."""
+    from megatron_trace.checkpoint.fp4_export import load_fp4_export
+    from megatron_trace.rl.evaluate import eval_engine
+    from megatron_trace.rollout import GroupRequest, SamplingParams
+
+    cfg, state = load_fp4_export(work / "modelopt-kv-fp4")
+    requests = [GroupRequest(f"p{i}", tuple(p), n=1) for i, p in enumerate(PROMPTS)]
+    out = {}
+    for engine in ("sglang", "builtin"):
+        backend = eval_engine(cfg, "fp4", len(PROMPTS), 16, 16, engine=engine)
+        try:
+            backend.update_weights(state, 0)
+            out[engine] = backend.generate(requests, SamplingParams(temperature=0.0, max_new_tokens=16, seed=0))
+        finally:
+            getattr(backend, "shutdown", lambda: None)()
+    same = [a.tokens == b.tokens for a, b in zip(out["sglang"].samples, out["builtin"].samples, strict=True)]
+    return {"same_tokens": all(same), **compare([s.logprobs for s in out["sglang"].samples],
+                                                [s.logprobs for s in out["builtin"].samples])}
+
+
+if __name__ == "__main__":
+    main()
