@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
 # SGLang running TRACE's FP4 policy on the GPU machine (device tool, nvidia-h200). The SGLang
-# bundle (59 MiB) and the project together leave no room for other wheels in one call, so:
+# bundle (56 MiB, with torch_memory_saver) and megatron-core's wheel fit beside the project in one call:
 #   bash bench/sglang_h200/build_bundle.sh .sgl   # here, once (ignored by git: .git/info/exclude)
-#   mkdir -p .sglrun && cp .sgl/run.sh .sgl/sitecustomize.py .sglrun/
-#   call 1, carry [".whl"]:   anything (megatron-core, torchao, torch_memory_saver wheels stay on the warm machine)
-#   call 2, carry [".sgl"]:   bash bench/gpu_sglang.sh install test export
-#   call 3, carry [".sglrun"]: bash bench/gpu_sglang.sh train
+#   carry [".sgl", ".whl/megatron_core-0.19.2-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl"]:
+#     bash bench/gpu_sglang.sh install test export train
+# A later call on the warm machine may carry .sglrun (run.sh and sitecustomize.py alone) instead of .sgl.
 # install keeps SGLang in /tmp/sglsite on the warm machine; check runs bench/sglang_gpu_check.py,
 # test the SGLang tests on CUDA (tests/sglang_rollout/sglang/, TESTS narrows them), smoke a 2-layer
 # throughput run of each engine, bench the throughput at Qwen3-30B-A3B's shape

@@ -17,9 +17,9 @@ alone, peak memory, and the optimizer state bytes per rank measured from the liv
 from __future__ import annotations
 
 import datetime
-import gc
 import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -47,6 +47,22 @@ def main() -> None:
     unknown = set(names) - {"master-adamw", "megatron-distributed", "megatron-offload"}
     if unknown:
         ap.error(f"--optimizers: unknown {sorted(unknown)}")
+    if len(names) > 1:  # each optimizer in a process of its own: nothing of one stays in the next's memory
+        rows = []
+        for name in names:
+            argv = [a for a in sys.argv[1:] if a != "--record"]
+            i = argv.index("--optimizers") if "--optimizers" in argv else None
+            if i is not None:
+                del argv[i:i + 2]
+            proc = subprocess.run([sys.executable, __file__, *argv, "--optimizers", name], capture_output=True,
+                                  text=True)
+            if proc.returncode:
+                sys.exit(f"{name}: failed\n{proc.stderr[-3000:]}")
+            row = json.loads(proc.stdout.strip().splitlines()[-1])
+            rows.append(row | {"step_s_ms": row["step_s"] * 1e3, "optimizer_step_s_ms": row["optimizer_step_s"] * 1e3,
+                               "peak": row["peak_gib"] or 0})
+            print(ROW.format(**rows[-1]), flush=True)
+        return report(rows, names, args)
     _init()
     from megatron.core.distributed import finalize_model_grads
 
@@ -65,11 +81,8 @@ def main() -> None:
         if cuda:
             torch.cuda.synchronize()
 
-    rows = []
     for name in names:
-        gc.collect()
         if cuda:
-            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         model = build_model(cfg, "bf16", grouped_gemm=True)
         set_precision(model, args.precision)
@@ -105,25 +118,31 @@ def main() -> None:
                "params": sum(p.numel() for p in model.parameters()), "gpu": gpu,
                "date": datetime.date.today().isoformat(), "model": args.model, "layers": args.layers,
                "tokens": args.tokens, "precision": args.precision}
-        rows.append(row)
-        print(f"{name:22s} step {row['step_s'] * 1e3:9.1f} ms  optimizer {row['optimizer_step_s'] * 1e3:8.1f} ms  "
-              f"state {row['state_gib']:.2f} GiB  peak {row['peak_gib'] or 0:.1f} GiB  host RSS {host:.1f} GiB",
-              flush=True)
-        del model, opt, zero, finish, step, state, fwd
-    base = rows[0]
+        print(json.dumps(row))
+
+
+ROW = ("{optimizer:22s} step {step_s_ms:9.1f} ms  optimizer {optimizer_step_s_ms:8.1f} ms  state {state_gib:.2f} GiB  "
+       "peak {peak:.1f} GiB  host RSS {host_rss_gib:.1f} GiB")
+
+
+def report(rows: list[dict], names: list[str], args) -> None:
+    """The ratios to the first optimizer, and with --record the results files."""
+    base, gpu = rows[0], rows[0]["gpu"]
     ratios = [f"{r['optimizer']} / {base['optimizer']}: step time {r['step_s'] / base['step_s']:.3f}, "
               f"peak device memory {(r['peak_gib'] or 0) / (base['peak_gib'] or 1):.3f}" for r in rows[1:]]
     print("\n".join(ratios))
     if args.record:
         tag = "" if names == ["master-adamw", "megatron-distributed"] else "_" + "_vs_".join(names[1:] + names[:1])
-        stem = RESULTS / f"optimizer_step{tag}_{rows[0]['date']}_{'h200' if 'H200' in gpu else gpu.replace(' ', '_')}"
+        stem = RESULTS / (f"optimizer_step{tag}_{rows[0]['date']}_{args.layers}l_"
+                          f"{'h200' if 'H200' in gpu else gpu.replace(' ', '_')}")
         stem.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
         cmd = "python bench/optimizer_step.py " + " ".join(sys.argv[1:])
-        lines = [f"# Training step: {', '.join(names[1:])} against {names[0]}, "
-                 f"{rows[0]['date']}, {gpu}", "", f"`{cmd}`", "",
+        lines = [f"# Training step: {', '.join(names[1:])} against {names[0]}, {rows[0]['date']}, {gpu}", "",
+                 f"`{cmd}`", "",
                  f"{args.model} at full width, {args.layers} layers ({rows[0]['params'] / 1e9:.2f} B parameters), "
                  f"one micro-batch of {args.tokens} tokens, {args.precision}; one device (data-parallel size 1, "
-                 "so the distributed optimizer shards nothing here: per-rank state is 1/DP of this).", "",
+                 "so the distributed optimizer shards nothing here: per-rank state is 1/DP of this); each "
+                 "optimizer measured in a process of its own.", "",
                  "| optimizer | step (ms) | optimizer step (ms) | optimizer state (GiB) | peak device (GiB) | "
                  "host RSS (GiB) |", "|---|---|---|---|---|---|"]
         lines += [f"| {r['optimizer']} | {r['step_s'] * 1e3:.1f} | {r['optimizer_step_s'] * 1e3:.1f} | "

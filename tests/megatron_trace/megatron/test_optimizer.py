@@ -208,9 +208,9 @@ def _batch(seqs):
     dp, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     mine = seqs[dp::dp_size]
     pad = (-sum(len(s) for s in mine)) % ps.get_tensor_model_parallel_world_size()
-    ids, pos, psp = pack_sequences(mine, pad=pad)
+    ids, pos, psp = pack_sequences(mine, sc.device(), pad=pad)
     keep = torch.cat([torch.arange(len(s)) < len(s) - 1 for s in mine] + [torch.zeros(pad, dtype=torch.bool)])
-    return ids, pos, psp, keep, sum(len(s) - 1 for s in seqs)
+    return ids, pos, psp, keep.to(sc.device()), sum(len(s) - 1 for s in seqs)
 
 
 def _train_step(opt, seqs):
