@@ -36,10 +36,10 @@ for step in "$@"; do
         bash $run bench/sglang_export_check.py --out "$OUT/sglang_export_check.json" > "$OUT/sglang_export_check.log" 2>&1
         tail -n 30 "$OUT/sglang_export_check.log"
       elif [ "$step" = train ]; then
-        for spec in ${TRAIN_RUNS:-demo:0:5 qwen3-30b-a3b:4:4}; do
-          IFS=: read -r model layers steps <<< "$spec"
+        for spec in ${TRAIN_RUNS:-demo:0:5:200 qwen3-30b-a3b:4:4:0}; do  # model:layers:RL steps:SFT steps
+          IFS=: read -r model layers steps sft <<< "$spec"
           bash $run bench/sglang_train_step.py --model "$model" --layers "$layers" --steps "$steps" \
-            --sft-steps "$([ "$model" = demo ] && echo 200 || echo 0)" --out "$OUT/train_step_${model}_${layers}l.json" \
+            --sft-steps "$sft" --out "$OUT/train_step_${model}_${layers}l.json" \
             > "$OUT/train_step_${model}_${layers}l.log" 2>&1
           tail -n 6 "$OUT/train_step_${model}_${layers}l.log"
         done

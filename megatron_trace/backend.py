@@ -18,12 +18,17 @@ def backend_path(backend: str) -> str:
     return BACKENDS.get(backend, backend)
 
 
-def backend_options(cfg) -> dict:
+def backend_options(cfg, gpus: list[int] | None = None) -> dict:
     """The EngineConfig fields a run's config (a TrainConfig) sets beyond precision, guidance and
     the KV cache's size: for SGLang its tensor parallelism (`dist.engine_tp`) and its own
-    ServerArgs (`rollout.sglang`)."""
+    ServerArgs (`rollout.sglang`); `gpus`: the engine's GPUs on a GPU machine (an engine rank's,
+    rl.job_layout.rank_gpus), the first of which becomes SGLang's base_gpu_id. Colocated (no
+    engine ranks), the engine gives its memory to the trainer while it trains (release_memory)."""
     if cfg.rollout.backend == "sglang":
-        return {"tp_size": cfg.dist.engine_tp, "sglang": dict(cfg.rollout.sglang)}
+        sglang = dict(cfg.rollout.sglang)
+        if gpus:
+            sglang["base_gpu_id"] = gpus[0]
+        return {"tp_size": cfg.dist.engine_tp, "sglang": sglang, "release_memory": cfg.dist.engine_ranks == 0}
     return {}
 
 

@@ -36,6 +36,7 @@ def train_main(args: argparse.Namespace) -> list[dict]:
     import os
 
     from .rl.factories import engine_settings, resolve_model_config
+    from .rl.job_layout import check_engine_settings, check_local_gpus
     from .rl.plan import engine_kv_blocks
     from .rl.slurm import torch_env_from_slurm
     from .rl.train import train
@@ -46,10 +47,13 @@ def train_main(args: argparse.Namespace) -> list[dict]:
         raise SystemExit("error: dist.engine_tp > 1: the built-in engine runs on one GPU; rollout.backend=sglang "
                          "shards an engine over dist.engine_tp GPUs")
     try:
+        check_engine_settings(cfg)
         model_cfg = resolve_model_config(cfg.model)
         if cfg.dist.engine_ranks:
             history = _lost_peer_exits(_train_disaggregated, cfg, model_cfg)
         else:
+            if torch.cuda.is_available():  # a colocated SGLang engine of several GPUs takes the first ones
+                check_local_gpus(list(range(cfg.dist.engine_tp)), torch.cuda.device_count(), cfg.dist.engine_tp, True)
             init_one_process()
             make_engine = engine_factory(cfg.rollout.backend, model_cfg, cfg.model.preset, engine_kv_blocks(cfg),
                                          probe=engine_settings(cfg.rl), **backend_options(cfg))
@@ -97,19 +101,26 @@ def _train_disaggregated(cfg, model_cfg) -> list[dict]:
     from .rl.bridge import Bridge, Roles, rendezvous_store
     from .rl.disaggregated import RemoteEngine, serve_engine
     from .rl.factories import engine_settings
+    from .rl.job_layout import check_local_gpus, rank_gpus
     from .rl.plan import engine_kv_blocks
     from .rl.train import train
 
     roles = Roles.from_env(cfg.dist.engine_ranks)
-    if torch.cuda.is_available():  # more processes than GPUs: engines share the first GPUs
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    # trainer ranks a GPU each, then each engine rank dist.engine_tp GPUs (rl/job_layout.py)
+    gpus = rank_gpus(roles.rank, int(os.environ.get("LOCAL_RANK", 0)), roles.trainers,
+                     1 if roles.is_trainer else cfg.dist.engine_tp)
+    if torch.cuda.is_available():
+        check_local_gpus(gpus, torch.cuda.device_count(), cfg.dist.engine_tp, not roles.is_trainer)
+        gpus = [g % torch.cuda.device_count() for g in gpus]  # more ranks than GPUs: engines of one GPU share
+        torch.cuda.set_device(gpus[0])
     else:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     store = rendezvous_store()
     bridge = Bridge(store, roles, cfg.dist.bridge)
     if not roles.is_trainer:
+        options = backend_options(cfg, gpus if torch.cuda.is_available() else None)
         serve_engine(bridge, engine_factory(cfg.rollout.backend, model_cfg, cfg.model.preset, engine_kv_blocks(cfg),
-                                            probe=engine_settings(cfg.rl), **backend_options(cfg)))
+                                            probe=engine_settings(cfg.rl), **options))
         return []
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
                             store=dist.PrefixStore("trace-trainers", store), rank=roles.rank, world_size=roles.trainers)

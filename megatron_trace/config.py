@@ -302,7 +302,9 @@ class DistSection(Section):
     NAME: ClassVar[str] = "dist"
 
     engine_ranks: int = 0
-    """0: trainer and engine in one process; > 0: ranks of a torchrun job that serve rollouts (launch/local.sh)."""
+    """0: trainer and engine in one process; > 0: ranks of a torchrun job that serve rollouts (launch/local.sh),
+    each running one engine of `dist.engine_tp` GPUs: on a node the trainer ranks take the first GPUs, one each,
+    and the engine ranks the next ones. With cluster.engine_nodes: engine_nodes x gpus_per_node / engine_tp."""
     tp: int = 1
     """Trainer tensor parallelism (sequence parallel with it); data parallelism fills the rest."""
     ep: int = 1
@@ -316,7 +318,8 @@ class DistSection(Section):
     recompute: Literal["none", "full", "selective"] = "none"
     """Trainer activation recompute: `none`, `full` (every layer) or `selective` (the MoE layers)."""
     engine_tp: int = 1
-    """GPUs per engine: SGLang's tp_size with rollout.backend=sglang; the built-in engine runs on one."""
+    """GPUs per engine (per engine rank): SGLang's tp_size with rollout.backend=sglang (its expert parallelism
+    `rollout.sglang={ep_size: N}`, N dividing it); the built-in engine runs on one."""
     sync_bucket_mb: float = 256.0
     """Weight sync: the largest packed bucket a trainer rank holds and sends at a time (MiB)."""
 
@@ -337,7 +340,8 @@ class ClusterSection(Section):
     nodes: int = 1
     """SLURM nodes in all."""
     engine_nodes: int = 0
-    """Of which rollout-engine nodes (disaggregated); their GPUs are dist.engine_ranks."""
+    """Of which rollout-engine nodes (disaggregated, the last ones); each runs gpus_per_node / dist.engine_tp
+    engine ranks (dist.engine_ranks in all)."""
     gpus_per_node: int = 8
     """GPUs per node."""
     gpu_memory_gib: float = 141.0

@@ -112,5 +112,8 @@ class Bridge:
 
 
 def _nodes() -> int:
-    """Machines in the job (torchrun's world over its per-node process count)."""
+    """Machines in the job: GROUP_WORLD_SIZE (torchrun's, or SLURM's nodes), else the world over
+    the per-node process count (nodes may run different counts: engine ranks hold several GPUs)."""
+    if os.environ.get("GROUP_WORLD_SIZE"):
+        return int(os.environ["GROUP_WORLD_SIZE"])
     return max(1, int(os.environ.get("WORLD_SIZE", 1)) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1))))

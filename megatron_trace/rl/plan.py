@@ -15,7 +15,9 @@ DistributedDataParallel and `get_megatron_optimizer` (`megatron/optimizer.py`):
   parallel under TP; with recompute only layer inputs plus one layer); the logits; the decoded
   guidance of the micro-batches in flight; and, while the weights sync, one packed bucket;
 - engine GPU: FP4 weights (codes + E4M3 block scales) or BF16, the FP4 KV cache of a step's
-  in-flight samples (prompts stored once per group) and one received sync bucket;
+  in-flight samples (prompts stored once per group) and one received sync bucket; an SGLang
+  engine GPU (`rollout.backend=sglang`) as SGLang fills it: its shard under engine TP / EP, the
+  KV pool SGLang sizes from mem_fraction_static, a workspace, the load peak (`plan_sglang`);
 - host memory per node: one sync bucket per trainer rank (each rank quantizes and sends its own
   shards in buckets of `dist.sync_bucket_mb` to the engines: no rank holds the whole model),
   the offloaded optimizer state, and the guidance waiting for the trainers / recorded by the
@@ -46,6 +48,8 @@ from ..guidance.record import Coding
 from ..modes import EnginePrecision, RunMode
 from .architecture import PLAN_ONLY, Architecture
 from .factories import resolve_model_config
+from .job_layout import engine_instances, job_shape
+from .plan_sglang import SGLangEngineGPU, sglang_engine_gpu
 
 GiB, MiB = 1024**3, 1024**2
 USABLE = 0.92  # of GPU memory: what the CUDA context, NCCL buffers and fragmentation leave
@@ -111,6 +115,7 @@ class Plan:
     host: dict[str, float]
     limits: dict[str, float]
     problems: list[str]
+    sglang: SGLangEngineGPU | None = None  # the SGLang engine GPU's pool figures (rollout.backend=sglang)
 
     @property
     def fits(self) -> bool:
@@ -183,11 +188,19 @@ def kv_blocks(groups: int, group_size: int, prompt_tokens: int, new_tokens: int,
 
 def engine_kv_blocks(cfg, engine_tp: int | None = None) -> int:
     """KV blocks an engine needs to hold its share of a step's groups at once (the built-in
-    engine is built with that many); engine_tp: GPUs per engine (default dist.engine_tp)."""
-    _, engines = gpu_counts(cfg)
-    instances = max(1, engines // (engine_tp or cfg.dist.engine_tp))
+    engine is built with that many, SGLang's pool capped at that many tokens); engine_tp: GPUs per
+    engine (default dist.engine_tp; another one splits the same engine GPUs into other engines)."""
     rl = cfg.rl
-    return kv_blocks(math.ceil(rl.prompts_per_step / instances), rl.group_size, rl.max_prompt_tokens, rl.max_new_tokens)
+    groups = math.ceil(rl.prompts_per_step / engine_instances(cfg, engine_tp))
+    return kv_blocks(groups, rl.group_size, rl.max_prompt_tokens, rl.max_new_tokens)
+
+
+def engine_tokens_needed(cfg, engine_tp: int | None = None) -> int:
+    """Tokens an engine's share of a step's groups holds at once, at their longest, each prompt
+    once per group (SGLang's radix cache shares it; one token per slot)."""
+    rl = cfg.rl
+    groups = math.ceil(rl.prompts_per_step / engine_instances(cfg, engine_tp))
+    return groups * (rl.max_prompt_tokens + rl.group_size * rl.max_new_tokens)
 
 
 def _guided_layers(policy: str, arch: Architecture, mode: RunMode, coding: Coding | str) -> int:
@@ -202,18 +215,10 @@ def _guided_layers(policy: str, arch: Architecture, mode: RunMode, coding: Codin
 
 def gpu_counts(cfg) -> tuple[int, int]:
     """(trainer GPUs, engine GPUs) of the run: colocated is one GPU for both (engine GPUs 0);
-    otherwise the cluster's GPUs, engine_nodes' (or dist.engine_ranks of one node) serving."""
-    dist, cl = cfg.dist, cfg.cluster
-    if dist.engine_ranks == 0 and cl.engine_nodes == 0:
-        return 1, 0
-    engines = cl.engine_nodes * cl.gpus_per_node if cl.engine_nodes else dist.engine_ranks
-    if cl.engine_nodes and dist.engine_ranks and dist.engine_ranks != engines:
-        raise ValueError(f"config: dist.engine_ranks={dist.engine_ranks} disagrees with cluster.engine_nodes x "
-                         f"gpus_per_node = {engines}")
-    trainers = cl.nodes * cl.gpus_per_node - engines
-    if trainers < 1:
-        raise ValueError(f"config: {engines} engine GPUs leave no trainer GPU of cluster.nodes x gpus_per_node")
-    return trainers, engines
+    otherwise the cluster's GPUs, engine_nodes' (or dist.engine_ranks x dist.engine_tp of one
+    node) serving (job_layout.job_shape; ValueError naming the settings that disagree)."""
+    shape = job_shape(cfg)
+    return shape.trainers, shape.engine_gpus
 
 
 # -- what one trainer GPU holds ----------------------------------------------------------------
@@ -319,9 +324,10 @@ def make_plan(cfg, arch: Architecture, layout: Layout | None = None) -> Plan:
         guidance_bytes_per_token(arch, min(guided, stage_layers), rl.coding, decoded=True) + ids_stage)
     trainer[SYNC_BUCKET] = bucket
 
-    # engine: one instance per dist.engine_tp GPUs, generating its share of the step
-    instances = 1 if colocated else max(1, engine_gpus // dist.engine_tp)
-    engine, engine_node = _engine_side(cfg, arch, guided, fp4_engine, colocated)
+    # engine: one instance per dist.engine_tp GPUs (an engine rank), generating its share of the step
+    instances = 1 if colocated else engine_instances(cfg)
+    limits = {"gpu": cl.gpu_memory_gib * GiB * USABLE, "host": cl.host_memory_gib * GiB * USABLE}
+    engine, engine_node, sglang = _engine_side(cfg, arch, guided, fp4_engine, colocated, limits["gpu"])
     traffic, seconds = _traffic(cfg, arch, held, dp, expert_dp, guided, fp4_engine, instances,
                                 (trainer_gpus, engine_gpus))
     local_trainers = min(cl.gpus_per_node, trainer_gpus)
@@ -331,32 +337,68 @@ def make_plan(cfg, arch: Architecture, layout: Layout | None = None) -> Plan:
     host["trainer node: its ranks' rollout guidance"] = local_trainers * rank_tokens * (
         guidance_bytes_per_token(arch, min(guided, stage_layers), rl.coding) + ids_stage)
     host["engine node: its engines' recorded guidance"] = engine_node
-    limits = {"gpu": cl.gpu_memory_gib * GiB * USABLE, "host": cl.host_memory_gib * GiB * USABLE}
+    if sglang is not None and not colocated:  # SGLangEngine.update_weights_from_buckets: whole tensors
+        per_node = max(1, min(cl.gpus_per_node, engine_gpus) // dist.engine_tp)
+        host["engine node: a packed model per SGLang engine rank"] = per_node * _packed_model(
+            arch, fp4_engine)
     problems += _shortfalls(cfg, arch, fp4_engine, _peak(trainer), engine, host, limits, colocated)
+    if sglang is not None and rl.mode.applies_guidance and Coding(rl.coding) is Coding.SPARSE:
+        problems.append("SGLang engine: it records dense guidance only; set rl.coding=dense")
+    if sglang is not None:
+        fit = "" if colocated or not sglang.shortfalls else \
+            f" ({_fitting_engine_tp(cfg, arch, fp4_engine, limits['gpu'])})"
+        problems += sglang.problems + [p + fit for p in sglang.shortfalls]
     if arch.implemented:
         problems.append(f"{arch.name} is plan-only: {arch.implemented}")
     how = ("distributed" if optim.distributed else "replicated") + (
         ", offloaded to the host" if optim.cpu_offload else "")
     return Plan(arch=arch, layout=lay, trainer_gpus=trainer_gpus, engine_gpus=engine_gpus, dp=dp, expert_dp=expert_dp,
                 optimizer=how, trainer=trainer, engine=engine, traffic=traffic, seconds=seconds, host=host,
-                limits=limits, problems=problems)
+                limits=limits, problems=problems, sglang=sglang)
 
 
-def _engine_side(cfg, arch: Architecture, guided: int, fp4_engine: bool, colocated: bool) -> tuple[dict, float]:
-    """One engine GPU's bytes (weights, KV cache, a received sync bucket) and the host bytes of an
-    engine node's recorded guidance (wire form; fp4-qat records dense guidance to measure flips)."""
+def _engine_side(cfg, arch: Architecture, guided: int, fp4_engine: bool, colocated: bool,
+                 usable: float) -> tuple[dict, float, SGLangEngineGPU | None]:
+    """One engine GPU's bytes (weights, KV cache, a received sync bucket; on SGLang its pool and
+    workspace too, `plan_sglang`), the host bytes of an engine node's recorded guidance (wire form;
+    fp4-qat records dense guidance to measure flips), and the SGLang engine GPU's figures (None
+    for the built-in engine)."""
     rl, dist, cl = cfg.rl, cfg.dist, cfg.cluster
     _, engine_gpus = gpu_counts(cfg)
     kv_tokens = engine_kv_blocks(cfg) * KV_BLOCK
-    recorded = guided if rl.mode.applies_guidance else (
-        arch.layers if rl.mode is RunMode.FP4_QAT and rl.measure_flips else 0)
+    recorded = _recorded_layers(rl, arch, guided)
     coding = rl.coding if rl.mode.applies_guidance else Coding.DENSE
-    engine = _engine_bytes(arch, fp4_engine, dist.engine_tp, kv_tokens)
+    sglang = None
+    if cfg.rollout.backend == "sglang":
+        sglang = _sglang_gpu(cfg, arch, fp4_engine, dist.engine_tp, usable, recorded > 0)
+        engine = dict(sglang.items)
+    else:
+        engine = _engine_bytes(arch, fp4_engine, dist.engine_tp, kv_tokens)
     if not colocated:
         engine["weight sync bucket (received)"] = min(dist.sync_bucket_mb * MiB, sum(engine.values()))
     per_node = max(1, min(cl.gpus_per_node, engine_gpus) // dist.engine_tp)
     return engine, per_node * kv_tokens * (guidance_bytes_per_token(arch, recorded, coding)
-                                           + routed_expert_bytes_per_token(arch))
+                                           + routed_expert_bytes_per_token(arch)), sglang
+
+
+def _recorded_layers(rl, arch: Architecture, guided: int) -> int:
+    """Layers whose guidance the engine records (fp4-qat records every layer to measure flips)."""
+    if rl.mode.applies_guidance:
+        return guided
+    return arch.layers if rl.mode is RunMode.FP4_QAT and rl.measure_flips else 0
+
+
+def _sglang_gpu(cfg, arch: Architecture, fp4: bool, engine_tp: int, usable: float, guidance: bool) -> SGLangEngineGPU:
+    """One GPU of an SGLang engine of `engine_tp` GPUs for this run (plan_sglang)."""
+    return sglang_engine_gpu(arch, fp4=fp4, tp=engine_tp, options=cfg.rollout.sglang,
+                             gpu_memory_gib=cfg.cluster.gpu_memory_gib, usable=usable,
+                             tokens_needed=engine_tokens_needed(cfg, engine_tp),
+                             tokens_asked=engine_kv_blocks(cfg, engine_tp) * KV_BLOCK, guidance=guidance)
+
+
+def _packed_model(arch: Architecture, fp4: bool) -> float:
+    """The whole model as the weight sync carries it: FP4 sites packed (codes + E4M3 scales), or BF16."""
+    return arch.fp4_params * (0.5 + 1 / 16) + 2 * (arch.num_params - arch.fp4_params) if fp4 else 2 * arch.num_params
 
 
 def _traffic(cfg, arch: Architecture, held: Held, dp: int, expert_dp: int, guided: int, fp4_engine: bool,
@@ -368,8 +410,7 @@ def _traffic(cfg, arch: Architecture, held: Held, dp: int, expert_dp: int, guide
     rl, cl = cfg.rl, cfg.cluster
     trainer_gpus, engine_gpus = gpus
     colocated = engine_gpus == 0
-    packed = arch.fp4_params * (0.5 + 1 / 16) + 2 * (arch.num_params - arch.fp4_params) if fp4_engine \
-        else 2 * arch.num_params
+    packed = _packed_model(arch, fp4_engine)
     step_tokens = rl.prompts_per_step * (rl.max_prompt_tokens + rl.group_size * rl.max_new_tokens)
     coding = Coding(rl.coding).value if guided else "none"
     moved = {f"weight sync to the engines ({'packed FP4' if fp4_engine else 'BF16'})": packed * instances,
@@ -391,8 +432,7 @@ def _shortfalls(cfg, arch: Architecture, fp4_engine: bool, trainer_peak: float, 
                 host: dict[str, float], limits: dict[str, float], colocated: bool) -> list[str]:
     """What does not fit: the trainer GPU (with a colocated engine), the engine GPU (naming an
     engine TP that fits), a trainer or engine node's host memory."""
-    cl, etp = cfg.cluster, cfg.dist.engine_tp
-    _, engine_gpus = gpu_counts(cfg)
+    cl = cfg.cluster
     problems = []
     t_peak = trainer_peak + (sum(engine.values()) if colocated else 0)
     if t_peak > limits["gpu"]:
@@ -400,17 +440,34 @@ def _shortfalls(cfg, arch: Architecture, fp4_engine: bool, trainer_peak: float, 
                         f"than the {limits['gpu'] / GiB:.1f} GiB usable of {cl.gpu_memory_gib:g} GiB")
     e = sum(engine.values())
     if not colocated and e > limits["gpu"]:
-        fitting = [t for t in (2, 4, 8, 16) if t > etp and t <= engine_gpus and engine_gpus % t == 0 and sum(
-            _engine_bytes(arch, fp4_engine, t, engine_kv_blocks(cfg, t) * KV_BLOCK).values()) <= limits["gpu"]]
         problems.append(f"engine GPU needs {e / GiB:.1f} GiB, {(e - limits['gpu']) / GiB:.1f} GiB more than the "
-                        f"{limits['gpu'] / GiB:.1f} GiB usable; "
-                        + (f"dist.engine_tp={fitting[0]} fits" if fitting else "no engine_tp fits these engine GPUs"))
+                        f"{limits['gpu'] / GiB:.1f} GiB usable; " + _fitting_engine_tp(cfg, arch, fp4_engine,
+                                                                                        limits["gpu"]))
     for what in ("trainer node", "engine node"):
         x = sum(v for k, v in host.items() if k.startswith(what))
         if x > limits["host"]:
             problems.append(f"{what} host memory: {x / GiB:.0f} GiB, {(x - limits['host']) / GiB:.0f} GiB more than "
                             f"usable of {cl.host_memory_gib:g} GiB")
     return problems
+
+
+def _fitting_engine_tp(cfg, arch: Architecture, fp4: bool, usable: float) -> str:
+    """Names the smallest engine TP above dist.engine_tp that fits the same engine GPUs."""
+    _, engine_gpus = gpu_counts(cfg)
+    fitting = [t for t in (2, 4, 8, 16) if cfg.dist.engine_tp < t <= engine_gpus and engine_gpus % t == 0
+               and _engine_fits(cfg, arch, fp4, t, usable)]
+    return f"dist.engine_tp={fitting[0]} fits" if fitting else "no engine_tp fits these engine GPUs"
+
+
+def _engine_fits(cfg, arch: Architecture, fp4: bool, engine_tp: int, usable: float) -> bool:
+    """Whether an engine of `engine_tp` GPUs fits one engine GPU (SGLang: nothing it refuses either)."""
+    if cfg.rollout.backend == "sglang":
+        if engine_tp % int(cfg.rollout.sglang.get("ep_size", 1)):
+            return False
+        gpu = _sglang_gpu(cfg, arch, fp4, engine_tp, usable, _recorded_layers(
+            cfg.rl, arch, _guided_layers(cfg.rl.guide, arch, cfg.rl.mode, cfg.rl.coding)) > 0)
+        return not gpu.problems and not gpu.shortfalls and gpu.total <= usable
+    return sum(_engine_bytes(arch, fp4, engine_tp, engine_kv_blocks(cfg, engine_tp) * KV_BLOCK).values()) <= usable
 
 
 def _engine_bytes(arch: Architecture, fp4: bool, engine_tp: int, kv_tokens: int) -> dict[str, float]:
@@ -488,6 +545,7 @@ def format_plan(plan: Plan) -> str:
              f"trainer GPU ({unit})", rows(plan.trainer),
              f"  {'peak (forward-backward or weight sync)':<56} {plan.trainer_peak / div:10.3f}",
              f"engine GPU ({unit})", rows(plan.engine), f"  {'total':<56} {plan.engine_total / div:10.3f}",
+             *([f"  {plan.sglang.summary()}"] if plan.sglang else []),
              f"per RL step ({unit} moved, seconds at the link rate)", rows(plan.traffic, plan.seconds),
              f"host memory per node ({unit})", rows(plan.host),
              f"usable: {plan.limits['gpu'] / GiB:.1f} GiB per GPU ({USABLE:.0%} of it), "
@@ -502,4 +560,6 @@ def plan_json(plan: Plan) -> dict:
             "trainer_gpus": plan.trainer_gpus, "engine_gpus": plan.engine_gpus, "dp": plan.dp,
             "expert_dp": plan.expert_dp, "optimizer": plan.optimizer, "trainer_bytes": plan.trainer,
             "trainer_peak_bytes": plan.trainer_peak, "engine_bytes": plan.engine, "traffic_bytes": plan.traffic,
-            "traffic_seconds": plan.seconds, "host_bytes": plan.host, "fits": plan.fits, "problems": plan.problems}
+            "traffic_seconds": plan.seconds, "host_bytes": plan.host, "fits": plan.fits, "problems": plan.problems,
+            "sglang": None if plan.sglang is None else {k: v for k, v in dataclasses.asdict(plan.sglang).items()
+                                                         if k not in ("items", "problems", "shortfalls")}}

@@ -92,9 +92,9 @@ def start(cfg: TrainConfig, model_cfg: ModelConfig, progress: bool) -> Run:
     if task.tokenizer.vocab_size > model_cfg.vocab_size:
         raise ValueError(f"the task's tokenizer needs {task.tokenizer.vocab_size} ids, "
                          f"the model has {model_cfg.vocab_size}")
-    if cfg.dist.engine_tp != 1:
-        raise ValueError("dist.engine_tp: the built-in engine runs on one GPU; engine tensor parallelism is for "
-                         "`trace-rl plan` until the SGLang backend lands")
+    if cfg.dist.engine_tp != 1 and cfg.rollout.backend == "builtin":
+        raise ValueError("dist.engine_tp: the built-in engine runs on one GPU; rollout.backend=sglang shards an "
+                         "engine over dist.engine_tp GPUs")
     trainer = build_model(model_cfg, "bf16", grouped_gemm=True,  # BF16 compute, as the engine
                           recompute=None if cfg.dist.recompute == "none" else cfg.dist.recompute)
     if cfg.model.hf:

@@ -124,7 +124,7 @@ def test_large_layouts_fit_or_are_refused_with_the_shortfall():
     cfg = load_config(ROOT / "launch" / "configs" / "qwen3-235b-a22b.yaml")
     assert make_plan(cfg, arch).fits
     one_gpu_engines = make_plan(load_config(ROOT / "launch" / "configs" / "qwen3-235b-a22b.yaml",
-                                            ["dist.engine_tp=1"]), arch)
+                                            ["dist.engine_tp=1", "rollout.backend=builtin"]), arch)
     assert one_gpu_engines.problems == [p for p in one_gpu_engines.problems if p.startswith("engine GPU needs")]
     assert one_gpu_engines.problems[0].endswith("dist.engine_tp=2 fits")  # 235 B in FP4 is 132 GiB of weights
     best = choose_layout(cfg, arch)[0]
@@ -306,9 +306,9 @@ def _qwen235_by_hand(tp, ep):
 
 
 def test_large_configs_memory_and_traffic_by_independent_arithmetic():
-    """The 235 B example config (TP4 EP64 DP16 on 64 trainer GPUs, 16 engine GPUs in 8 engines of
-    TP2, 2 nodes away): sharded optimizer, grad buffer, offload, bucketed sync and every traffic
-    figure with its seconds, from the model's shape and the cluster's links."""
+    """The 235 B example config (TP4 EP64 DP16 on 64 trainer GPUs, 16 engine GPUs in 4 SGLang
+    engines of TP4, 2 nodes away): sharded optimizer, grad buffer, offload, bucketed sync and every
+    traffic figure with its seconds, from the model's shape and the cluster's links."""
     cfg = load_config(ROOT / "launch" / "configs" / "qwen3-235b-a22b.yaml")
     arch = Architecture.from_model_config("q", PRESETS["qwen3-235b-a22b"])
     plan = make_plan(cfg, arch)
@@ -335,8 +335,8 @@ def test_large_configs_memory_and_traffic_by_independent_arithmetic():
     assert plan.host["trainer node: one sync bucket per rank"] == 8 * 256 * MiB
     packed = arch.fp4_params * (0.5 + 1 / 16) + 2 * (arch.num_params - arch.fp4_params)
     ib = 400e9 / 8  # bytes/s per GPU between nodes
-    assert plan.traffic["weight sync to the engines (packed FP4)"] == pytest.approx(8 * packed)
-    assert plan.seconds["weight sync to the engines (packed FP4)"] == pytest.approx(packed / 2 / ib)
+    assert plan.traffic["weight sync to the engines (packed FP4)"] == pytest.approx(4 * packed)  # 4 engines
+    assert plan.seconds["weight sync to the engines (packed FP4)"] == pytest.approx(4 * packed / 16 / ib)
     tokens = 64 * (1024 + 8 * 8192)  # prompts once per group
     sites = [(1, 4096), (1, 64 * 128), (1, 4096), (8, 1536), (4, 128), (4, 128)]
     dense_guidance = 32 * sum(r * (4 + c / 16 + c / 8) for r, c in sites)  # deep:32
@@ -357,3 +357,84 @@ def test_large_configs_memory_and_traffic_by_independent_arithmetic():
     assert sharded == pytest.approx(full / 7)  # 7 trainer GPUs: DP7, expert-DP7
     assert expert_id_bytes(dataclasses.replace(arch, experts=512)) == 2 and expert_id_bytes(arch) == 1
     assert 60 * GiB < packed < 140 * GiB
+
+
+def _qwen235_engine_gpu_by_hand(tp, ep, fp4=True):
+    """(bytes held, bytes at load) of one GPU of an SGLang engine of Qwen3-235B-A22B under tp_size
+    `tp`, ep_size `ep`, from the HF shape: attention and vocabulary split over TP (4 KV heads: one
+    per GPU at TP4), experts over EP and their width over tp / ep, norms FP32 and routers BF16 whole."""
+    h, L, d, E, f, V = 4096, 94, 128, 128, 1536, 151936
+    attention = h * d * (64 // tp + 2 * max(1, 4 // tp)) + 64 // tp * d * h
+    experts = (E // ep) * 3 * h * (f // (tp // ep))
+    sites = L * (attention + experts)
+    rest = 2 * (2 * V * h / tp + L * E * h) + 4 * (L * (2 * h + 2 * d) + h)
+    return sites * (0.5 + 1 / 16 if fp4 else 2) + rest, 2 * sites + rest
+
+
+def test_sglang_engine_gpus_of_the_235b_config_by_independent_arithmetic():
+    """`rollout.backend=sglang` (the 235 B config: 16 engine GPUs, engine TP4): per engine GPU the
+    FP4 weights of SGLang's shard, SGLang's default mem_fraction_static for 141 GiB, its KV budget
+    and the NVFP4 pool for the step's in-flight samples, the workspace; EP holds the same bytes;
+    TP2 cannot load (BF16 before packing) and is refused naming TP4."""
+    from megatron_trace.rl.plan_sglang import WORKSPACE_BYTES, default_mem_fraction_static
+
+    arch = Architecture.from_model_config("q", PRESETS["qwen3-235b-a22b"])
+    plan = make_plan(load_config(ROOT / "launch" / "configs" / "qwen3-235b-a22b.yaml"), arch)
+    assert plan.fits, plan.problems
+    held, loaded = _qwen235_engine_gpu_by_hand(4, 1)
+    sg = plan.sglang
+    assert plan.engine["weights (FP4 codes + scales; SGLang TP4)"] == pytest.approx(held)
+    assert sg.load_peak == pytest.approx(loaded) and 100 * GiB < loaded < 120 * GiB
+    # trace mode records guidance, so TRACE turns CUDA graphs off: SGLang reserves 512 MiB + 1.5 MiB
+    # per token of its 8192-token chunked prefill + 128 MiB per TP rank of the 144384 MiB
+    assert sg.mem_fraction_static == round((141 * 1024 - (512 + 8192 * 1.5 + 4 * 128)) / (141 * 1024), 3) == 0.908
+    assert sg.kv_budget == pytest.approx(0.908 * 141 * GiB - held)
+    # per token on a GPU: 94 layers x K,V x 1 KV head x (64 code bytes + 8 scale bytes + a float32 scale);
+    # SGLang divides its budget by BF16 cells: 94 x 1 head x (128 + 128) x 2 bytes
+    assert (sg.kv_bytes_per_token, sg.sglang_bytes_per_token) == (94 * 2 * (64 + 8 + 4), 94 * 256 * 2)
+    need = 64 // 4 * (1024 + 8 * 8192)  # 4 engines: 16 groups each, prompts once per group
+    assert sg.tokens_needed == need and sg.tokens_admitted == need  # TRACE's max_total_tokens is the need
+    assert sg.tokens_fit == int((0.908 * 141 * GiB - held) // (94 * 2 * 76)) > need
+    assert plan.engine[f"KV pool (TRACE NVFP4, {need} tokens)"] == need * 94 * 2 * 76
+    assert plan.engine["activation + CUDA-graph workspace (not measured yet)"] == WORKSPACE_BYTES
+    assert plan.engine["weight sync bucket (received)"] == 256 * MiB
+    assert plan.host["engine node: a packed model per SGLang engine rank"] == pytest.approx(
+        2 * (arch.fp4_params * (0.5 + 1 / 16) + 2 * (arch.num_params - arch.fp4_params)))
+    ep = make_plan(load_config(ROOT / "launch" / "configs" / "qwen3-235b-a22b.yaml",
+                               ["rollout.sglang={ep_size: 4}"]), arch)
+    assert ep.engine["weights (FP4 codes + scales; SGLang TP4 EP4)"] == pytest.approx(
+        _qwen235_engine_gpu_by_hand(4, 4)[0]) == pytest.approx(held)
+    tp2 = make_plan(load_config(ROOT / "launch" / "configs" / "qwen3-235b-a22b.yaml", ["dist.engine_tp=2"]), arch)
+    assert tp2.sglang.load_peak == pytest.approx(_qwen235_engine_gpu_by_hand(2, 1)[1])
+    assert tp2.problems == [f"SGLang engine: loading needs {tp2.sglang.load_peak / GiB:.1f} GiB per GPU (the BF16 "
+                            "weights before TRACE packs them), more than the 129.7 GiB usable; raise "
+                            "dist.engine_tp (dist.engine_tp=4 fits)"]
+    # a lower fraction than the pool needs: SGLang admits fewer tokens than the step holds
+    low = make_plan(load_config(ROOT / "launch" / "configs" / "qwen3-235b-a22b.yaml",
+                                ["rollout.sglang={mem_fraction_static: 0.26}"]), arch)
+    admitted = int((0.26 * 141 * GiB - held) // (94 * 256 * 2))
+    assert low.sglang.tokens_admitted == admitted < need
+    assert low.problems[0].startswith(f"SGLang engine: its KV pool admits {admitted} tokens, the step's "
+                                      f"in-flight samples need {need}")
+    # CUDA graphs on (no guidance recorded): SGLang also reserves 2 MiB per decode batch (512 at TP4)
+    # and 8 MiB per prefill graph (58 token counts up to 8192)
+    assert default_mem_fraction_static(141, 4, True) == round((144384 - (13312 + 512 * 2 + 58 * 8)) / 144384, 3)
+    # an 80 GiB GPU at TP2: the same chunk; a 24 GiB one: chunks of 2048; above 60 GiB at least 10 GiB reserved
+    assert default_mem_fraction_static(80, 2, False) == round((81920 - (512 + 12288 + 256)) / 81920, 3)
+    assert default_mem_fraction_static(141, 1, False, chunked_prefill_size=2048) == round(
+        (144384 - 10240) / 144384, 3)
+    assert default_mem_fraction_static(24, 1, False) == round((24576 - (512 + 2048 * 1.5 + 128)) / 24576, 3)
+
+
+def test_sglang_engine_layouts_sglang_would_pad_are_refused():
+    """SGLang pads each moe-TP rank's expert width to a multiple of 32; TRACE refuses that layout
+    (padded FP4 rows are not the trainer's): Qwen3-235B's 1536 over TP8 without EP is 192 (fine),
+    over TP16 96 (fine), the 30B's 768 over TP16 48 (refused), and EP that does not divide TP."""
+    from megatron_trace.rl.plan_sglang import layout_problems
+
+    a235 = Architecture.from_model_config("q", PRESETS["qwen3-235b-a22b"])
+    a30 = Architecture.from_model_config("q30", PRESETS["qwen3-30b-a3b"])
+    assert layout_problems(a235, 8, 1) == [] and layout_problems(a235, 16, 1) == []
+    assert "would be padded to a multiple of 32" in layout_problems(a30, 16, 1)[0]
+    assert layout_problems(a30, 16, 2) == []  # 768 / 8
+    assert "ep_size 3 does not divide dist.engine_tp=4" in layout_problems(a30, 4, 3)[0]
