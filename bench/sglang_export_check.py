@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -89,8 +90,23 @@ def dequantized_copy(export: Path, out: Path) -> None:
 
 
 def prompt_logprobs(model_path: Path, **args) -> list[torch.Tensor]:
-    """Each prompt's token log-probs (positions 1..) under sglang.Engine serving model_path."""
+    """Each prompt's token log-probs (positions 1..) under sglang.Engine serving model_path, in a
+    process of its own: a scheduler that fails to start makes SGLang send SIGQUIT to the process
+    that started it, which would end this check before it reports."""
+    proc = subprocess.run([sys.executable, __file__, "--one", json.dumps({"path": str(model_path), "args": args})],
+                          capture_output=True, text=True, timeout=600)
+    if proc.returncode:
+        lines = [x for x in proc.stderr.splitlines() if "Error" in x or "error" in x]
+        raise RuntimeError(f"exit {proc.returncode}: {' | '.join(lines[-3:]) or proc.stderr[-800:]}")
+    return [torch.tensor(row) for row in json.loads(proc.stdout.strip().splitlines()[-1])]
+
+
+def _one(spec: str) -> None:
+    """--one: prompt_logprobs of one engine in this process, printed as JSON."""
     import sglang
+
+    spec = json.loads(spec)
+    model_path, args = Path(spec["path"]), spec["args"]
 
     engine = sglang.Engine(model_path=str(model_path), skip_tokenizer_init=True, log_level="error",
                            disable_cuda_graph=True, mem_fraction_static=0.3, random_seed=0, **args)
@@ -99,7 +115,7 @@ def prompt_logprobs(model_path: Path, **args) -> list[torch.Tensor]:
                                return_logprob=True, logprob_start_len=0)
     finally:
         engine.shutdown()
-    return [torch.tensor([lp for lp, _, _ in o["meta_info"]["input_token_logprobs"][1:]]) for o in outs]
+    print(json.dumps([[lp for lp, _, _ in o["meta_info"]["input_token_logprobs"][1:]] for o in outs]))
 
 
 def compare(a: list[torch.Tensor], b: list[torch.Tensor]) -> dict:
@@ -110,6 +126,8 @@ def compare(a: list[torch.Tensor], b: list[torch.Tensor]) -> dict:
 
 
 def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--one":
+        return _one(sys.argv[2])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
