@@ -10,6 +10,7 @@ from .capture import (
     capture_sparse,
     guided_inputs,
     sparse_parts,
+    sparse_parts_of_dense,
 )
 from .codec import GuidanceFormatError, decode_positions, encode_positions
 from .metrics import FlipStats, calibrate_tau, code_flips
@@ -20,5 +21,5 @@ __all__ = [
     "DEFAULT_SCALE_TAU", "DEFAULT_TAU", "FORMAT_VERSION", "SITES", "Coding", "FlipStats", "GroupGuidance",
     "GuidanceBatch", "GuidanceFormatError", "GuidanceRecord", "LayerPolicy", "RecordHeader", "SampleGuidance",
     "calibrate_tau", "capture", "capture_dense", "capture_sparse", "code_flips", "decode_positions",
-    "encode_positions", "expert_id_dtype", "guided_inputs", "sparse_parts",
+    "encode_positions", "expert_id_dtype", "guided_inputs", "sparse_parts", "sparse_parts_of_dense",
 ]

@@ -112,19 +112,35 @@ def sparse_parts(
         fifth part: uint8 [R, K/16], 1 for the block scales within `scale_tau` ulps (or of an
         all-zero block). `capture_sparse` turns a slice of them into the record.
     """
-    if scale_coding not in ("lsb", "near"):
-        raise GuidanceFormatError(f"scale_coding must be 'lsb' or 'near', got {scale_coding!r}")
     if q.fmt.value != "nvfp4" or not q.is_row_scaled or tuple(q.shape) != tuple(x_RK.shape) or x_RK.dim() != 2:
         raise GuidanceFormatError("sparse_parts needs 2-D rows and their row-scaled NVFP4 QTensor of the same shape")
-    g_R1, scales = q.global_scale, q.block_scales
+    return sparse_parts_of_dense(x_RK, mantissa_bits(q.codes), q.block_scales.view(torch.uint8), q.global_scale,
+                                 tau, scale_coding, scale_tau)
+
+
+def sparse_parts_of_dense(
+    x_RK: torch.Tensor,
+    bits_RK8: torch.Tensor,
+    scales_RB: torch.Tensor,
+    g_R: torch.Tensor,
+    tau: float = DEFAULT_TAU,
+    scale_coding: str = "lsb",
+    scale_tau: float = DEFAULT_SCALE_TAU,
+) -> tuple[torch.Tensor, ...]:
+    """`sparse_parts` of rows x_RK [R, K] from what a dense record keeps of their rounding
+    (mantissa bits uint8 [R, K/8], block scale bytes uint8 [R, K/16], global scales g [R]), e.g.
+    a fused quantize kernel's capture, or a tensor-parallel rank's column slice of the rows
+    (the row's g, this slice's blocks)."""
+    if scale_coding not in ("lsb", "near"):
+        raise GuidanceFormatError(f"scale_coding must be 'lsb' or 'near', got {scale_coding!r}")
+    g_R1, scales = g_R.reshape(-1, 1).float(), scales_RB.view(torch.float8_e4m3fn)
     # in row chunks: the distance to every boundary is a [rows, K, boundaries] float32 tensor
     n = max(1, (1 << 22) // x_RK.shape[1])
     near = x_RK.new_zeros(x_RK.shape, dtype=torch.bool)
     for i in range(0, x_RK.shape[0], n):
         v = nvfp4_scaled_values(x_RK[i:i + n], g_R1[i:i + n], scales[i:i + n])
         near[i:i + n] = boundary_distance_ulps(v) < tau
-    parts = (mantissa_bits(q.codes), q.block_scales.view(torch.uint8), g_R1.reshape(-1).float(),
-             pack_bits(near))  # a bool mask: packed without a host synchronisation
+    parts = (bits_RK8, scales_RB.view(torch.uint8), g_R1.reshape(-1), pack_bits(near))  # bools: no host sync
     if scale_coding == "near":
         parts += (scale_margin_mask(nvfp4_block_amax(x_RK), g_R1, scale_tau).to(torch.uint8),)
     return parts

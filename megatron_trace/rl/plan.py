@@ -342,8 +342,6 @@ def make_plan(cfg, arch: Architecture, layout: Layout | None = None) -> Plan:
         host["engine node: a packed model per SGLang engine rank"] = per_node * _packed_model(
             arch, fp4_engine)
     problems += _shortfalls(cfg, arch, fp4_engine, _peak(trainer), engine, host, limits, colocated)
-    if sglang is not None and rl.mode.applies_guidance and Coding(rl.coding) is Coding.SPARSE:
-        problems.append("SGLang engine: it records dense guidance only; set rl.coding=dense")
     if sglang is not None:
         fit = "" if colocated or not sglang.shortfalls else \
             f" ({_fitting_engine_tp(cfg, arch, fp4_engine, limits['gpu'])})"

@@ -2,7 +2,9 @@
 
 Modelled on SGLang's routed-experts capturer: for the layers the policy selects, each forward's
 rows (mantissa bits, E4M3 block scale bytes and the row's global scale, what a dense record
-keeps) are written into host buffers indexed by KV slot, so they follow radix/prefix sharing,
+keeps; for the sparse coding also the near-boundary mask, and with its "near" scale coding the
+marked scales: `guidance.sparse_parts_of_dense`) are written into host buffers indexed by KV
+slot, so they follow radix/prefix sharing,
 and a finished request's rows are gathered by its slots (`collect`). The engine takes them in
 bulk, once per `generate`, through a file per tensor-parallel rank (`dump`, called over SGLang's
 RPC), never through the per-step messages.
@@ -23,14 +25,18 @@ from pathlib import Path
 
 import torch
 
+from megatron_trace.guidance import sparse_parts_of_dense
 from trace_kernels.fp4 import QTensor, mantissa_bits
 
-ENV = "TRACE_SGLANG_CAPTURE"  # JSON {"layers": [...]} the engine sets for its scheduler processes
+# JSON {"layers": [...], "coding": "dense" | "sparse", "tau", "scale_coding"} the engine sets for its
+# scheduler processes
+ENV = "TRACE_SGLANG_CAPTURE"
 FEED_PREFIX = "trace-feed/"  # requests whose guidance is kept (the engine's feed of a sample's last token)
 SITES = ("qkv", "proj", "fc1", "fc2", "k", "v")
 SLICED = {"proj": "cols", "fc2": "cols", "k": "heads", "v": "heads"}  # how TP splits a site's rows
 
 _policy: frozenset = frozenset()  # (layer, site) pairs captured in this process
+_sparse: dict | None = None  # {"tau", "scale_coding"} for the sparse coding (None: dense)
 _layer: int | None = None  # the layer whose K/V the KV pool is writing
 _slots: torch.Tensor | None = None  # KV slots int64 [T] of the forward's tokens
 _capacity = 0  # KV slots in the pool
@@ -41,13 +47,16 @@ _taken: dict = {}  # request id -> {(layer, site): (bits, scales, g)} gathered a
 def configure_from_env() -> None:
     """Capture what the engine asked for in TRACE_SGLANG_CAPTURE (nothing when it is unset)."""
     spec = json.loads(os.environ.get(ENV) or "{}")
-    configure((layer, site) for layer in spec.get("layers", ()) for site in SITES)
+    sparse = ({"tau": spec["tau"], "scale_coding": spec["scale_coding"]} if spec.get("coding") == "sparse"
+              else None)
+    configure(((layer, site) for layer in spec.get("layers", ()) for site in SITES), sparse)
 
 
-def configure(pairs) -> None:
-    """Capture the (layer, site) pairs `pairs` from now on (empty: none)."""
-    global _policy
-    _policy = frozenset(pairs)
+def configure(pairs, sparse: dict | None = None) -> None:
+    """Capture the (layer, site) pairs `pairs` from now on (empty: none), in the dense coding's
+    parts or, with `sparse` ({"tau", "scale_coding"}), the sparse coding's."""
+    global _policy, _sparse
+    _policy, _sparse = frozenset(pairs), sparse
     _buffers.clear()
 
 
@@ -95,12 +104,15 @@ def dense_parts(q: QTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def record(layer: int, site: str, x_RK: torch.Tensor, kept, order: torch.Tensor | None = None) -> None:
-    """Store a site's rows of the current forward by KV slot. kept: (bits [R, K/8], scales
+    """Store a site's rows x_RK of the current forward by KV slot. kept: (bits [R, K/8], scales
     [R, K/16], g [R]) in token-major row order, or in the order `order` int64 [R] gives (each
-    row's token-major index: the experts' fc2 rows come sorted by expert)."""
+    row's token-major index: the experts' fc2 rows come sorted by expert). The sparse coding's
+    parts are computed from them here, on the rows' device."""
     per = x_RK.shape[0] // max(1, _slots.numel())
     if per * _slots.numel() != x_RK.shape[0]:
         raise ValueError(f"guidance capture: layer {layer} {site}: {x_RK.shape[0]} rows for {_slots.numel()} tokens")
+    if _sparse is not None:
+        kept = sparse_parts_of_dense(x_RK, *kept, tau=_sparse["tau"], scale_coding=_sparse["scale_coding"])
     parts = [t.detach().to("cpu") for t in kept]
     if order is not None:
         dest = torch.empty_like(order)
@@ -142,8 +154,10 @@ def dump(rids: list[str], path: str, rank: int) -> None:
 
 def merge_ranks(per_rank: list[dict], heads: int, ep_size: int = 1, experts: dict | None = None,
                 num_experts: int = 0) -> dict:
-    """One request's {(layer, site): (bits, scales, g)} of every TP rank (in rank order) as the
-    whole rows an unsharded engine would have captured (heads: KV heads in all). Under SGLang's
+    """One request's {(layer, site): parts} of every TP rank (in rank order; the dense coding's
+    (bits, scales, g) or the sparse coding's longer tuple, g third, every other part with a
+    row's columns along dim 1) as the whole rows an unsharded engine would have captured
+    (heads: KV heads in all). Under SGLang's
     expert parallelism (ep_size > 1: rank r is moe-TP rank r % (tp / ep) of EP rank
     r // (tp / ep)) each fc2 row (token, slot) is taken from the EP rank holding the expert it was
     routed to: experts {layer: global expert ids int64 [tokens, k]} of num_experts in all."""
@@ -160,7 +174,7 @@ def merge_ranks(per_rank: list[dict], heads: int, ep_size: int = 1, experts: dic
             groups = [_join_cols(parts[e * moe_tp:(e + 1) * moe_tp]) for e in range(ep_size)]
             owner = experts[layer].reshape(-1) // (num_experts // ep_size)
             rows = torch.arange(owner.numel())
-            out[key] = tuple(torch.stack([grp[i] for grp in groups])[owner, rows] for i in range(3))
+            out[key] = tuple(torch.stack([grp[i] for grp in groups])[owner, rows] for i in range(len(first)))
         elif SLICED.get(site) == "cols":  # each rank its columns; g is the same everywhere
             out[key] = _join_cols(parts)
         elif SLICED.get(site) == "heads":  # each rank its KV heads, rows (token, head)
@@ -168,12 +182,12 @@ def merge_ranks(per_rank: list[dict], heads: int, ep_size: int = 1, experts: dic
 
             def join(i, parts=parts, local=local):
                 return torch.cat([p[i].reshape(-1, local, *p[i].shape[1:]) for p in parts], 1).flatten(0, 1)
-            out[key] = (join(0), join(1), join(2))
+            out[key] = tuple(join(i) for i in range(len(first)))
         else:
             out[key] = first
     return out
 
 
 def _join_cols(parts: list[tuple]) -> tuple:
-    """Column slices of the same rows (bits, scales; g the same in each) as whole rows."""
-    return torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1), parts[0][2]
+    """Column slices of the same rows (every part but g, the third, the same in each) as whole rows."""
+    return tuple(parts[0][i] if i == 2 else torch.cat([p[i] for p in parts], 1) for i in range(len(parts[0])))

@@ -8,7 +8,7 @@ import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_trace.guidance import LayerPolicy
+from megatron_trace.guidance import DEFAULT_TAU, Coding, LayerPolicy
 from megatron_trace.modes import EnginePrecision
 
 from .weight_payload import LOADER
@@ -17,8 +17,8 @@ from .weight_payload import LOADER
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """precision: "fp4" (SGLang with quantization="trace_fp4") or "bf16" (SGLang unquantized).
-    guide / coding: the guidance policy and coding recorded (as the built-in engine's;
-    "dense" only for now). model_id: written into every record. device: "cpu" or "cuda".
+    guide / coding / tau / scale_coding: the guidance policy and coding recorded (as the built-in
+    engine's, `megatron_trace.guidance.capture`). model_id: written into every record. device: "cpu" or "cuda".
     num_blocks x block_size: the KV cache's token capacity (SGLang's max_total_tokens).
     tp_size: SGLang's tensor parallelism. weight_bucket_mb: the most a weight update sends in one
     SGLang call (a packed FP4 weight's parts travel together). release_memory: the engine shares
@@ -29,6 +29,8 @@ class EngineConfig:
     precision: EnginePrecision = EnginePrecision.FP4
     guide: str = "none"
     coding: str = "dense"
+    tau: float = DEFAULT_TAU
+    scale_coding: str = "lsb"
     model_id: str = "model"
     device: str = "cpu"
     num_blocks: int = 512
@@ -48,9 +50,9 @@ class EngineConfig:
         except ValueError as e:
             raise ValueError(f"EngineConfig.precision: {e}") from None
         LayerPolicy.parse(self.guide)
-        if self.coding != "dense":
-            raise ValueError(f"EngineConfig.coding: the SGLang backend records dense guidance only, "
-                             f"got {getattr(self.coding, 'value', self.coding)!r}")
+        object.__setattr__(self, "coding", Coding(self.coding).value)  # raises naming a bad coding
+        if self.scale_coding not in ("lsb", "near"):
+            raise ValueError(f"EngineConfig.scale_coding must be 'lsb' or 'near', got {self.scale_coding!r}")
         if self.guide != "none" and self.precision is not EnginePrecision.FP4:
             raise ValueError("EngineConfig.guide needs precision='fp4': guidance records FP4 rounding")
         if not self.weight_bucket_mb > 0:

@@ -32,6 +32,7 @@ from megatron_trace.guidance import (
     LayerPolicy,
     SampleGuidance,
     capture_dense,
+    capture_sparse,
     expert_id_dtype,
 )
 from megatron_trace.model_config import ModelConfig, full_weight_shapes
@@ -62,7 +63,9 @@ class Session:
         self.guided_layers = sorted(LayerPolicy.parse(engine_cfg.guide).select(model_cfg.num_layers))
         self._dir = tempfile.TemporaryDirectory(prefix="trace-sglang-")
         Path(self._dir.name, "config.json").write_text(json.dumps(hf_config(model_cfg)))
-        env = {capture.ENV: json.dumps({"layers": self.guided_layers}), SEEDED: "1",
+        spec = {"layers": self.guided_layers, "coding": engine_cfg.coding, "tau": engine_cfg.tau,
+                "scale_coding": engine_cfg.scale_coding}
+        env = {capture.ENV: json.dumps(spec), SEEDED: "1",
                MODEL_ENV: json.dumps(dataclasses.asdict(model_cfg))}
         if engine_cfg.device == "cpu":
             from . import cpu_patches
@@ -298,22 +301,23 @@ class Session:
                             finish_reason="stop" if reason == "stop" else "length", weight_version=self.weight_version)
 
     def _records(self, rows: dict, start: int, end: int, owner: str) -> dict:
-        """Dense records of tokens start..end-1 of a sequence's captured rows."""
-        out = {}
-        for (layer, site), (bits, scales, g) in rows.items():
-            per = bits.shape[0] // max(1, rows_total(rows))
-            a, b = start * per, end * per
-            out[(layer, site)] = capture_dense(bits[a:b], scales[a:b], g[a:b], model_id=self.engine_cfg.model_id,
-                                               layer=layer, site=site, sample_id=owner,
-                                               weight_version=self.weight_version, policy=self.engine_cfg.guide)
+        """Records (EngineConfig.coding) of tokens start..end-1 of a sequence's captured rows."""
+        cfg, out = self.engine_cfg, {}
+        for (layer, site), parts in rows.items():
+            per = parts[0].shape[0] // max(1, rows_total(rows))
+            cut = [p[start * per:end * per] for p in parts]
+            header = dict(model_id=cfg.model_id, layer=layer, site=site, sample_id=owner,
+                          weight_version=self.weight_version, policy=cfg.guide)
+            out[(layer, site)] = (capture_dense(*cut, **header) if cfg.coding == "dense" else
+                                  capture_sparse(*cut, **header, tau=cfg.tau, scale_coding=cfg.scale_coding))
         return out
 
 
 def rows_total(rows: dict) -> int:
     """Tokens a sequence's captured rows cover (the qkv site has one row per token)."""
-    for (_, site), (bits, _, _) in rows.items():
+    for (_, site), parts in rows.items():
         if site == "qkv":
-            return bits.shape[0]
+            return parts[0].shape[0]
     raise ValueError("captured rows without the qkv site: cannot tell how many tokens they cover")
 
 

@@ -359,3 +359,35 @@ def run_misuse(rank, *, cfg, sd, batch):
         except ValueError as e:  # GuidanceFormatError is a ValueError
             errors[name] = str(e)
     return errors
+
+
+def sparse_ships_dense_bits(dense, sparse, scale_coding: str) -> int:
+    """Assert that the sparse-coded guidance of a rollout (RolloutOutput) ships exactly the dense
+    one's mantissa bits at the positions it lists, the same global scales, and the block scales
+    its scale coding keeps (the dense records of the same tokens are the reference for what the
+    rows were); returns the mantissa bits shipped."""
+    from megatron_trace.guidance import decode_positions
+    from trace_kernels.fp4 import unpack_bits
+
+    assert [s.tokens for s in sparse.samples] == [s.tokens for s in dense.samples]
+    owners = [(d.records, sparse.guidance.samples[sid].records) for sid, d in dense.guidance.samples.items()]
+    owners += [(d.records, sparse.guidance.groups[gid].records) for gid, d in dense.guidance.groups.items()]
+    shipped = 0
+    for d_records, s_records in owners:
+        assert d_records.keys() == s_records.keys()
+        for key, d in d_records.items():
+            s = s_records[key]
+            assert (s.header.rows, s.header.cols) == (d.header.rows, d.header.cols) and s.header.coding == "sparse"
+            assert torch.equal(s.payload["g"], d.payload["g"])
+            pos = decode_positions(s.payload["elem_pos"], s.header.n_elems, d.header.rows * d.header.cols)
+            want = unpack_bits(d.payload["bits"]).reshape(-1)[pos]
+            got = unpack_bits(s.payload["elem_bits"][None]).reshape(-1)[:pos.numel()]
+            assert torch.equal(got, want), key
+            scales = d.payload["scales"].reshape(-1)
+            if scale_coding == "lsb":
+                assert torch.equal(unpack_bits(s.payload["scale_bits"][None]).reshape(-1)[:scales.numel()], scales & 1)
+            else:
+                spos = decode_positions(s.payload["scale_pos"], s.header.n_scales, scales.numel())
+                assert torch.equal(s.payload["scale_val"], scales[spos])
+            shipped += pos.numel()
+    return shipped
