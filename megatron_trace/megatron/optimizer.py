@@ -21,6 +21,7 @@ size and TP/PP layout.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -94,9 +95,9 @@ class TrainerOptimizer:
             **({"optimizer_cpu_offload": True, "optimizer_offload_fraction": 1.0,
                 "use_precision_aware_optimizer": True} if optim.cpu_offload else {}),
             **self._opt_extra})
-        # (under no_grad: the distributed optimizer's shards of FP32 parameters, TRACE's norms,
-        # are views that CPU offload's optimizer must take as leaves)
-        with torch.no_grad():
+        # offloaded, under no_grad: the distributed optimizer's shards of FP32 parameters (TRACE's
+        # norms) are views, and the offloading optimizer takes only leaves
+        with torch.no_grad() if optim.cpu_offload else contextlib.nullcontext():
             self.optimizer = get_megatron_optimizer(self.config, [self.ddp], use_gloo_process_groups=False)
         for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             if hasattr(opt.optimizer, "sub_optimizers"):
@@ -284,7 +285,7 @@ def _load_offloaded_masters(hdo) -> None:
     when it is FP32, else the state's "master_param") into the tensor that is stepped, and
     keeps "master_param" that tensor, as a step leaves it."""
 
-    @torch.no_grad()  # (the FP32 shards are views made under no_grad, see restart)
+    @torch.no_grad()  # (the FP32 shards are views made under no_grad, see TrainerOptimizer.restart)
     def update_stepped_params_from_state():
         for param, state in hdo.state.items():
             inner = hdo.param_to_inner_param.get(param, param)
