@@ -222,7 +222,7 @@ class Session:
                                    self.model_cfg) for feed, out in zip(feeds, outs, strict=True)]
         rows = self._guidance_rows([f"{capture.FEED_PREFIX}{self._rid(sid)}" for sid in sids], experts)
         guidance = GuidanceBatch()
-        samples = [self._sample(req, sid, out, routed, row, guidance, first=i == 0)
+        samples = [self._sample(req, sid, out, routed, row, guidance, sampling.stop_token_ids, first=i == 0)
                    for i, (sid, out, routed, row) in enumerate(zip(sids, outs, experts, rows, strict=True))]
         return RolloutOutput(samples, guidance)
 
@@ -281,7 +281,7 @@ class Session:
         return [capture.merge_ranks([rank[rid] for rank in ranks], self.model_cfg.num_key_value_heads, ep, routed,
                                     self.model_cfg.num_experts) for rid, routed in zip(rids, experts, strict=True)]
 
-    def _sample(self, req, sid, out, experts, rows, guidance, first: bool) -> SampleResult:
+    def _sample(self, req, sid, out, experts, rows, guidance, stops, first: bool) -> SampleResult:
         meta = out["meta_info"]
         tokens = list(out["output_ids"])
         logprobs = torch.tensor([lp for lp, _, _ in meta["output_token_logprobs"]], dtype=torch.float32)
@@ -297,8 +297,10 @@ class Session:
                                            weight_version=self.weight_version,
                                            records=self._records(rows, p, p + len(tokens), sid),
                                            routed_experts={L: e[p:] for L, e in experts.items()}))
+        # a stop token drawn as the last allowed token: SGLang says "length", the contract "stop"
+        stopped = reason == "stop" or bool(tokens) and tokens[-1] in stops
         return SampleResult(sample_id=sid, group_id=req.group_id, prompt_len=p, tokens=tokens, logprobs=logprobs,
-                            finish_reason="stop" if reason == "stop" else "length", weight_version=self.weight_version)
+                            finish_reason="stop" if stopped else "length", weight_version=self.weight_version)
 
     def _records(self, rows: dict, start: int, end: int, owner: str) -> dict:
         """Records (EngineConfig.coding) of tokens start..end-1 of a sequence's captured rows."""
