@@ -100,6 +100,7 @@ def build_model(model_cfg: ModelConfig, precision: TrainerPrecision | str = Trai
         max_sequence_length=model_cfg.max_position_embeddings, pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=model_cfg.tie_word_embeddings,
         position_embedding_type="none", parallel_output=True,  # RoPE: in FP4CoreAttention (attention.py says why)
+        rotary_base=int(model_cfg.rope_theta),  # unused by GPTModel here, but what checkpoints read back
     )
     model.rope = RotaryEmbedding(kv_channels=tcfg.kv_channels, rotary_percent=1.0,
                                  rotary_interleaved=tcfg.rotary_interleaved, rotary_base=int(model_cfg.rope_theta),

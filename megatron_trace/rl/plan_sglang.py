@@ -18,7 +18,8 @@ fills it, with TRACE's `trace_fp4` plugin (sglang_rollout/sglang).
   sglang_rollout/sglang/kv_cache.py). The tokens are capped at max_total_tokens
   (kv_cache_configurator.py:1690-1705), which TRACE sets to the step's in-flight samples
   (`engine_kv_blocks`). mem_fraction_static's default is SGLang's (`default_mem_fraction_static`).
-- **Workspace**: activations and CUDA graphs, `WORKSPACE_BYTES`, not yet measured.
+- **Workspace**: activations, CUDA graphs and the processes' CUDA contexts, measured on an H200
+  (`workspace_bytes`, bench/results/sglang_workspace_2026-12-02_h200.md).
 """
 
 from __future__ import annotations
@@ -30,11 +31,13 @@ from .architecture import Architecture
 
 GiB = 1024**3
 MiB = 1024**2
-# The activation and CUDA-graph workspace of one SGLang engine GPU. NOT MEASURED YET: a
-# placeholder, SGLang's own reserve for activations at its default 8192-token chunked prefill
-# (512 MiB + 1.5 MiB per token, server_args.py:4774-4775), 12.5 GiB. Measure it on the H200
-# (peak allocated during a step's rollout minus the weights and the KV pool) and replace it.
-WORKSPACE_BYTES = 12.5 * GiB
+# The workspace of one SGLang engine GPU beyond its weights and KV pool (activations, CUDA graphs,
+# the CUDA contexts), measured on an H200 (bench/sglang_workspace.py, 2026-12-02) at Qwen3-30B-A3B's
+# hidden size 2048 with SGLang's 8192-token chunked prefill: 3.31 GiB with decode CUDA graphs
+# (FP4 and BF16 alike), 2.34 GiB without (FP4 recording guidance; 2.29 GiB at 12 layers: it does
+# not grow with depth). Rounded up here; other shapes scale by hidden x chunk (workspace_bytes).
+WORKSPACE_BYTES = {True: 3.4 * GiB, False: 2.4 * GiB}  # by CUDA graphs on
+WORKSPACE_SHAPE = 2048 * 8192  # hidden x chunked-prefill tokens of that measurement
 VOCAB_PADDING = 64  # SGLang pads the vocabulary to a multiple of this (layers/vocab_parallel_embedding.py:48)
 MOE_PADDING = 32  # each moe-TP rank's expert width a multiple of this, else SGLang pads (TRACE refuses)
 
@@ -44,6 +47,18 @@ def prefill_graph_sizes(max_bs: int) -> list[int]:
     sizes = (list(range(4, 33, 4)) + list(range(48, 257, 16)) + list(range(288, 513, 32))
              + list(range(576, 1025, 64)) + list(range(1280, 4097, 256)) + list(range(4608, max_bs + 1, 512)))
     return [s for s in sizes if s <= max_bs]
+
+
+def workspace_bytes(arch: Architecture, graphs: bool, chunk: int) -> float:
+    """An engine GPU's workspace: the measured figure (WORKSPACE_BYTES) scaled by hidden x chunked
+    prefill tokens where they exceed the measurement's (prefill activations grow with both), never below it."""
+    return WORKSPACE_BYTES[graphs] * max(1.0, arch.hidden * chunk / WORKSPACE_SHAPE)
+
+
+def chunked_prefill(gpu_memory_gib: float) -> int:
+    """SGLang 0.5.17's default chunked_prefill_size for a GPU of this memory (server_args.py:4635-4690)."""
+    mem = gpu_memory_gib * 1024
+    return 2048 if mem < 35 * 1024 else 4096 if mem < 60 * 1024 else 8192 if mem < 160 * 1024 else 16384
 
 
 def default_mem_fraction_static(gpu_memory_gib: float, tp_size: int, cuda_graphs: bool,
@@ -56,18 +71,16 @@ def default_mem_fraction_static(gpu_memory_gib: float, tp_size: int, cuda_graphs
     batch, 8 MiB per prefill graph), at least 10 GiB above 60 GiB; the fraction is what remains,
     rounded to 3 digits. `cuda_graphs`: False when TRACE disables them (guidance capture)."""
     mem = gpu_memory_gib * 1024  # MiB, as get_device_memory_capacity reports it
-    # (chunked prefill tokens, decode graph max batch) by memory (server_args.py:4635-4690)
+    # the decode graphs' max batch by memory (server_args.py:4635-4690)
     if mem < 20 * 1024:
-        chunk, max_bs = 2048, 8
+        max_bs = 8
     elif mem < 35 * 1024:
-        chunk, max_bs = 2048, 24 if tp_size < 4 else 80
+        max_bs = 24 if tp_size < 4 else 80
     elif mem < 60 * 1024:
-        chunk, max_bs = 4096, 32 if tp_size < 4 else 160
-    elif mem < 160 * 1024:
-        chunk, max_bs = 8192, 256 if tp_size < 4 else 512
+        max_bs = 32 if tp_size < 4 else 160
     else:
-        chunk, max_bs = 16384, 512
-    chunk = chunked_prefill_size or chunk
+        max_bs = (256 if tp_size < 4 else 512) if mem < 160 * 1024 else 512
+    chunk = chunked_prefill_size or chunked_prefill(gpu_memory_gib)
     reserved = 512 + max(chunk, 2048) * 1.5 + tp_size / 8 * 1024
     if cuda_graphs:
         prefill_max = min(chunk, max_total_tokens) if max_total_tokens else chunk  # server_args.py:4729-4737
@@ -163,7 +176,8 @@ def sglang_engine_gpu(arch: Architecture, *, fp4: bool, tp: int, options: dict, 
     ep_text = f" EP{ep}" if ep > 1 else ""
     items = {f"weights ({'FP4 codes + scales' if fp4 else 'BF16'}; SGLang TP{tp}{ep_text})": weights,
              f"KV pool ({'TRACE NVFP4' if fp4 else 'BF16'}, {admitted} tokens)": admitted * cell,
-             "activation + CUDA-graph workspace (not measured yet)": WORKSPACE_BYTES}
+             f"workspace ({'' if graphs else 'no '}CUDA graphs; measured)": workspace_bytes(
+                 arch, graphs, int(options.get("chunked_prefill_size") or chunked_prefill(gpu_memory_gib)))}
     gpu = SGLangEngineGPU(items=items, load_peak=loaded, mem_fraction_static=fraction, kv_budget=budget,
                           kv_bytes_per_token=cell, sglang_bytes_per_token=sglang_cell, tokens_admitted=admitted,
                           tokens_fit=max(0, int(budget // cell)), tokens_needed=tokens_needed,

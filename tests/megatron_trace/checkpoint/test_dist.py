@@ -67,6 +67,8 @@ def _one_process(rank, *, full, a, empty):
     from megatron_trace.checkpoint.dist import load_model, save_model
     from megatron_trace.megatron.model import build_model
 
+    theta = CFG.replace(rope_theta=1e6)  # not the presets' 1e4, nor Megatron's GPTModel default
+    save_model(build_model(theta, "bf16"), theta, os.path.join(empty, "..", "theta"))
     model = _built(full, grouped_gemm=False)
     save_model(model, CFG, a)
     before = _listing(a)
@@ -118,6 +120,11 @@ def test_full_tensors_are_exactly_the_saved_full_state_dict(run, which):
     assert bad == []
     assert full_tensor_names(paths[which]) == {n: (tuple(t.shape), t.dtype) for n, t in full.items()}
     assert read_config(paths[which]) == CFG
+
+
+def test_a_models_rope_theta_is_saved(run):
+    _, paths, _, _ = run
+    assert read_config(os.path.join(paths["empty"], "..", "theta")).rope_theta == 1e6
 
 
 def test_iter_full_tensors_by_name(run):
