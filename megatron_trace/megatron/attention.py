@@ -18,7 +18,6 @@ pack: the same elementwise arithmetic, so the same values.
 
 from __future__ import annotations
 
-import functools
 from itertools import pairwise
 
 import torch
@@ -27,6 +26,7 @@ from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_e
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
+from ..packed_attention import packed_causal_attention, packed_positions
 from .qat import FP4Site
 
 
@@ -73,67 +73,14 @@ class FP4CoreAttention(DotProductAttention):
         if cu is None:
             freqs = self.rope(query.shape[0])  # [S, 1, 1, d] float32
             return (apply_rotary_pos_emb(t, freqs, self.config) for t in (query, key))
-        pos = _packed_positions(tuple(cu), query.shape[0], query.device)
+        pos = packed_positions(tuple(cu), query.shape[0], query.device)
         longest = max((hi - lo for lo, hi in pairwise(cu)), default=1)
         freqs = self.rope(max(longest, 1))[pos]  # [T, 1, 1, d]
         return (apply_rotary_pos_emb(t.unsqueeze(1), freqs, self.config).squeeze(1) for t in (query, key))
 
     def _packed(self, query, key, value, cu: list[int]):
-        """THD attention in a few batched calls: RL and SFT packs hold hundreds of short
-        sequences of many lengths, and a call per sequence (or per distinct length: ~35 per
-        layer in an RL step, 4.5 s of a 12-layer model's step on an H200) costs far more in
-        launches than in math. Sequences are grouped by length class and right-padded to its
-        power-of-two width: causal masking keeps every real query from the padding after it, so
-        each sequence still attends exactly to itself; the padded rows' outputs are dropped
-        (their gradients are zero)."""
-        groups, keep, dest = _attention_groups(tuple(cu), query.device)
-        if not groups:
-            return query.new_zeros(query.shape[0], query.shape[1] * query.shape[2])
-        outs = []
-        for idx in groups:  # [sequences, width]
-            q, k, v = (t[idx.reshape(-1)].unflatten(0, idx.shape).transpose(1, 2) for t in (query, key, value))
-            outs.append(self._sdpa(q, k, v).transpose(1, 2).flatten(0, 1))  # [n * width, heads, d]
-        # tokens after the last sequence (padding) attend to nothing: zeros
-        out = query.new_zeros(query.shape).index_copy(0, dest, torch.cat(outs).index_select(0, keep))
-        return out.reshape(query.shape[0], -1)
+        return packed_causal_attention(query, key, value, cu, self.softmax_scale)
 
     def _sdpa(self, q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
                                               enable_gqa=k.shape[1] != q.shape[1])
-
-
-@functools.lru_cache(maxsize=8)
-def _attention_groups(cu: tuple[int, ...], device) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """How `_packed` batches the sequences of a pack (cached like `_packed_positions`):
-    per length class, the token index of each (sequence, slot) int64 [n, width] (slots past a
-    sequence's end repeat its last token); `keep`, the flat (sequence, slot) positions of real
-    tokens over the groups' outputs in order; `dest`, those tokens' rows in the pack. Index
-    lists, not boolean masks: a mask's indexing would wait for the GPU."""
-    classes: dict[int, list[tuple[int, int]]] = {}
-    for lo, hi in pairwise(cu):
-        if hi > lo:
-            classes.setdefault((hi - lo - 1).bit_length(), []).append((lo, hi - lo))
-    groups, keep, dest, offset = [], [], [], 0
-    for length_class, members in classes.items():
-        # the class's width, not its longest member's: a sequence's padding, and so its values
-        # to the last bit, do not depend on what else is in the pack (layouts pack differently)
-        width = 1 << length_class
-        for i, (lo, n) in enumerate(members):
-            keep.extend(range(offset + i * width, offset + i * width + n))
-            dest.extend(range(lo, lo + n))
-        slots = torch.arange(width)
-        starts, lengths = (torch.tensor(x) for x in zip(*members, strict=True))
-        groups.append((starts[:, None] + torch.minimum(slots, lengths[:, None] - 1)).to(device))
-        offset += len(members) * width
-    as_index = functools.partial(torch.tensor, dtype=torch.long, device=device)
-    return groups, as_index(keep), as_index(dest)
-
-
-@functools.lru_cache(maxsize=8)
-def _packed_positions(cu: tuple[int, ...], tokens: int, device) -> torch.Tensor:
-    """int64 [tokens] on `device`: each token's position in its packed sequence (0 after the last
-    one). Cached: every layer of a micro-batch's forward and recompute asks for the same."""
-    lengths = torch.tensor([hi - lo for lo, hi in pairwise(cu)], dtype=torch.long)
-    pos = torch.zeros(tokens, dtype=torch.long)
-    pos[:cu[-1]] = torch.arange(cu[-1]) - torch.repeat_interleave(torch.tensor(cu[:-1], dtype=torch.long), lengths)
-    return pos.to(device)

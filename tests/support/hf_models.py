@@ -3,9 +3,13 @@ like the `tiny` preset, as an independent reference model and a source of real H
 
 from __future__ import annotations
 
+import json
+
 import torch
+from safetensors.torch import save_file
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from megatron_trace.checkpoint.qwen3_moe import hf_config, megatron_to_hf
 from megatron_trace.model_config import PRESETS
 
 CFG = PRESETS["tiny"]
@@ -34,3 +38,17 @@ def save_hf_tiny(path, seed: int = 0, max_shard_size: str = "200KB"):
     _, model = hf_tiny(seed, torch.bfloat16)
     model.save_pretrained(path, max_shard_size=max_shard_size)
     return model
+
+
+def packed(seqs):
+    """input_ids [1, T], position_ids [1, T] restarting per sequence, cu_seq_lens_q int32 [n + 1]."""
+    cu = torch.tensor([0] + [len(s) for s in seqs]).cumsum(0).to(torch.int32)
+    pos = torch.cat([torch.arange(len(s)) for s in seqs])
+    return torch.cat(seqs)[None], pos[None], cu
+
+
+def hf_from_megatron(sd, tmp_path, dtype=torch.bfloat16):
+    """transformers' own loader on an HF checkpoint written from the Megatron state dict."""
+    save_file({k: v.contiguous() for k, v in megatron_to_hf(sd, CFG).items()}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(CFG)))
+    return Qwen3MoeForCausalLM.from_pretrained(tmp_path, dtype=dtype).eval()

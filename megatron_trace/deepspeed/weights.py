@@ -1,0 +1,77 @@
+"""The HF model's weights under the Megatron trainer's full names, a layer at a time: what the
+DeepSpeed trainer sends to the engines (which load Megatron-named state dicts) and what TRACE's
+checkpoint tools read.
+
+Under ZeRO-3 each rank holds a partition of every parameter; a layer's parameters are gathered
+together (`deepspeed.zero.GatheredParameters`), converted, copied out and released before the
+next layer's, so no rank ever holds more than one layer's whole weights beyond what it yields
+(OpenRLHF gathers one parameter at a time; a layer is the unit here because Megatron's fused QKV
+weight needs q, k and v together). Without ZeRO-3 nothing is gathered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator
+from itertools import groupby
+
+import torch
+
+from ..checkpoint.qwen3_moe import full_weight_shapes, hf_parts, to_megatron
+from ..model_config import ModelConfig
+
+_FUSED_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def checkpoint_tensor(name: str, params: dict[str, torch.Tensor]) -> torch.Tensor:
+    """transformers' checkpoint tensor `name` (experts one by one: experts.{e}.gate_proj.weight
+    [I, H], up_proj [I, H], down_proj [H, I]) from the model's parameters `params` (in memory the
+    experts are fused: gate_up_proj [E, 2I, H] with gate first, down_proj [E, H, I]). A view."""
+    m = _FUSED_EXPERT.match(name)
+    if m is None:
+        return params[name]
+    prefix, expert, which = m.group(1), int(m.group(2)), m.group(3)
+    if which == "down":
+        return params[f"{prefix}.down_proj"][expert]
+    gate_up = params[f"{prefix}.gate_up_proj"][expert]
+    half = gate_up.shape[0] // 2
+    return gate_up[:half] if which == "gate" else gate_up[half:]
+
+
+def _gathered(params: list[torch.nn.Parameter]):
+    """The whole values of ZeRO-3-partitioned `params` for the duration of the context."""
+    if not any(hasattr(p, "ds_id") for p in params):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+
+def megatron_weights(model: torch.nn.Module, model_cfg: ModelConfig,
+                     device="cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """(full Megatron name, tensor) of every weight of a transformers Qwen3-MoE model (patched by
+    attach_fp4_sites or not; under ZeRO-3 or not), in the order of `full_weight_shapes`, a layer
+    gathered at a time, each tensor a copy on `device` in the parameter's dtype. Call on every
+    rank under ZeRO-3 (the gathers are collective)."""
+    params = dict(model.named_parameters())
+    if model_cfg.tie_word_embeddings:
+        params.setdefault("lm_head.weight", params["model.embed_tokens.weight"])
+
+    def layer_of(name: str) -> int:
+        m = _LAYER.match(name)
+        return -1 if m is None else int(m.group(1))
+
+    for _, names in groupby(full_weight_shapes(model_cfg), key=layer_of):
+        names = list(names)
+        parts = {name: [h for h, _ in hf_parts(name, model_cfg)] for name in names}
+        needed = {_FUSED_EXPERT.sub(lambda m: f"{m.group(1)}.{'down' if m.group(3) == 'down' else 'gate_up'}_proj",
+                                    h) for hs in parts.values() for h in hs}
+        missing = sorted(needed - set(params))
+        if missing:
+            raise ValueError(f"the model has no parameters {missing[:4]} for the Megatron weights {names[:2]}")
+        with _gathered([params[n] for n in sorted(needed)]), torch.no_grad():
+            out = [(name, to_megatron(name, [checkpoint_tensor(h, params) for h in hs], model_cfg)
+                    .to(device, copy=True)) for name, hs in parts.items()]
+        yield from out

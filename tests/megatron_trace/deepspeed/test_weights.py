@@ -1,0 +1,37 @@
+"""The DeepSpeed trainer's weights under Megatron's names (megatron_trace.deepspeed.weights),
+against the Megatron state dict that transformers loaded them from."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_trace.deepspeed.model import attach_fp4_sites
+from megatron_trace.deepspeed.weights import checkpoint_tensor, megatron_weights
+from megatron_trace.model_config import PRESETS
+from tests.support import scenarios as sc
+from tests.support.hf_models import hf_from_megatron
+
+CFG = PRESETS["tiny"]
+
+
+def test_megatron_weights_are_the_state_dict_transformers_loaded(tmp_path):
+    """Megatron -> HF checkpoint on disk -> transformers' loader (fused experts) -> back to
+    Megatron's names: every tensor exactly (float32 holds the BF16 matrices and FP32 norms)."""
+    sd = sc.random_full_state_dict(CFG, seed=5)
+    model = attach_fp4_sites(hf_from_megatron(sd, tmp_path, dtype=torch.float32), "fp4-rne")
+    got = list(megatron_weights(model, CFG))
+    assert [n for n, _ in got] == list(sd)
+    bad = [n for n, t in got if t.dtype != torch.float32 or not torch.equal(t, sd[n].float())]
+    assert bad == []
+
+
+def test_checkpoint_tensor_splits_the_fused_experts(tmp_path):
+    sd = sc.random_full_state_dict(CFG, seed=6)
+    params = dict(hf_from_megatron(sd, tmp_path).named_parameters())
+    f = CFG.moe_intermediate_size
+    fc1 = sd["decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.weight"]  # [gate; up] [2f, H]
+    gate = checkpoint_tensor("model.layers.1.mlp.experts.2.gate_proj.weight", params)
+    up = checkpoint_tensor("model.layers.1.mlp.experts.2.up_proj.weight", params)
+    assert torch.equal(gate, fc1[:f]) and torch.equal(up, fc1[f:])
+    assert torch.equal(checkpoint_tensor("model.layers.1.mlp.experts.2.down_proj.weight", params),
+                       sd["decoder.layers.1.mlp.experts.local_experts.2.linear_fc2.weight"])
