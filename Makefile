@@ -28,7 +28,7 @@ $(VENV)/.base: $(VENV)/.megatron setup.cfg pyproject.toml
 	touch $@
 
 $(VENV)/.test: $(VENV)/.megatron setup.cfg pyproject.toml
-	$(PIP) -e '.[test]'
+	$(PIP) -e '.[test,deepspeed]'
 	touch $@
 
 # SGLang (the `sglang` extra of setup.cfg) pins another torch: each package goes in --no-deps beside ours.

@@ -60,9 +60,15 @@ def spawn(fn, layout: dict, **kwargs) -> list:
     layout = dict(layout)
     world = world_size(layout)
     layout.pop("dp", None)
+    return run_workers(_worker, world, (fn, world, _free_port(), layout, kwargs))
+
+
+def run_workers(worker, world: int, args: tuple) -> list:
+    """worker(rank, *args, outdir) on `world` spawned processes, each saving {"ok": result} or
+    {"error": traceback} to outdir/<rank>.pt; the results in rank order, RuntimeError with every
+    failing rank's traceback."""
     with tempfile.TemporaryDirectory() as outdir:
-        mp.start_processes(_worker, args=(fn, world, _free_port(), layout, kwargs, outdir), nprocs=world,
-                           start_method="spawn", join=True)
+        mp.start_processes(worker, args=(*args, outdir), nprocs=world, start_method="spawn", join=True)
         results = [torch.load(os.path.join(outdir, f"{r}.pt"), weights_only=False) for r in range(world)]
     errors = [f"rank {r}:\n{res['error']}" for r, res in enumerate(results) if "error" in res]
     if errors:
