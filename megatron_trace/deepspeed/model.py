@@ -10,15 +10,20 @@ quantizer, the guidance rows and the audit's observers apply unchanged:
 - fc1: the MoE input, a row per token quantized once before dispatch, and each expert's gate/up
   weight ([2I, H], one global scale per expert);
 - fc2: the down projection's input, a row per (token, slot), and each expert's down weight.
-The router stays in high precision; when the micro-batch carries the engine's routed experts it
+The router stays in high precision, computed as the Megatron trainer and the engines compute it
+(FP32 logits, softmax over the top k); when the micro-batch carries the engine's routed experts it
 replays them (rollout routing replay), in every precision. Guidance and routed experts come from
 the active `MicroBatchGuidance` (megatron_trace.megatron.context), as for the Megatron trainer.
 
+Every RMSNorm computes as the Megatron trainer's (trace_kernels.rms_norm, the weight applied in
+FP32), so that with the router and the packed attention the model's logits are the Megatron
+trainer's to the bit on the same weights (tests/megatron_trace/deepspeed/test_model.py).
+
 Samples are packed: a micro-batch is one row [1, T] of sequences one after another, with
 `cu_seq_lens_q` (transformers' own keyword for packed sequences, int [n + 1]), position_ids
-restarting at each sequence and use_cache=False. The tokens are then in the Megatron trainer's THD order, so a
-micro-batch's guidance rows apply as they are, and attention runs on the Megatron trainer's
-packed kernel (megatron_trace.packed_attention). Padded batches [B > 1, S] keep transformers'
+restarting at each sequence and use_cache=False. The tokens are then in the Megatron trainer's
+THD order, so a micro-batch's guidance rows apply as they are, and attention runs on the Megatron
+trainer's packed kernel (megatron_trace.packed_attention). Padded batches [B > 1, S] keep transformers'
 own forward in BF16 and are refused in FP4 modes.
 
 The patch changes each module's class to a subclass that adds the sites; the Parameter objects
@@ -31,6 +36,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_moe import modeling_qwen3_moe as hf
+
+from trace_kernels.moe_routing import router_logits, top_k_softmax
+from trace_kernels.norm_rope import rms_norm
 
 from ..guidance.codec import GuidanceFormatError
 from ..megatron import context
@@ -53,6 +61,18 @@ def _packed_bounds(hidden_states: torch.Tensor, kwargs: dict) -> list[int] | Non
     if cu[0] != 0 or cu[-1] != hidden_states.shape[1] or any(b < a for a, b in zip(cu, cu[1:], strict=False)):
         raise ValueError(f"cu_seq_lens_q {cu} must rise from 0 to the micro-batch's {hidden_states.shape[1]} tokens")
     return cu
+
+
+class TraceQwen3MoeRMSNorm(hf.Qwen3MoeRMSNorm):
+    """RMSNorm as the Megatron trainer and TRACE's engines compute it (trace_kernels.rms_norm: the
+    normalised BF16 input times the weight in FP32, rounded once; transformers rounds the
+    normalised input to BF16 before the weight)."""
+
+    def forward(self, hidden_states):
+        if hidden_states.dtype != torch.bfloat16:
+            return super().forward(hidden_states)
+        # the torch path: autograd (the Triton kernel, the same values, has no backward)
+        return rms_norm(hidden_states, self.weight.float(), self.variance_epsilon, backend="torch")
 
 
 class FP4Qwen3MoeAttention(hf.Qwen3MoeAttention):
@@ -84,23 +104,23 @@ class FP4Qwen3MoeAttention(hf.Qwen3MoeAttention):
 
 
 class FP4Qwen3MoeExperts(hf.Qwen3MoeExperts):
-    """The fused experts with the fc1 and fc2 sites: tokens sorted by expert (stable), as the
-    Megatron trainer's dispatcher brings them to its experts, fc2's guidance rows with them."""
+    """The fused experts with the fc1 and fc2 sites, in every precision: tokens sorted by expert
+    (stable), as the Megatron trainer's dispatcher brings them to its experts, fc2's guidance rows
+    with them; each expert's output times its gate in FP32, rounded, then summed per token."""
 
     fp4: dict[str, FP4Site]
     layer: int
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         fc1, fc2 = self.fp4["fc1"], self.fp4["fc2"]
-        if not fc1.active:
-            return super().forward(hidden_states, top_k_index, top_k_weights)
         k = top_k_index.shape[1]
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, slot) rows by expert
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         token = order // k
-        w1 = fake_quant_expert_weights(self.gate_up_proj, fc1.weight_group)  # [E, 2I, H]
-        w2 = fake_quant_expert_weights(self.down_proj, fc2.weight_group)  # [E, H, I]
+        w1, w2 = self.gate_up_proj, self.down_proj  # [E, 2I, H], [E, H, I]
+        if fc1.active:
+            w1, w2 = fake_quant_expert_weights(w1, fc1.weight_group), fake_quant_expert_weights(w2, fc2.weight_group)
         h = fc1.quantize_input(hidden_states)[token]  # [T * k, H]
         spans = [(e, sum(counts[:e]), n) for e, n in enumerate(counts) if n]
         acts = []
@@ -120,30 +140,30 @@ class FP4Qwen3MoeExperts(hf.Qwen3MoeExperts):
         return torch.zeros_like(hidden_states).index_add_(0, token, y.to(hidden_states.dtype))
 
 
-class ReplayQwen3MoeTopKRouter(hf.Qwen3MoeTopKRouter):
-    """The router, replaying the engine's routed experts when the micro-batch carries them: the
-    trainer's own probabilities at the engine's choices (renormalised as the router would)."""
+class TraceQwen3MoeTopKRouter(hf.Qwen3MoeTopKRouter):
+    """The router as the Megatron trainer and TRACE's engines compute it (trace_kernels): FP32
+    logits, the top k of them and the softmax over those k (transformers: BF16 logits, a softmax
+    over every expert, renormalised; BF16 logits pick other experts for some tokens). When the
+    micro-batch carries the engine's routed experts it replays them: the softmax over the
+    trainer's logits at the engine's choices."""
 
     layer: int
 
     def forward(self, hidden_states):
+        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+        logits = router_logits(hidden_states, self.weight)  # float32 [n, E]
         mb = context.active()
         ids = None if mb is None else mb.routed_experts.get(self.layer)
         if ids is None:
-            return super().forward(hidden_states)
-        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+            top, gate = top_k_softmax(logits, self.top_k)
+            return logits, gate, top
         if tuple(ids.shape) != (hidden_states.shape[0], self.top_k):
             raise GuidanceFormatError(f"layer {self.layer}: routed experts {tuple(ids.shape)} for "
                                       f"{hidden_states.shape[0]} tokens and top-{self.top_k}")
         if int(ids.min()) < 0 or int(ids.max()) >= self.num_experts:
             raise GuidanceFormatError(f"layer {self.layer}: routed expert ids outside 0..{self.num_experts - 1}")
-        logits = F.linear(hidden_states, self.weight)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
         ids = ids.to(logits.device)
-        top = probs.gather(1, ids)
-        if self.norm_topk_prob:
-            top = top / top.sum(dim=-1, keepdim=True)
-        return logits, top.to(logits.dtype), ids
+        return logits, torch.softmax(logits.gather(1, ids), dim=-1), ids
 
 
 def attach_fp4_sites(model: torch.nn.Module, precision: TrainerPrecision | str = "bf16") -> torch.nn.Module:
@@ -159,6 +179,8 @@ def attach_fp4_sites(model: torch.nn.Module, precision: TrainerPrecision | str =
         if not isinstance(moe, hf.Qwen3MoeSparseMoeBlock):
             raise ValueError(f"layer {i} has a dense MLP ({type(moe).__name__}): mlp_only_layers / "
                              "decoder_sparse_step are not supported")
+        if not moe.gate.norm_topk_prob:
+            raise ValueError("norm_topk_prob=False is not supported: TRACE's gates are the softmax over the top k")
         if attn.q_proj.bias is not None or attn.o_proj.bias is not None:
             raise ValueError("attention biases (attention_bias=True) are not supported")
         attn.__class__ = FP4Qwen3MoeAttention
@@ -167,8 +189,11 @@ def attach_fp4_sites(model: torch.nn.Module, precision: TrainerPrecision | str =
         moe.experts.layer = i
         moe.experts.fp4 = {"fc1": FP4Site(name="fc1", layer=i),
                            "fc2": FP4Site(name="fc2", layer=i, all_experts=True)}
-        moe.gate.__class__ = ReplayQwen3MoeTopKRouter
+        moe.gate.__class__ = TraceQwen3MoeTopKRouter
         moe.gate.layer = i
+    for m in model.modules():
+        if isinstance(m, hf.Qwen3MoeRMSNorm):
+            m.__class__ = TraceQwen3MoeRMSNorm
     set_precision(model, precision)
     return model
 
