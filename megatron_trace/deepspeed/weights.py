@@ -12,14 +12,18 @@ weight needs q, k and v together). Without ZeRO-3 nothing is gathered.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 from collections.abc import Iterator
 from itertools import groupby
 
 import torch
+import torch.distributed as dist
 
 from ..checkpoint.qwen3_moe import full_weight_shapes, hf_parts, to_megatron
-from ..model_config import ModelConfig
+from ..model_config import FP4_WEIGHT_SUFFIXES, ModelConfig
+from ..modes import EnginePrecision
+from ..weight_buckets import NVFP4, Buckets, Piece, Source, amax_of
 
 _FUSED_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -75,3 +79,30 @@ def megatron_weights(model: torch.nn.Module, model_cfg: ModelConfig,
             out = [(name, to_megatron(name, [checkpoint_tensor(h, params) for h in hs], model_cfg)
                     .to(device, copy=True)) for name, hs in parts.items()]
         yield from out
+
+
+def weight_buckets(model: torch.nn.Module, model_cfg: ModelConfig, fp4: bool, max_bytes: int) -> Buckets:
+    """The model's weights as the engines take them (megatron_trace.weight_buckets), in buckets of
+    at most max_bytes: matrices BF16, norms FP32 (the Megatron trainer's dtypes), and with `fp4`
+    the FP4 sites' weights packed with the whole tensor's amax, as the trainer's forward quantizes
+    them. Collective under ZeRO-3 (the gathers): call on every rank. The buckets are cut from a
+    copy of the whole model in host memory (megatron_weights' tensors), not streamed layer by layer."""
+    sources = []
+    for name, t in megatron_weights(model, model_cfg):
+        t = t.to(torch.bfloat16 if t.dim() > 1 else torch.float32)
+        packed = fp4 and name.endswith(FP4_WEIGHT_SUFFIXES)
+        piece = dataclasses.replace(Piece.whole(name, t), kind=NVFP4) if packed else Piece.whole(name, t)
+        sources.append(Source(piece, t, amax_of(t) if packed else None))
+    return Buckets(sources, max_bytes)
+
+
+def sync_weights(model: torch.nn.Module, model_cfg: ModelConfig, engine, version: int, bucket_mb: float) -> int:
+    """Send the model's weights to `engine` (a RolloutBackend) as `version` from data-parallel rank
+    0, the way the Megatron trainer's sync sends them (packed FP4 to an FP4 engine); every rank
+    takes part in the ZeRO-3 gathers. Returns the bytes this rank sent."""
+    fp4 = EnginePrecision(engine.precision) is EnginePrecision.FP4
+    buckets = weight_buckets(model, model_cfg, fp4, int(bucket_mb * 2**20))
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return 0
+    engine.update_weights_from_buckets(buckets, version)
+    return buckets.nbytes

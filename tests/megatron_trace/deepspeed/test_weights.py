@@ -3,10 +3,11 @@ against the Megatron state dict that transformers loaded them from."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megatron_trace.deepspeed.model import attach_fp4_sites
-from megatron_trace.deepspeed.weights import checkpoint_tensor, megatron_weights
+from megatron_trace.deepspeed.weights import checkpoint_tensor, megatron_weights, sync_weights
 from megatron_trace.model_config import PRESETS
 from tests.support import scenarios as sc
 from tests.support.hf_models import hf_from_megatron
@@ -35,3 +36,21 @@ def test_checkpoint_tensor_splits_the_fused_experts(tmp_path):
     assert torch.equal(gate, fc1[:f]) and torch.equal(up, fc1[f:])
     assert torch.equal(checkpoint_tensor("model.layers.1.mlp.experts.2.down_proj.weight", params),
                        sd["decoder.layers.1.mlp.experts.local_experts.2.linear_fc2.weight"])
+
+
+@pytest.mark.parametrize("precision", ["fp4", "bf16"])
+def test_sync_gives_the_engine_the_weights_it_would_load_from_megatron(tmp_path, precision):
+    """The built-in engine after a sync from the HF model (packed FP4 to an FP4 engine, in buckets
+    smaller than a weight) scores exactly as after loading the Megatron state dict directly."""
+    from sglang_rollout.engine import EngineConfig, TraceEngine
+
+    sd = sc.random_full_state_dict(CFG, seed=7)
+    sd = {k: v.bfloat16().float() if v.dtype == torch.float32 else v for k, v in sd.items()}  # BF16-valued norms
+    model = attach_fp4_sites(hf_from_megatron(sd, tmp_path))
+    direct, synced = (TraceEngine(CFG, EngineConfig(precision=precision, block_size=8, num_blocks=16))
+                      for _ in range(2))
+    direct.update_weights(sd, 1)
+    sent = sync_weights(model, CFG, synced, 1, bucket_mb=0.01)
+    assert synced.weight_version == 1 and sent > 0
+    tokens = sc.make_sequences(CFG, [21], seed=3)[0].tolist()
+    assert torch.equal(synced.score(tokens), direct.score(tokens))

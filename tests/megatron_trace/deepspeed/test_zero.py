@@ -20,7 +20,9 @@ import pytest
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from megatron_trace.checkpoint.qwen3_moe import config_from_hf
 from megatron_trace.deepspeed.model import attach_fp4_sites
+from megatron_trace.deepspeed.weights import megatron_weights
 from tests.support import deepspeed_cpu
 
 VOCAB, SEQ, STEPS, RANKS = 128, 16, 3, 2
@@ -49,6 +51,11 @@ def tiny_model(variant: str) -> Qwen3MoeForCausalLM:
     if variant == "fp4":
         attach_fp4_sites(model, "fp4-rne")
     return model
+
+
+def model_config():
+    """The tiny model's TRACE ModelConfig, read from its HF config as the trainer reads a checkpoint's."""
+    return config_from_hf(tiny_model("fp32").config.to_dict())
 
 
 def micro_batch(variant: str, rank: int) -> dict:
@@ -94,6 +101,8 @@ def _train_zero(rank: int, stages, variants) -> dict:
             whole = sum(p.ds_tensor.numel() == p.ds_numel for p in engine.module.parameters()) if stage == 3 else None
             out[stage, variant] = dict(weights=deepspeed_cpu.gathered_weights(engine.module), losses=losses,
                                        whole=whole)
+            if stage == 3 and variant == "fp4":  # the weight sync's view: Megatron names, a layer gathered at a time
+                out[stage, variant]["megatron"] = dict(megatron_weights(engine.module, model_config()))
             engine.destroy()
     return out
 
@@ -157,6 +166,17 @@ def test_zero3_within_tolerance_of_one_process(zero, one_process, variant):
     assert max_diff(runs[0]["weights"], ref["weights"]) <= ZERO3_ATOL[variant]
     first = torch.stack([run["losses"][0] for run in runs])
     assert torch.equal(first, torch.stack(ref["losses"][0]))  # same forward before any update
+
+
+def test_megatron_weights_gathered_under_zero3(zero):
+    """megatron_weights on a ZeRO-3 model (each layer gathered from both ranks' partitions) equals it
+    on an unpartitioned model holding the gathered weights, on both ranks."""
+    model = tiny_model("fp4")
+    model.load_state_dict(zero[3, "fp4"][0]["weights"])
+    want = dict(megatron_weights(model, model_config()))
+    for run in zero[3, "fp4"]:
+        assert run["megatron"].keys() == want.keys()
+        assert all(torch.equal(run["megatron"][n], t) for n, t in want.items())
 
 
 def test_bf16_stages_agree_bitwise(zero):
