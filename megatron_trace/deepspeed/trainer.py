@@ -11,9 +11,13 @@ mini-batch packs into. Data-parallel ranks average their gradients, as Megatron'
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..megatron import context
@@ -42,6 +46,8 @@ def deepspeed_config(user: dict) -> dict:
 class DeepSpeedTrainer:
     """A DeepSpeed engine (deepspeed.initialize over a model patched by attach_fp4_sites) seen as
     TRACE's trainer."""
+
+    TAG = "state"  # DeepSpeed's checkpoint tag inside a TRACE checkpoint directory
 
     def __init__(self, engine):
         self.engine = engine
@@ -81,3 +87,41 @@ class DeepSpeedTrainer:
 
     def zero_grad(self) -> None:
         self.engine.zero_grad()
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def save(self, directory: str | os.PathLike) -> None:
+        """DeepSpeed's checkpoint of the model and optimizer (every rank's partitions) at
+        `directory`, atomically: written into a sibling temporary directory, renamed by rank 0 once
+        every rank has finished, so a crash leaves the old state or the new one, never half of one.
+        FileExistsError if `directory` exists. Call on every rank."""
+        final = Path(directory)
+        tmp = final.with_name(final.name + ".tmp")
+        if final.exists():
+            raise FileExistsError(f"DeepSpeed checkpoint {final} exists: TRACE never overwrites a checkpoint")
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # what a crashed save left
+        _barrier()
+        self.engine.save_checkpoint(str(tmp), tag=self.TAG, save_latest=False)
+        _barrier()
+        if _rank() == 0:
+            os.replace(tmp, final)
+        _barrier()
+
+    def load(self, directory: str | os.PathLike) -> None:
+        """The model and optimizer state `save` wrote at `directory` (into an engine of the same
+        configuration and world size). FileNotFoundError when there is none."""
+        if not (Path(directory) / self.TAG).is_dir():
+            raise FileNotFoundError(f"no DeepSpeed checkpoint at {directory} (no {self.TAG}/ in it)")
+        path, _ = self.engine.load_checkpoint(str(directory), tag=self.TAG, load_module_strict=True,
+                                              load_optimizer_states=True, load_lr_scheduler_states=True)
+        if path is None:
+            raise FileNotFoundError(f"DeepSpeed found no checkpoint at {directory}")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
