@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # SGLang running TRACE's FP4 policy on the GPU machine (device tool, nvidia-h200). The SGLang
 # bundle (56 MiB, with torch_memory_saver) and megatron-core's wheel fit beside the project in one call:
-#   bash bench/sglang_h200/build_bundle.sh .sgl   # here, once (ignored by git: .git/info/exclude)
+#   bash bench/sglang_h200/build_bundle.sh .sgl   # here, once (ignored by git: .gitignore)
 #   carry [".sgl", ".whl/megatron_core-0.19.2-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl"]:
 #     bash bench/gpu_sglang.sh install test export train
 # A later call on the warm machine may carry .sglrun (run.sh and sitecustomize.py alone) instead of .sgl.

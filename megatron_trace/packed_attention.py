@@ -30,11 +30,15 @@ def packed_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     outs = []
     for idx in groups:  # [sequences, width]
         q, k, v = (t[idx.reshape(-1)].unflatten(0, idx.shape).transpose(1, 2) for t in (query, key, value))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
-        outs.append(out.transpose(1, 2).flatten(0, 1))  # [n * width, heads, d]
+        outs.append(causal_sdpa(q, k, v, scale).transpose(1, 2).flatten(0, 1))  # [n * width, heads, d]
     # tokens after the last sequence (padding) attend to nothing: zeros
     out = query.new_zeros(query.shape).index_copy(0, dest, torch.cat(outs).index_select(0, keep))
     return out.reshape(query.shape[0], -1)
+
+
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """Causal attention of q [B, heads, S, d] over k, v [B, kv_heads, S, d] (GQA): [B, heads, S, d]."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
 
 
 @functools.lru_cache(maxsize=8)

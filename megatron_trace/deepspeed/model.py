@@ -23,8 +23,8 @@ Samples are packed: a micro-batch is one row [1, T] of sequences one after anoth
 `cu_seq_lens_q` (transformers' own keyword for packed sequences, int [n + 1]), position_ids
 restarting at each sequence and use_cache=False. The tokens are then in the Megatron trainer's
 THD order, so a micro-batch's guidance rows apply as they are, and attention runs on the Megatron
-trainer's packed kernel (megatron_trace.packed_attention). Padded batches [B > 1, S] keep transformers'
-own forward in BF16 and are refused in FP4 modes.
+trainer's packed kernel (megatron_trace.packed_attention). Padded batches [B > 1, S] (and a KV
+cache) keep transformers' attention in BF16 and are refused in FP4 modes.
 
 The patch changes each module's class to a subclass that adds the sites; the Parameter objects
 stay, so DeepSpeed (ZeRO-3 included) partitions them after this call, and each forward quantizes
@@ -32,6 +32,8 @@ its module's whole weights afresh: no cache across forwards, which would defeat 
 """
 
 from __future__ import annotations
+
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -122,7 +124,8 @@ class FP4Qwen3MoeExperts(hf.Qwen3MoeExperts):
         if fc1.active:
             w1, w2 = fake_quant_expert_weights(w1, fc1.weight_group), fake_quant_expert_weights(w2, fc2.weight_group)
         h = fc1.quantize_input(hidden_states)[token]  # [T * k, H]
-        spans = [(e, sum(counts[:e]), n) for e, n in enumerate(counts) if n]
+        starts = [0, *accumulate(counts)]
+        spans = [(e, starts[e], n) for e, n in enumerate(counts) if n]
         acts = []
         for e, start, n in spans:
             gate, up = F.linear(h[start:start + n], w1[e]).chunk(2, dim=-1)

@@ -21,12 +21,11 @@ from __future__ import annotations
 from itertools import pairwise
 
 import torch
-import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
-from ..packed_attention import packed_causal_attention, packed_positions
+from ..packed_attention import causal_sdpa, packed_causal_attention, packed_positions
 from .qat import FP4Site
 
 
@@ -60,7 +59,7 @@ class FP4CoreAttention(DotProductAttention):
             value = self.v_site.quantize_input(value)
         if not thd:  # [S, B, h, d] -> [B, h, S, d]
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-            out = self._sdpa(q, k, v)
+            out = causal_sdpa(q, k, v, self.softmax_scale)
             return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
         if packed_seq_params.cu_seqlens_kv is not None and packed_seq_params.cu_seqlens_kv.tolist() != cu:
             raise NotImplementedError("packed self-attention needs cu_seqlens_kv == cu_seqlens_q")
@@ -81,6 +80,3 @@ class FP4CoreAttention(DotProductAttention):
     def _packed(self, query, key, value, cu: list[int]):
         return packed_causal_attention(query, key, value, cu, self.softmax_scale)
 
-    def _sdpa(self, q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
-                                              enable_gqa=k.shape[1] != q.shape[1])
