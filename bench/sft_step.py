@@ -66,7 +66,7 @@ def main() -> None:
     init_one_process()
     from megatron_trace.megatron import attention
     from megatron_trace.megatron.model import build_model
-    from megatron_trace.megatron.optimizer import TrainerOptimizer
+    from megatron_trace.megatron.trainer import MegatronTrainer
     from megatron_trace.model_config import PRESETS
     from megatron_trace.rl.sft import sft_step
     from megatron_trace.rl.tasks import ChainTask
@@ -75,7 +75,8 @@ def main() -> None:
     device = torch.cuda.get_device_name() if cuda else "CPU"
     cfg = PRESETS[args.preset]
     model = build_model(cfg, "bf16", grouped_gemm=True)
-    opt = TrainerOptimizer(model, 1e-5)
+    trainer = MegatronTrainer(model, cfg)
+    trainer.start_phase(1e-5)
     task = ChainTask(args.digits, "+-", args.terms, seed=0)
     batches = [[task.sft_example(p) for p in task.problems(args.batch)] for _ in range(4)]
     tokens = sum(len(t) for t, _ in batches[0])
@@ -89,7 +90,7 @@ def main() -> None:
         for i in range(args.warmup + n):
             sync()
             t0 = time.perf_counter()
-            sft_step(model, opt, batches[i % len(batches)])
+            sft_step(trainer, batches[i % len(batches)])
             sync()
             if i >= args.warmup:
                 times.append(time.perf_counter() - t0)
@@ -108,7 +109,7 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        sft_step(model, opt, batches[0])
+        sft_step(trainer, batches[0])
         sync()
     table_cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=50)
     table_dev = prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=50) \

@@ -53,6 +53,7 @@ def main() -> None:
 
     from megatron_trace.megatron.model import build_model
     from megatron_trace.megatron.spawn import init_one_process
+    from megatron_trace.megatron.trainer import MegatronTrainer
     from megatron_trace.model_config import FP4_WEIGHT_SUFFIXES, PRESETS
     from megatron_trace.rl.weight_sync import sync_weights
     from sglang_rollout.engine import EngineConfig, TraceEngine
@@ -62,7 +63,7 @@ def main() -> None:
     cfg = PRESETS[args.model]
     cfg = cfg.replace(num_layers=args.layers) if args.layers else cfg
     cuda = torch.cuda.is_available()
-    trainer = build_model(cfg, "bf16", grouped_gemm=True)
+    trainer = MegatronTrainer(build_model(cfg, "bf16", grouped_gemm=True), cfg)
     engine = TraceEngine(cfg, EngineConfig(precision="fp4", device="cuda" if cuda else "cpu", num_blocks=16,
                                            cuda_graph_max_batch=0))
     sync_weights(trainer, engine, 0, args.bucket_mb)  # warm-up: kernels compiled, allocator warm
@@ -78,7 +79,7 @@ def main() -> None:
             torch.cuda.synchronize()
             peak = max(peak, torch.cuda.max_memory_allocated() - base)
         times.append(time.perf_counter() - t0)
-    params = {k: t for k, t in trainer.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")}
+    params = {k: t for k, t in trainer.model.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")}
     exact = all(torch.equal(q.codes, engine.weights.tensors[k].codes)
                 and torch.equal(q.global_scale, engine.weights.tensors[k].global_scale)
                 for k, t in params.items() if k.endswith(FP4_WEIGHT_SUFFIXES) for q in [quantize(t.detach(), "nvfp4")])

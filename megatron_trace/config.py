@@ -217,9 +217,33 @@ class RLSection(Section):
 
 
 @dataclass(frozen=True, kw_only=True)
+class TrainerSection(Section):
+    """The trainer: Megatron-core (any TP / EP / PP / DP layout, its DDP and distributed optimizer;
+    the default) or DeepSpeed over transformers' Qwen3-MoE (ZeRO-1/2/3 data parallelism on the HF
+    checkpoint `model.hf`, no conversion; docs/deepspeed.md). Both run the same FP4 QAT, guidance,
+    routing replay and RL loop."""
+
+    NAME: ClassVar[str] = "trainer"
+
+    backend: Literal["megatron", "deepspeed"] = "megatron"
+    """`megatron` or `deepspeed` (needs model.hf; dist.tp / ep / pp / etp stay 1)."""
+    deepspeed: dict = field(default_factory=dict)
+    """DeepSpeed's own config, passed through as its JSON (e.g. `{zero_optimization: {stage: 3},
+    bf16: {enabled: true}}`); TRACE adds the batch keys it owns and, unless the config has its own
+    `optimizer`, torch's AdamW with optim's settings. Checked by DeepSpeed at start."""
+
+    def check(self) -> None:
+        require(all(isinstance(k, str) for k in self.deepspeed), "trainer.deepspeed", "a mapping with string keys")
+        require(not self.deepspeed or self.backend == "deepspeed", "trainer.deepspeed",
+                f"empty unless trainer.backend is deepspeed (it is {self.backend!r}: the options would be ignored)")
+
+
+@dataclass(frozen=True, kw_only=True)
 class OptimSection(Section):
     """The trainer's optimizer: Megatron-core's DistributedDataParallel and `get_megatron_optimizer`
-    (AdamW on FP32 main parameters of the BF16 model); the learning rates are sft.lr and rl.lr."""
+    (AdamW on FP32 main parameters of the BF16 model); under trainer.backend=deepspeed, AdamW inside
+    DeepSpeed's engine (clip_grad, weight_decay and lr_warmup_steps apply; the Megatron fields do
+    not). The learning rates are sft.lr and rl.lr."""
 
     NAME: ClassVar[str] = "optim"
 
@@ -381,8 +405,8 @@ class ClusterSection(Section):
 
 
 SECTIONS: dict[str, type[Section]] = {cls.NAME: cls for cls in (
-    ModelSection, TaskSection, SFTSection, RLSection, OptimSection, RolloutSection, CheckpointSection, DistSection,
-    ClusterSection)}
+    ModelSection, TaskSection, SFTSection, RLSection, TrainerSection, OptimSection, RolloutSection, CheckpointSection,
+    DistSection, ClusterSection)}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -393,6 +417,7 @@ class TrainConfig:
     task: TaskSection = field(default_factory=TaskSection)
     sft: SFTSection = field(default_factory=SFTSection)
     rl: RLSection = field(default_factory=RLSection)
+    trainer: TrainerSection = field(default_factory=TrainerSection)
     optim: OptimSection = field(default_factory=OptimSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
@@ -407,6 +432,21 @@ class TrainConfig:
         hints = _hints(TrainConfig)
         for key in TOP_LEVEL:
             object.__setattr__(self, key, _coerce(getattr(self, key), hints[key], key))
+        if self.trainer.backend == "deepspeed":
+            self._check_deepspeed()
+
+    def _check_deepspeed(self) -> None:
+        """What trainer.backend=deepspeed needs of the other sections (ValueError naming the key)."""
+        d, o = self.dist, self.optim
+        require(bool(self.model.hf), "model.hf", "an HF checkpoint directory with trainer.backend=deepspeed (it "
+                "trains the HF model as it is)")
+        require(d.tp == d.ep == d.pp == d.etp == 1, "dist.tp / ep / pp / etp",
+                "1 with trainer.backend=deepspeed (ZeRO data parallelism over the trainer ranks)")
+        require(d.recompute == "none", "dist.recompute", "none with trainer.backend=deepspeed (DeepSpeed's own "
+                "activation checkpointing goes in trainer.deepspeed)")
+        require(not o.megatron, "optim.megatron", "empty with trainer.backend=deepspeed (it is Megatron's)")
+        require(not o.cpu_offload, "optim.cpu_offload", "false with trainer.backend=deepspeed (ZeRO's "
+                "offload_optimizer goes in trainer.deepspeed)")
 
 
 TOP_LEVEL = ("output_dir", "seed")

@@ -22,7 +22,6 @@ import torch.distributed as dist
 
 from ..checkpoint.qwen3_moe import full_weight_shapes, hf_parts, to_megatron
 from ..model_config import FP4_WEIGHT_SUFFIXES, ModelConfig
-from ..modes import EnginePrecision
 from ..weight_buckets import NVFP4, Buckets, Piece, Source, amax_of
 
 _FUSED_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
@@ -96,13 +95,25 @@ def weight_buckets(model: torch.nn.Module, model_cfg: ModelConfig, fp4: bool, ma
     return Buckets(sources, max_bytes)
 
 
-def sync_weights(model: torch.nn.Module, model_cfg: ModelConfig, engine, version: int, bucket_mb: float) -> int:
-    """Send the model's weights to `engine` (a RolloutBackend) as `version` from data-parallel rank
-    0, the way the Megatron trainer's sync sends them (packed FP4 to an FP4 engine); every rank
-    takes part in the ZeRO-3 gathers. Returns the bytes this rank sent."""
-    fp4 = EnginePrecision(engine.precision) is EnginePrecision.FP4
-    buckets = weight_buckets(model, model_cfg, fp4, int(bucket_mb * 2**20))
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return 0
-    engine.update_weights_from_buckets(buckets, version)
-    return buckets.nbytes
+def save_hf(model: torch.nn.Module, model_cfg: ModelConfig, out, max_shard_bytes: int = 2 << 30) -> None:
+    """The model's weights as an HF checkpoint at `out` (sharded safetensors, index, config.json;
+    BF16), written by rank 0 as they are gathered, a layer at a time; the directory appears
+    complete or not at all. Collective under ZeRO-3 (the gathers): call on every rank."""
+    from ..checkpoint.qwen3_moe import hf_config, to_hf
+    from ..checkpoint.safetensors_io import ShardedWriter
+
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    writer = ShardedWriter(out, max_shard_bytes) if rank0 else None
+    try:
+        for name, tensor in megatron_weights(model, model_cfg):
+            if writer is None or (name == "output_layer.weight" and model_cfg.tie_word_embeddings):
+                continue
+            for hf_name, part in to_hf(name, tensor.to(torch.bfloat16), model_cfg):
+                writer.add(hf_name, part)
+        if writer is not None:
+            writer.close({"config.json": hf_config(model_cfg)})
+    finally:
+        if writer is not None and not writer.closed:  # an exception: leave nothing behind
+            writer.abort()
+    if dist.is_initialized():
+        dist.barrier()  # the checkpoint is in place before any rank goes on

@@ -25,6 +25,7 @@ from ..guidance import GuidanceBatch
 from ..modes import EnginePrecision
 from ..rollout import GroupRequest, RolloutOutput, SamplingParams, close_backend
 from .bridge import Bridge
+from .ranks import data_parallel
 
 
 def dp_share(num_groups: int, dp_rank: int, dp_size: int) -> range:
@@ -39,13 +40,11 @@ class RemoteEngine:
     """The RolloutBackend the trainer ranks call (see module docstring)."""
 
     def __init__(self, bridge: Bridge, precision: EnginePrecision | str, guide: str, coding: str):
-        from megatron.core import parallel_state as ps
-
         self.bridge, self.precision, self.weight_version = bridge, EnginePrecision(precision), -1
         if dist.get_rank() == 0:  # every engine (re)builds its engine for these settings
             for e in bridge.roles.engines:
                 bridge.send(("configure", precision, guide, coding), e)
-        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.dp_rank, self.dp_size, _ = data_parallel()
         # which data-parallel rank every trainer rank belongs to, for the engine's sends
         ranks = [None] * dist.get_world_size()
         dist.all_gather_object(ranks, self.dp_rank)

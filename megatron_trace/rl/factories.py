@@ -1,19 +1,15 @@
 """What a run is built from, each from its configuration section: the model's architecture, the
-task, the optimizer, the frozen KL reference and the engine's settings."""
+task and the engine's settings (the trainer: `rl.trainer.build_trainer`)."""
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
-from ..checkpoint.dist import load_model, read_config, save_model
+from ..checkpoint.dist import read_config
 from ..checkpoint.hf import HFCheckpoint
-from ..config import ModelSection, OptimSection, RLSection, TaskSection
+from ..config import ModelSection, RLSection, TaskSection
 from ..guidance import Coding
 from ..model_config import PRESETS, ModelConfig
 from ..modes import RunMode
 from .architecture import PLAN_ONLY
-from .ranks import is_rank0
 from .rewards import load_reward
 from .tasks import ArithmeticTask, ChainTask, CharTokenizer, HFTokenizer, JsonlTask
 
@@ -38,31 +34,6 @@ def make_task(task: TaskSection, seed: int):
         return ChainTask(task.digits, task.ops, task.terms, seed=seed)
     tokenizer = CharTokenizer() if task.tokenizer == "char" else HFTokenizer(task.tokenizer)
     return JsonlTask(task.path, tokenizer, load_reward(task.reward), seed=seed)
-
-
-def make_optimizer(trainer, lr: float, optim: OptimSection):
-    """Megatron's DDP and optimizer over the trainer (`megatron.optimizer.TrainerOptimizer`)."""
-    from ..megatron.optimizer import TrainerOptimizer  # here: `trace-rl plan` imports this module, not Megatron
-
-    return TrainerOptimizer(trainer, lr, optim)
-
-
-def make_reference(trainer, model_cfg: ModelConfig, path: Path, resumed: bool):
-    """The frozen reference of the KL penalty: the model RL starts from, kept at `path` (a
-    Megatron checkpoint) so that a resumed run penalises against the same one."""
-    from ..megatron.model import build_model  # here: `trace-rl plan` imports this module, not Megatron
-
-    reference = build_model(model_cfg, "bf16", grouped_gemm=True)
-    if resumed and path.exists():
-        load_model(reference, path)
-    else:
-        if is_rank0():
-            shutil.rmtree(path, ignore_errors=True)  # of an earlier run in this output_dir
-        reference.load_state_dict(trainer.state_dict())  # the same layout: the same local names
-        save_model(reference, model_cfg, path)  # collective: its first step orders the removal above
-    for p in reference.parameters():
-        p.requires_grad_(False)
-    return reference
 
 
 def engine_settings(rl: RLSection, guide: str | None = None) -> tuple:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..megatron.context import MicroBatchGuidance
-from ..megatron.model import pack_sequences, sequence_padding
+from ..megatron.model import pack_sequences
 from ..megatron.schedule import MicroBatch
 from .ranks import max_over_ranks
 from .rollout_batch import RolloutBatch
@@ -33,10 +33,10 @@ def pack(trainer, batch: RolloutBatch, samples: list[int], records: bool, weight
     """The rollout's `samples` (indices) as one micro-batch. `records`: the forward carries the
     guidance records (applied in trace mode; read by flip counters otherwise); routed experts
     ride along always."""
-    dev, out = next(trainer.parameters()).device, batch.out
+    dev, out = next(trainer.model.parameters()).device, batch.out
     chosen = [out.samples[i] for i in samples]
     seqs = [torch.tensor(list(batch.prompts[s.group_id]) + s.tokens) for s in chosen]
-    pad = sequence_padding(sum(len(q) for q in seqs))
+    pad = trainer.sequence_padding(sum(len(q) for q in seqs))
     tokens, positions, psp = pack_sequences(seqs, dev, pad)
     full = MicroBatchGuidance.from_batch(out.guidance, [s.sample_id for s in chosen])
     carried = full if records else MicroBatchGuidance(full.num_tokens, routed_experts=full.routed_experts)

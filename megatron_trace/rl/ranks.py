@@ -33,3 +33,15 @@ def max_over_ranks(n: int) -> int:
 def all_ranks(flag: bool) -> bool:
     """`flag` on every trainer rank."""
     return bool(reduce_over_ranks(int(flag), torch.distributed.ReduceOp.MIN))
+
+
+def data_parallel() -> tuple[int, int, object]:
+    """(rank, size, process group) of this rank's data-parallel group: Megatron's when its
+    parallel state is up (the Megatron trainer), else every trainer rank (DeepSpeed's ZeRO)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
+    if not torch.distributed.is_initialized():
+        return 0, 1, None
+    return torch.distributed.get_rank(), torch.distributed.get_world_size(), torch.distributed.group.WORLD

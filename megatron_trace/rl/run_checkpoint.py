@@ -1,12 +1,17 @@
 """The RL run's own checkpoints, and resuming from the latest one (the model checkpoint formats,
 HF and Megatron conversion and FP4 export, are the `megatron_trace.checkpoint` package).
 
-A checkpoint is a directory `<output_dir>/checkpoints/<phase>-<step>/` holding
+A checkpoint is a directory `<output_dir>/checkpoints/<phase>-<step>/` holding the trainer's
+own files (`Trainer.save`), with the Megatron trainer
     model/      the trainer as a Megatron distributed checkpoint (checkpoint.dist; loads under any
                 layout and exports with trace-export-fp4 --megatron),
     optimizer/  the optimizer's FP32 main parameters and AdamW moments, a Megatron distributed
                 checkpoint too (`megatron.optimizer`): a run saved under one data-parallel size
-                and TP/PP layout resumes under another,
+                and TP/PP layout resumes under another;
+with the DeepSpeed trainer
+    model/      the weights as an HF checkpoint (transformers and trace-export-fp4 --hf read it),
+    deepspeed/  DeepSpeed's checkpoint (every rank's ZeRO partitions, the optimizer state);
+and
     state.pt    what else the run needs to continue exactly as it would have: the task's draw
                 state and torch's RNG state, the phase and next step, the engine's weight
                 version, and the run's configuration.
@@ -27,9 +32,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint.dist import load_model, save_model
 from ..config import upgrade_flat_config
-from ..megatron.optimizer import has_optimizer_checkpoint
 
 LATEST = "latest"
 PHASES = ("sft", "rl")
@@ -53,11 +56,11 @@ def _rank() -> tuple[int, int]:
     return 0, 1
 
 
-def save_checkpoint(out_dir: str | os.PathLike, trainer, model_cfg, optimizer, task_state: dict, state: RunState,
+def save_checkpoint(out_dir: str | os.PathLike, trainer, task_state: dict, state: RunState,
                     run_config: dict, keep: int = 2) -> Path:
     """Write one checkpoint (see module docstring); keep the newest `keep`. Call on every trainer
-    rank: each writes its shards of the model and of the optimizer state (`optimizer`: a
-    `megatron.optimizer.TrainerOptimizer`)."""
+    rank (`trainer`: an `rl.trainer.Trainer`): each writes its shards of the model and of the
+    optimizer state."""
     rank, world = _rank()
     root = Path(out_dir) / "checkpoints"
     final = root / f"{state.phase}-{state.step:06d}"
@@ -67,8 +70,9 @@ def save_checkpoint(out_dir: str | os.PathLike, trainer, model_cfg, optimizer, t
     tmp = root / name[0]
     if rank == 0:
         tmp.mkdir(parents=True)
-    save_model(trainer, model_cfg, tmp / "model")  # collective; its barriers order the mkdir above
-    optimizer.save(tmp / "optimizer")
+    if world > 1:
+        torch.distributed.barrier()  # the directory exists before any rank writes into it
+    trainer.save(tmp)
     if rank == 0:
         torch.save({"state": dataclasses.asdict(state), "task": task_state, "torch_rng": torch.get_rng_state(),
                     "config": run_config, "world": world}, tmp / "state.pt")
@@ -108,20 +112,18 @@ def latest_checkpoint(out_dir: str | os.PathLike) -> Path | None:
 
 
 def load_checkpoint(path: Path, trainer, run_config: dict, resumable_keys: tuple[str, ...]) -> dict:
-    """Load the trainer's weights from checkpoint `path`, under any layout; return its state.pt
-    contents and, as "path", `path` (the optimizer loads its state from path / "optimizer").
+    """Load the trainer's weights (an `rl.trainer.Trainer`) from checkpoint `path`; return its
+    state.pt contents and, as "path", `path` (the optimizer loads its state from there).
 
     Raises ValueError naming the first configuration key that differs from the checkpoint's,
     other than `resumable_keys` (e.g. the number of steps, which a resumed run may extend)."""
     saved = torch.load(path / "state.pt", weights_only=False)
     saved["config"] = upgrade_flat_config(saved["config"])
-    if not has_optimizer_checkpoint(path / "optimizer"):
-        raise ValueError(f"cannot resume from {path}: it has no optimizer/ distributed checkpoint (written by a "
-                         "TRACE before Megatron's optimizer; start a new output_dir or set checkpoint.resume=false)")
+    trainer.check_checkpoint(path)
     saved["path"] = path
     for key in sorted(set(saved["config"]) | set(run_config)):
         if key not in resumable_keys and saved["config"].get(key) != run_config.get(key):
             raise ValueError(f"cannot resume from {path}: config {key} was {saved['config'].get(key)!r}, "
                              f"now {run_config.get(key)!r} (use a new output_dir or checkpoint.resume=false)")
-    load_model(trainer, path / "model")
+    trainer.load_weights(path)
     return saved

@@ -1,11 +1,11 @@
 """One RL step (docs/design.md section 5): rollout, rewards, GRPO advantages, the trainer's
 (guided) forward, rollout correction, policy loss, optimizer step, weight sync.
 
-The trainer is this rank's TraceGPTModel under any Megatron layout (one process when colocated;
-called on every trainer rank under torchrun); the engine any RolloutBackend (a `RemoteEngine`
-under torchrun). The step's settings are the `rl` section of the run's configuration. Each step
-trains on its own rollout: the trainer's log-probs before its first update are the PPO "old"
-log-probs; `rl.mini_batches` x `rl.epochs` optimizer steps follow.
+The trainer is this rank's `rl.trainer.Trainer` (Megatron under any layout, or DeepSpeed; one
+process when colocated, called on every trainer rank under torchrun); the engine any
+RolloutBackend (a `RemoteEngine` under torchrun). The step's settings are the `rl` section of
+the run's configuration. Each step trains on its own rollout: the trainer's log-probs before its
+first update are the PPO "old" log-probs; `rl.mini_batches` x `rl.epochs` optimizer steps follow.
 """
 
 from __future__ import annotations
@@ -16,25 +16,22 @@ from itertools import pairwise
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as ps
 
 from ..config import DistSection, RLSection
 from ..guidance import GuidanceBatch
 from ..megatron import qat
-from ..megatron.model import set_precision
-from ..megatron.schedule import run_microbatches
 from ..modes import RunMode
 from ..rollout import SamplingParams, release_backend_memory, resume_backend_memory
 from .losses import grpo_advantages, kl_penalty, policy_loss, rollout_correction
 from .metrics import mismatch_metrics
 from .mismatch import FlipCounter
 from .packing import microbatches
-from .ranks import all_ranks, distributed_trainer, reduce_over_ranks
+from .ranks import all_ranks, data_parallel, distributed_trainer, reduce_over_ranks
 from .rollout_batch import RolloutBatch, rollout
 from .weight_sync import sync_weights
 
 
-def rl_step(trainer, optimizer, engine, prompts: list[tuple[int, ...]], reward_fn, rl: RLSection,
+def rl_step(trainer, engine, prompts: list[tuple[int, ...]], reward_fn, rl: RLSection,
             sampling: SamplingParams, step: int, more_prompts=None, reference=None,
             sync_bucket_mb: float = DistSection.sync_bucket_mb) -> dict:
     """Rollout, train on it, sync the new weights (in buckets of at most sync_bucket_mb MiB);
@@ -62,7 +59,7 @@ def rl_step(trainer, optimizer, engine, prompts: list[tuple[int, ...]], reward_f
     if not trained and distributed_trainer():  # the other ranks' collectives need this rank's forward and
         batch = first.select([0])  # backward: a group of equal rewards has zero advantage, no gradient
     release_backend_memory(engine)  # colocated SGLang: its memory is the trainer's while it trains
-    metrics = train_on(trainer, optimizer, batch, rl, reference) if batch.num_groups else {"skipped": 1.0}
+    metrics = train_on(trainer, batch, rl, reference) if batch.num_groups else {"skipped": 1.0}
     t2 = time.perf_counter()
     resume_backend_memory(engine)
     metrics["weight_sync_bytes"] = sync_weights(trainer, engine, engine.weight_version + 1, sync_bucket_mb)
@@ -83,13 +80,14 @@ def response_logprobs(trainer, batch: RolloutBatch, rl: RLSection, observer=None
     carry every record the rollout has (a FlipCounter() reads them as the active guidance)."""
     mbs = microbatches(trainer, batch, rl.max_tokens_per_microbatch,
                        records=rl.mode.applies_guidance or observer is not None)
-    set_precision(trainer, rl.mode.trainer_precision)
+    trainer.set_precision(rl.mode.trainer_precision)
     if observer is not None:
         qat.observers.append(observer)
     try:
         with torch.no_grad():
-            infos = run_microbatches(trainer, [p.batch for p in mbs],
-                                     lambda i, lp: (lp.sum(), {"logp": lp[mbs[i].index].cpu()}), forward_only=True)
+            infos = trainer.run_microbatches([p.batch for p in mbs],
+                                             lambda i, lp: (lp.sum(), {"logp": lp[mbs[i].index].cpu()}),
+                                             forward_only=True)
     finally:
         qat.observers.clear()
     real = [(p, info) for p, info in zip(mbs, infos, strict=True) if p.weight]
@@ -106,10 +104,11 @@ def _billed_bytes_per_token(g: GuidanceBatch, applied: bool) -> float:
 
 def _dp_sum(values: list[float]) -> list[float]:
     """`values` summed over the data-parallel ranks (as they are in one process)."""
-    if ps.get_data_parallel_world_size() == 1:
+    _, size, group = data_parallel()
+    if size == 1:
         return values
     t = torch.tensor(values, dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(t, group=ps.get_data_parallel_group())
+    dist.all_reduce(t, group=group)
     return t.tolist()
 
 
@@ -137,10 +136,10 @@ def mini_batch_groups(num_groups: int, mini_batches: int) -> list[list[int]]:
     return [list(range(a, b)) for a, b in pairwise(bounds)]
 
 
-def train_on(trainer, optimizer, batch: RolloutBatch, rl: RLSection, reference=None) -> dict:
+def train_on(trainer, batch: RolloutBatch, rl: RLSection, reference=None) -> dict:
     """PPO/GRPO updates on one rollout, under any trainer layout: advantages over the whole
     rollout, then `rl.epochs` passes over it in `rl.mini_batches` mini-batches of whole groups,
-    each one optimizer step (`optimizer`: the trainer's `megatron.optimizer.TrainerOptimizer`),
+    each one optimizer step of `trainer` (an `rl.trainer.Trainer` in its RL phase),
     in micro-batches of at most rl.max_tokens_per_microbatch tokens whose gradients accumulate.
     Each step's loss is the token mean over its mini-batch, over every data-parallel rank's share.
 
@@ -159,7 +158,9 @@ def train_on(trainer, optimizer, batch: RolloutBatch, rl: RLSection, reference=N
     # every rank counts its own rows and columns (token, head and column shards, dispatched
     # expert rows, its pipeline stage's layers, its data-parallel samples); rates() sums them
     counter = FlipCounter() if counting else None
-    one_update = rl.mini_batches == 1 and rl.epochs == 1
+    # a backend that cannot rescale gradients after backward (DeepSpeed) needs the kept tokens,
+    # which `mis` decides from the old log-probs, before the update: from an extra forward
+    one_update = rl.mini_batches == 1 and rl.epochs == 1 and (trainer.scales_gradients or rl.correction != "mis")
     logp_old = None
     if not one_update:
         logp, sample_of, _ = response_logprobs(trainer, batch, rl, observer=counter)
@@ -176,7 +177,7 @@ def train_on(trainer, optimizer, batch: RolloutBatch, rl: RLSection, reference=N
         for groups in mini_batch_groups(batch.num_groups, rl.mini_batches):
             idx = [g * rl.group_size + j for g in groups for j in range(rl.group_size)]
             old, ref = ([v[i] for i in idx] if v is not None else None for v in (logp_old, logp_ref))
-            updates.append(_update(trainer, optimizer, batch.select(groups), adv[idx], old, ref, rl,
+            updates.append(_update(trainer, batch.select(groups), adv[idx], old, ref, rl,
                                    counter if one_update else None))
     if one_update:
         logp_old = updates[0].pop("logp")
@@ -192,14 +193,15 @@ def train_on(trainer, optimizer, batch: RolloutBatch, rl: RLSection, reference=N
             **mismatch_metrics(logp_old, [s.logprobs for s in out.samples])}
     if logp_ref is not None:
         info["kl_ref"] = sum(u["kl_sum"] for u in updates) / denom
-    flips = counter.rates(trainer.config.num_layers if distributed_trainer() else None) if counter is not None else {}
+    layers = trainer.model_cfg.num_layers if distributed_trainer() else None
+    flips = counter.rates(layers) if counter is not None else {}
     if flips and not rl.mode.applies_guidance:  # nothing applied: the codes are the trainer's own
         flips = {k: v for k, v in flips.items() if not k.startswith("residual")}
     return {"reward": float(rewards.mean()), **info, **flips,
             "guidance_bytes_per_token": _billed_bytes_per_token(out.guidance, rl.mode.applies_guidance)}
 
 
-def _update(trainer, optimizer, batch: RolloutBatch, adv: torch.Tensor, logp_old: list[torch.Tensor] | None,
+def _update(trainer, batch: RolloutBatch, adv: torch.Tensor, logp_old: list[torch.Tensor] | None,
             logp_ref: list[torch.Tensor] | None, rl: RLSection, counter=None) -> dict:
     """One optimizer step on a mini-batch (float32 advantages [N]; per-sample old and reference
     log-probs, or None: the old ones are this forward's own). `counter` watches the forward.
@@ -210,9 +212,19 @@ def _update(trainer, optimizer, batch: RolloutBatch, adv: torch.Tensor, logp_old
     tokens = sum(len(s.tokens) for s in batch.out.samples)
     # the loss is the token mean over every data-parallel rank's kept tokens: each rank sums its
     # own over (global tokens / DP), DDP averages over DP, and the reduced gradients are rescaled
-    # by global tokens / global kept tokens once the kept ones are known
+    # by global tokens / global kept tokens once the kept ones are known; a backend that cannot
+    # rescale gradients divides by the global kept tokens, counted from the old log-probs first
+    dp_size = data_parallel()[1]
     dp_tokens = _dp_sum([tokens])[0]
-    normalizer = dp_tokens / ps.get_data_parallel_world_size()
+    if trainer.scales_gradients:
+        normalizer = dp_tokens / dp_size
+    else:
+        if logp_old is None and rl.correction == "mis":
+            raise ValueError("masked IS without old log-probs needs a trainer that rescales gradients")
+        kept_before = sum(int(rollout_correction(_per_token(logp_old, p.sample_of), p.logp_rollout, p.sample_of,
+                                                 rl.correction, rl.correction_threshold)[1].sum())
+                          for p in mbs if p.weight) if rl.correction == "mis" else tokens
+        normalizer = max(_dp_sum([kept_before])[0], 1.0) / dp_size
 
     def loss_fn(i, lp):  # on the last pipeline stage
         p = mbs[i]
@@ -233,18 +245,18 @@ def _update(trainer, optimizer, batch: RolloutBatch, adv: torch.Tensor, logp_old
 
     if counter is not None:
         qat.observers.append(counter)
-    set_precision(trainer, rl.mode.trainer_precision)
-    optimizer.zero_grad()
+    trainer.set_precision(rl.mode.trainer_precision)
+    trainer.zero_grad()
     try:
-        infos = run_microbatches(optimizer.ddp, [p.batch for p in mbs], loss_fn)
+        infos = trainer.run_microbatches([p.batch for p in mbs], loss_fn)
     finally:
         qat.observers.clear()
     real = [info for p, info in zip(mbs, infos, strict=True) if p.weight]
     kept = sum(info["kept_tokens"] for info in real)
     dp_kept = _dp_sum([kept])[0]
-    if 0 < dp_kept != dp_tokens:  # rejected samples (mis) leave the token mean over the kept ones
-        optimizer.scale_grads(dp_tokens / dp_kept)
-    stepped = optimizer.step()
+    if trainer.scales_gradients and 0 < dp_kept != dp_tokens:  # rejected samples (mis): the mean over the kept
+        trainer.scale_grads(dp_tokens / dp_kept)
+    stepped = trainer.step()
     sums = {k: sum(info[k] for info in real) for k in ("clipped_tokens", "clipped_lower_tokens", "ppo_kl_sum")}
     out = {"tokens": tokens, "kept_tokens": kept, "loss": sum(info["loss_sum"] for info in real) / max(kept, 1.0),
            "microbatches": len(mbs), "grad_norm": stepped["grad_norm"], **sums}

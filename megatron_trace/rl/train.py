@@ -18,17 +18,16 @@ import torch
 from tqdm import tqdm
 
 from ..config import RESUMABLE, RLSection, TrainConfig, flat_config
-from ..megatron.model import build_model
-from ..megatron.weights import load_full_state_dict
 from ..model_config import ModelConfig
 from ..rollout import SamplingParams, close_backend
 from .budget import resolve_budget
-from .factories import engine_settings, make_optimizer, make_reference, make_task
+from .factories import engine_settings, make_task
 from .ranks import distributed_trainer, is_rank0
 from .report import MetricsLog, plot_report
 from .run_checkpoint import RunState, latest_checkpoint, load_checkpoint, save_checkpoint
 from .sft import sft_step, with_near_misses
 from .step import rl_step
+from .trainer import Trainer, build_trainer
 from .weight_sync import sync_weights
 
 
@@ -40,30 +39,24 @@ class Run:
     cfg: TrainConfig
     model_cfg: ModelConfig
     out_dir: Path
-    trainer: torch.nn.Module
+    trainer: Trainer
     task: object
     state: RunState
     saved: dict | None
     progress: bool
-    trainer_optimizer: object = None
 
-    def checkpoint(self, optimizer, phase: str, step: int, weight_version: int) -> None:
+    def checkpoint(self, phase: str, step: int, weight_version: int) -> None:
         """Write a checkpoint of the run at `phase` / `step` (see rl.run_checkpoint)."""
-        save_checkpoint(self.out_dir, self.trainer, self.model_cfg, optimizer, self.task.state_dict(),
+        save_checkpoint(self.out_dir, self.trainer, self.task.state_dict(),
                         RunState(phase=phase, step=step, weight_version=weight_version, guide=self.state.guide),
                         flat_config(self.cfg), self.cfg.checkpoint.keep)
 
-    def optimizer(self, lr: float):
-        """The trainer's optimizer for a new phase at learning rate `lr` (Megatron's DDP is built
-        once per run, the optimizer afresh per phase), its state restored when the run resumed
-        inside this phase."""
-        if self.trainer_optimizer is None:
-            self.trainer_optimizer = make_optimizer(self.trainer, lr, self.cfg.optim)
-        else:
-            self.trainer_optimizer.restart(lr)
+    def start_phase(self, lr: float) -> None:
+        """A fresh optimizer state for a new phase at learning rate `lr`, restored from the
+        checkpoint when the run resumed inside this phase."""
+        self.trainer.start_phase(lr)
         if self.saved is not None:
-            self.trainer_optimizer.load(self.saved["path"] / "optimizer")
-        return self.trainer_optimizer
+            self.trainer.load_optimizer(self.saved["path"])
 
 
 def train(cfg: TrainConfig, make_engine, model_cfg: ModelConfig, progress: bool = True) -> list[dict]:
@@ -75,12 +68,12 @@ def train(cfg: TrainConfig, make_engine, model_cfg: ModelConfig, progress: bool 
     run_sft(run)
     if run.state.phase == "sft":
         run.state, run.saved = RunState(phase="rl"), None
-    optimizer = run.optimizer(cfg.rl.lr)
+    run.start_phase(cfg.rl.lr)
     if run.saved is None and cfg.sft.steps:
-        run.checkpoint(optimizer, "rl", 0, 0)  # the warmed-up model: RL restarts never redo the warm-up
+        run.checkpoint("rl", 0, 0)  # the warmed-up model: RL restarts never redo the warm-up
     if run.state.step >= cfg.rl.steps:  # nothing left to do (e.g. `trace-rl sft`)
         return []
-    return run_rl(run, optimizer, make_engine)
+    return run_rl(run, make_engine)
 
 
 def start(cfg: TrainConfig, model_cfg: ModelConfig, progress: bool) -> Run:
@@ -95,16 +88,7 @@ def start(cfg: TrainConfig, model_cfg: ModelConfig, progress: bool) -> Run:
     if cfg.dist.engine_tp != 1 and cfg.rollout.backend == "builtin":
         raise ValueError("dist.engine_tp: the built-in engine runs on one GPU; rollout.backend=sglang shards an "
                          "engine over dist.engine_tp GPUs")
-    trainer = build_model(model_cfg, "bf16", grouped_gemm=True,  # BF16 compute, as the engine
-                          recompute=None if cfg.dist.recompute == "none" else cfg.dist.recompute)
-    if cfg.model.hf:
-        from ..checkpoint.hf import HFCheckpoint
-
-        load_full_state_dict(trainer, HFCheckpoint(cfg.model.hf))
-    elif cfg.model.megatron:
-        from ..checkpoint.dist import load_model
-
-        load_model(trainer, cfg.model.megatron)
+    trainer = build_trainer(cfg, model_cfg)
     run = Run(cfg=cfg, model_cfg=model_cfg, out_dir=out_dir, trainer=trainer, task=task, state=RunState(), saved=None,
               progress=progress and is_rank0())
     ckpt = latest_checkpoint(out_dir) if cfg.checkpoint.resume else None
@@ -123,18 +107,18 @@ def run_sft(run: Run) -> None:
     cfg, state = run.cfg, run.state
     if state.phase != "sft" or state.step >= cfg.sft.steps:
         return
-    optimizer = run.optimizer(cfg.sft.lr)
+    run.start_phase(cfg.sft.lr)
     bar = tqdm(range(state.step, cfg.sft.steps), desc="sft", disable=not run.progress, initial=state.step,
                total=cfg.sft.steps)
     for i in bar:
         problems = with_near_misses(run.task.problems(cfg.sft.batch), cfg.sft.label_noise)
-        loss = sft_step(run.trainer, optimizer, [run.task.sft_example(p) for p in problems])
+        loss = sft_step(run.trainer, [run.task.sft_example(p) for p in problems])
         bar.set_postfix(loss=f"{loss:.3f}")
         if cfg.checkpoint.sft_every and (i + 1) % cfg.checkpoint.sft_every == 0 and i + 1 < cfg.sft.steps:
-            run.checkpoint(optimizer, "sft", i + 1, 0)
+            run.checkpoint("sft", i + 1, 0)
 
 
-def run_rl(run: Run, optimizer, make_engine) -> list[dict]:
+def run_rl(run: Run, make_engine) -> list[dict]:
     """RL setup (a budget's layers resolved, the engine built and given the weights, the KL
     reference, the metrics log), then the RL steps; returns their metrics."""
     cfg, state = run.cfg, run.state
@@ -142,16 +126,16 @@ def run_rl(run: Run, optimizer, make_engine) -> list[dict]:
         state.guide = _resolve_budget(run, make_engine)
     engine = make_engine(*engine_settings(cfg.rl, state.guide))
     try:
-        return _rl_steps(run, optimizer, engine)
+        return _rl_steps(run, engine)
     finally:  # the SGLang backend's processes end with the run, whatever ended it
         close_backend(engine)
 
 
-def _rl_steps(run: Run, optimizer, engine) -> list[dict]:
+def _rl_steps(run: Run, engine) -> list[dict]:
     cfg, state = run.cfg, run.state
     sync_weights(run.trainer, engine, state.weight_version, cfg.dist.sync_bucket_mb)
-    reference = make_reference(run.trainer, run.model_cfg, run.out_dir / "checkpoints" / "reference",
-                               resumed=run.saved is not None) if cfg.rl.kl_coef else None
+    reference = run.trainer.reference(run.out_dir / "checkpoints" / "reference",
+                                      resumed=run.saved is not None) if cfg.rl.kl_coef else None
     log = MetricsLog(run.out_dir, state.step) if is_rank0() else None
     prompts = _PromptSource(run.task, cfg.rl, cfg.seed)
     history = []
@@ -160,7 +144,7 @@ def _rl_steps(run: Run, optimizer, engine) -> list[dict]:
     for step in bar:
         prompts.start(step)
         t0 = time.perf_counter()
-        m = rl_step(run.trainer, optimizer, engine, prompts.draw(cfg.rl.prompts_per_step), prompts.reward, cfg.rl,
+        m = rl_step(run.trainer, engine, prompts.draw(cfg.rl.prompts_per_step), prompts.reward, cfg.rl,
                     _sampling(cfg, run.task, cfg.seed * 100_003 + step), step, more_prompts=prompts.draw,
                     reference=reference, sync_bucket_mb=cfg.dist.sync_bucket_mb)
         m["step_s"] = time.perf_counter() - t0
@@ -173,7 +157,7 @@ def _rl_steps(run: Run, optimizer, engine) -> list[dict]:
         history.append(m)
         bar.set_postfix(reward=f"{m['reward']:.2f}", k3=f"{m.get('k3_kl', float('nan')):.1e}")
         if (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0) or step + 1 == cfg.rl.steps:
-            run.checkpoint(optimizer, "rl", step + 1, engine.weight_version)
+            run.checkpoint("rl", step + 1, engine.weight_version)
     if log is None:  # not trainer rank 0: it reports
         return []
     log.close()

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from megatron_trace.deepspeed.model import attach_fp4_sites
-from megatron_trace.deepspeed.weights import checkpoint_tensor, megatron_weights, sync_weights
+from megatron_trace.deepspeed.trainer import DeepSpeedTrainer
+from megatron_trace.deepspeed.weights import checkpoint_tensor, megatron_weights
 from megatron_trace.model_config import PRESETS
 from tests.support import scenarios as sc
 from tests.support.hf_models import hf_from_megatron
@@ -50,7 +51,9 @@ def test_sync_gives_the_engine_the_weights_it_would_load_from_megatron(tmp_path,
     direct, synced = (TraceEngine(CFG, EngineConfig(precision=precision, block_size=8, num_blocks=16))
                       for _ in range(2))
     direct.update_weights(sd, 1)
-    sent = sync_weights(model, CFG, synced, 1, bucket_mb=0.01)
+    from megatron_trace.rl.weight_sync import sync_weights
+
+    sent = sync_weights(DeepSpeedTrainer(None, CFG, module=model), synced, 1, bucket_mb=0.01)
     assert synced.weight_version == 1 and sent > 0
     tokens = sc.make_sequences(CFG, [21], seed=3)[0].tolist()
     assert torch.equal(synced.score(tokens), direct.score(tokens))

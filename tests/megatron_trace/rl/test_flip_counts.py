@@ -17,6 +17,7 @@ def run_counts(rank, *, sd, precision):
     """Per layer: elements counted, round-to-nearest flips, applied-code flips (summed over ranks)."""
     from megatron_trace.config import RLSection
     from megatron_trace.megatron.model import build_model
+    from megatron_trace.megatron.trainer import MegatronTrainer
     from megatron_trace.megatron.weights import load_full_state_dict
     from megatron_trace.rl.mismatch import FlipCounter
     from megatron_trace.rl.rollout_batch import rollout
@@ -32,7 +33,7 @@ def run_counts(rank, *, sd, precision):
     batch = rollout(engine, PROMPTS, lambda prompt, response: 0.0, rl.group_size,
                     SamplingParams(max_new_tokens=8, seed=1), 0)
     counter = FlipCounter()
-    response_logprobs(trainer, batch, rl, observer=counter)
+    response_logprobs(MegatronTrainer(trainer, CFG), batch, rl, observer=counter)
     counter.rates(CFG.num_layers)  # sums the counts over ranks
     tokens = sum(len(PROMPTS[int(s.group_id.split("-p")[1])]) + len(s.tokens) for s in batch.out.samples)
     return {"total": counter.total, "rne": counter.rne, "actual": counter.actual, "tokens": tokens}

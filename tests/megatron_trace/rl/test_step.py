@@ -10,15 +10,18 @@ from megatron_trace.model_config import PRESETS
 from tests.support import scenarios as sc
 
 
-def sgd(trainer, lr):
-    """Megatron's optimizer as plain SGD (optim.megatron passes the choice through): an update
-    linear in the gradients, so that micro-batching and layouts compare closely."""
+def sgd(model, lr):
+    """The Megatron trainer over `model` with Megatron's optimizer as plain SGD (optim.megatron
+    passes the choice through): an update linear in the gradients, so that micro-batching and
+    layouts compare closely."""
     from megatron_trace.config import OptimSection
-    from megatron_trace.megatron.optimizer import TrainerOptimizer
+    from megatron_trace.megatron.trainer import MegatronTrainer
 
-    return TrainerOptimizer(trainer, lr, OptimSection(clip_grad=0.0, lr_warmup_steps=0,
-                                                     distributed=False,  # Megatron shards Adam only
-                                                     megatron={"optimizer": "sgd", "sgd_momentum": 0.0}))
+    trainer = MegatronTrainer(model, PRESETS["tiny"], OptimSection(
+        clip_grad=0.0, lr_warmup_steps=0, distributed=False,  # Megatron shards Adam only
+        megatron={"optimizer": "sgd", "sgd_momentum": 0.0}))
+    trainer.start_phase(lr)
+    return trainer
 
 
 def reward_low_ids(prompt, response):
@@ -37,12 +40,11 @@ def run_steps(rank, *, precision, correction):
     from sglang_rollout.engine import EngineConfig, TraceEngine
 
     cfg = PRESETS["tiny"]
-    trainer = build_model(cfg, "bf16", grouped_gemm=True)
+    trainer = sgd(build_model(cfg, "bf16", grouped_gemm=True), 0.05)
     engine = TraceEngine(cfg, EngineConfig(precision="bf16" if precision == "bf16" else "fp4",
                                            guide="all" if precision == "trace" else "none"))
     sync_weights(trainer, engine, 0)
     rl = RLSection(mode=precision, group_size=4, correction=correction)
-    optimizer = sgd(trainer, 0.05)
     prompts = [(1, 2, 3, 4), (9, 8, 7)]
     batch = rollout(engine, prompts, reward_low_ids, rl.group_size, SamplingParams(max_new_tokens=8, seed=1), 0)
     adv = grpo_advantages(batch.rewards, 4)
@@ -53,7 +55,7 @@ def run_steps(rank, *, precision, correction):
         return float((adv[sample_of.cpu()] * logp.cpu()).mean())
 
     before = objective()
-    metrics = train_on(trainer, optimizer, batch, rl)
+    metrics = train_on(trainer, batch, rl)
     after = objective()
     sync_weights(trainer, engine, 1)
     again = engine.generate([], SamplingParams())  # engine still healthy after the update
@@ -75,6 +77,7 @@ def test_a_step_in_each_run_mode_ascends_the_policy_objective():
 def run_dynamic_and_kl(rank):
     from megatron_trace.config import RLSection
     from megatron_trace.megatron.model import build_model
+    from megatron_trace.megatron.trainer import MegatronTrainer
     from megatron_trace.megatron.weights import load_full_state_dict
     from megatron_trace.model_config import PRESETS
     from megatron_trace.rl.step import rl_step
@@ -83,12 +86,13 @@ def run_dynamic_and_kl(rank):
     from sglang_rollout.engine import EngineConfig, TraceEngine
 
     cfg = PRESETS["tiny"]
-    trainer = build_model(cfg, "bf16", grouped_gemm=True)
+    trainer = sgd(build_model(cfg, "bf16", grouped_gemm=True), 0.05)
     reference = build_model(cfg, "bf16", grouped_gemm=True)
-    load_full_state_dict(reference, {k: v for k, v in trainer.state_dict().items() if not k.endswith("_extra_state")})
+    load_full_state_dict(reference, {k: v for k, v in trainer.model.state_dict().items()
+                                     if not k.endswith("_extra_state")})
+    reference = MegatronTrainer(reference, cfg)
     engine = TraceEngine(cfg, EngineConfig(precision="bf16"))
     sync_weights(trainer, engine, 0)
-    optimizer = sgd(trainer, 0.05)
     sampling = SamplingParams(max_new_tokens=8, seed=1)
 
     def reward(prompt, response):  # prompts starting with 1 always score 0: no signal in their group
@@ -102,11 +106,11 @@ def run_dynamic_and_kl(rank):
 
     dyn = RLSection(mode="bf16", dynamic_sampling=True, max_rounds=3, kl_coef=0.1,
                     mini_batches=1)  # one update: the step's KL is the policy's before it moves
-    first = rl_step(trainer, optimizer, engine, [(1, 2, 3, 4), (9, 8, 7)], reward, dyn, sampling, 0,
+    first = rl_step(trainer, engine, [(1, 2, 3, 4), (9, 8, 7)], reward, dyn, sampling, 0,
                     more_prompts=more_prompts, reference=reference)
-    second = rl_step(trainer, optimizer, engine, [(6, 5), (9, 9)], reward, dyn, sampling, 1,
+    second = rl_step(trainer, engine, [(6, 5), (9, 9)], reward, dyn, sampling, 1,
                      more_prompts=more_prompts, reference=reference)
-    none = rl_step(trainer, optimizer, engine, [(1, 2), (1, 3)], reward, dyn, sampling, 2, reference=reference)
+    none = rl_step(trainer, engine, [(1, 2), (1, 3)], reward, dyn, sampling, 2, reference=reference)
     return first, second, none, asked
 
 
@@ -147,8 +151,7 @@ def run_microbatched_update(rank, *, sd, max_tokens, correction, threshold):
                     SamplingParams(max_new_tokens=8, seed=2), 0)
     mine = batch.select(list(dp_share(batch.num_groups, ps.get_data_parallel_rank(),
                                       ps.get_data_parallel_world_size())))
-    optimizer = sgd(trainer, 0.5)
-    metrics = train_on(trainer, optimizer, mine, rl)
+    metrics = train_on(sgd(trainer, 0.5), mine, rl)
     return gather_full_state_dict(trainer), metrics
 
 
@@ -175,7 +178,7 @@ def test_microbatches_accumulate_to_the_one_batch_update():
 def run_against_master_adamw(rank):
     from megatron_trace.config import OptimSection, RLSection
     from megatron_trace.megatron.model import build_model
-    from megatron_trace.megatron.optimizer import TrainerOptimizer
+    from megatron_trace.megatron.trainer import MegatronTrainer
     from megatron_trace.rl.rollout_batch import rollout
     from megatron_trace.rl.step import train_on
     from megatron_trace.rollout import SamplingParams
@@ -190,12 +193,14 @@ def run_against_master_adamw(rank):
     engine = TraceEngine(cfg, EngineConfig(precision="fp4", guide="all"))
     engine.update_weights(sd, 0)
     rl = RLSection(mode="trace", group_size=4, correction="mis", correction_threshold=1.05)
-    opts = (TrainerOptimizer(ours, 1e-3, OptimSection(clip_grad=0.0, lr_warmup_steps=0)), MasterAdamW(theirs, 1e-3))
+    mine = MegatronTrainer(ours, cfg, OptimSection(clip_grad=0.0, lr_warmup_steps=0))
+    mine.start_phase(1e-3)
+    trainers = (mine, MegatronTrainer(theirs, cfg, optimizer=MasterAdamW(theirs, 1e-3)))
     kept = []
     for step in range(3):  # new rollouts of the same (first) weights: the same batches for both
         batch = rollout(engine, [(1, 2, 3, 4), (9, 8, 7), (5, 6)], reward_low_ids, rl.group_size,
                         SamplingParams(max_new_tokens=8, seed=step), step)
-        metrics = [train_on(model, opt, batch, rl) for model, opt in zip((ours, theirs), opts, strict=True)]
+        metrics = [train_on(t, batch, rl) for t in trainers]
         kept.append(metrics[0]["kept_frac"])
         assert metrics[0]["loss"] == metrics[1]["loss"], step
     moved = sum(not torch.equal(p.float(), sd[n].float()) for n, p in ours.state_dict().items() if n in sd)
@@ -248,18 +253,18 @@ def run_mini_batches(rank, *, sd, mini_batches, epochs, mode):
     batch = rollout(engine, [(1, 2, 3, 4), (9, 8, 7), (5, 6), (7, 7, 7)], reward_low_ids, rl.group_size,
                     SamplingParams(max_new_tokens=8, seed=4), 0)
     ours, theirs = models
-    metrics = train_on(ours, sgd(ours, 2.0), batch, rl)
+    metrics = train_on(sgd(ours, 2.0), batch, rl)
 
     opt = sgd(theirs, 2.0)
     adv = grpo_advantages(batch.rewards, rl.group_size).double()
-    logp, sample_of, _ = response_logprobs(theirs, batch, rl)
+    logp, sample_of, _ = response_logprobs(opt, batch, rl)
     old = [logp[sample_of == i].double().cpu() for i in range(len(batch.out.samples))]
     halves = [list(range(batch.num_groups))] if mini_batches == 1 else [[0, 1], [2, 3]]
     for _ in range(epochs):
         for groups in halves:
             idx = [g * 4 + j for g in groups for j in range(4)]
             sub = batch.select(groups)
-            mbs = microbatches(theirs, sub, 0, records=rl.mode.applies_guidance)
+            mbs = microbatches(opt, sub, 0, records=rl.mode.applies_guidance)
             n_tokens = sum(len(s.tokens) for s in sub.out.samples)
 
             def loss_fn(i, lp, mbs=mbs, idx=idx, n_tokens=n_tokens):
@@ -270,7 +275,7 @@ def run_mini_batches(rank, *, sd, mini_batches, epochs, mode):
                 return per.sum() / n_tokens, {}
 
             opt.zero_grad()
-            run_microbatches(opt.ddp, [p.batch for p in mbs], loss_fn)
+            run_microbatches(opt.optimizer.ddp, [p.batch for p in mbs], loss_fn)
             opt.step()
     deltas = {n: (ours.state_dict()[n].float() - sd[n], theirs.state_dict()[n].float() - sd[n]) for n in sd}
     return deltas, metrics

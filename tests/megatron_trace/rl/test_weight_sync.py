@@ -44,13 +44,16 @@ def reference_bytes(sd: dict, precision: str) -> dict:
     return engine_bytes(engine)
 
 
-def _trainer(cfg, sd):
+def _trainer(cfg, sd=None):
+    """The Megatron trainer (rl.trainer's interface) over an FP32 model, holding `sd` if given."""
     from megatron_trace.megatron.model import build_model
+    from megatron_trace.megatron.trainer import MegatronTrainer
     from megatron_trace.megatron.weights import load_full_state_dict
 
-    trainer = build_model(cfg, "bf16", params_dtype=torch.float32, grouped_gemm=True)
-    load_full_state_dict(trainer, sd)
-    return trainer
+    model = build_model(cfg, "bf16", params_dtype=torch.float32, grouped_gemm=True)
+    if sd is not None:
+        load_full_state_dict(model, sd)
+    return MegatronTrainer(model, cfg)
 
 
 def _stop(bridge) -> None:
@@ -166,20 +169,19 @@ def test_the_engine_holds_the_bytes_of_each_full_tensor_quantized_in_one_process
 def trainer_memory(rank, bridge, *, cfg, bucket_mb):
     """This trainer rank's memory during a sharded sync (after a first one: one-time costs such
     as the allocator's own growth are not the sync's), then during a full gather."""
-    from megatron_trace.megatron.model import build_model
     from megatron_trace.rl.disaggregated import RemoteEngine
     from megatron_trace.rl.weight_sync import sync_weights
     from tests.support.full_gather import gather_full_state_dict
 
-    trainer = build_model(cfg, "bf16", params_dtype=torch.float32, grouped_gemm=True)
+    trainer = _trainer(cfg)
     remote = RemoteEngine(bridge, "fp4", "none", "dense")
     sync_weights(trainer, remote, 0, bucket_mb)
     rss, _ = _rss_growth(lambda: sync_weights(trainer, remote, 1, bucket_mb))
     allocated, sent = _allocated_peak(lambda: sync_weights(trainer, remote, 2, bucket_mb))
-    gather, _ = _allocated_peak(lambda: gather_full_state_dict(trainer))
+    gather, _ = _allocated_peak(lambda: gather_full_state_dict(trainer.model))
     _stop(bridge)
     return {"allocated": allocated, "rss": rss, "gather": gather, "sent": sent,
-            "params": sum(p.numel() * p.element_size() for p in trainer.parameters())}
+            "params": sum(p.numel() * p.element_size() for p in trainer.model.parameters())}
 
 
 def engine_memory(rank, bridge, *, cfg, bucket_mb):
@@ -226,15 +228,16 @@ def test_no_rank_holds_more_than_a_bucket_beyond_its_weights():
 def trainer_torn(rank, bridge, *, sd):
     """Version 0, then version 1 with an unknown tensor in rank 1's buckets (refused: the error
     reaches every rank), then a complete version 2 and a generate from it."""
+    from megatron_trace.megatron.sync import trainer_buckets
     from megatron_trace.rl.disaggregated import RemoteEngine
-    from megatron_trace.rl.weight_sync import sync_weights, trainer_buckets
+    from megatron_trace.rl.weight_sync import sync_weights
     from megatron_trace.rollout import GroupRequest, SamplingParams
     from megatron_trace.weight_buckets import state_dict_buckets
 
     trainer = _trainer(CFG, sd)
     remote = RemoteEngine(bridge, "fp4", "none", "dense")
     sync_weights(trainer, remote, 0, 1 / 64)
-    buckets = trainer_buckets(trainer, True, 2**14)  # collective: on every rank
+    buckets = trainer_buckets(trainer.model, True, 2**14)  # collective: on every rank
     if rank == 1:
         buckets = state_dict_buckets({"decoder.layers.9.bogus.weight": torch.zeros(4, 16)}, 2**14)
     try:
@@ -245,8 +248,8 @@ def trainer_torn(rank, bridge, *, sd):
     sync_weights(trainer, remote, 2, 1 / 64)
     out = remote.generate([GroupRequest(g, p, n=1) for g, p in REQUESTS], SamplingParams(max_new_tokens=2))
     if rank == 1:  # a NaN in an expert only this rank holds: every rank stops before sending
-        dict(trainer.named_parameters())["decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight"].data[0, 0] \
-            = float("nan")
+        name = "decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight"
+        dict(trainer.model.named_parameters())[name].data[0, 0] = float("nan")
     try:
         sync_weights(trainer, remote, 3, 1 / 64)
         nan = None
