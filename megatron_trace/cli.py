@@ -54,7 +54,7 @@ def train_main(args: argparse.Namespace) -> list[dict]:
         else:
             if torch.cuda.is_available():  # a colocated SGLang engine of several GPUs takes the first ones
                 check_local_gpus(list(range(cfg.dist.engine_tp)), torch.cuda.device_count(), cfg.dist.engine_tp, True)
-            init_one_process()
+            _init_trainer_process(cfg)
             make_engine = engine_factory(cfg.rollout.backend, model_cfg, cfg.model.preset, engine_kv_blocks(cfg),
                                          probe=engine_settings(cfg.rl), **backend_options(cfg))
             history = train(cfg, make_engine, model_cfg)
@@ -97,7 +97,6 @@ def _train_disaggregated(cfg, model_cfg) -> list[dict]:
 
     import torch.distributed as dist
 
-    from .megatron.cpu_patches import initialize_model_parallel_cpu
     from .rl.bridge import Bridge, Roles, rendezvous_store
     from .rl.disaggregated import RemoteEngine, serve_engine
     from .rl.factories import engine_settings
@@ -124,14 +123,32 @@ def _train_disaggregated(cfg, model_cfg) -> list[dict]:
         return []
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
                             store=dist.PrefixStore("trace-trainers", store), rank=roles.rank, world_size=roles.trainers)
-    d = cfg.dist
-    initialize_model_parallel_cpu(tp=d.tp, pp=d.pp, ep=d.ep, etp=d.etp)
+    _init_trainer_process(cfg)
     try:
         return train(cfg, lambda precision, guide, coding: RemoteEngine(bridge, precision, guide, coding), model_cfg)
     finally:  # the engines wait for rank 0 whatever happened (torchrun ends the job if a rank failed)
         if roles.rank == 0:
             for e in roles.engines:
                 bridge.send(("stop",), e)
+
+
+def _init_trainer_process(cfg) -> None:
+    """The trainer's distributed state on this rank (a one-rank group first when none is up):
+    Megatron's parallel state for trainer.backend=megatron (with its CPU patches where there is
+    no GPU), DeepSpeed's communication backend for deepspeed (Megatron's CPU patches stay off:
+    they rewrite torch.cuda process-wide, which DeepSpeed must not see)."""
+    if cfg.trainer.backend == "deepspeed":
+        from .deepspeed.trainer import init_distributed
+
+        init_distributed()
+        return
+    if not torch.distributed.is_initialized():  # colocated: one process
+        init_one_process()
+        return
+    from .megatron.cpu_patches import initialize_model_parallel_cpu
+
+    d = cfg.dist
+    initialize_model_parallel_cpu(tp=d.tp, pp=d.pp, ep=d.ep, etp=d.etp)
 
 
 def plan_main(args: argparse.Namespace) -> int:
@@ -226,15 +243,25 @@ def _mismatch_model(args):
         cfg, what = PRESETS[args.model], what or f"preset {args.model}, random weights (seed {args.seed})"
     else:
         raise SystemExit(f"--model: unknown preset {args.model!r}; choose from {sorted(PRESETS)}")
+    if args.trainer == "deepspeed":  # transformers' model with TRACE's sites; no optimizer, so no engine
+        if not args.hf:
+            raise SystemExit("--trainer deepspeed reads an HF checkpoint: give --hf DIR")
+        from .deepspeed.trainer import DeepSpeedTrainer, init_distributed, load_hf_model
+
+        init_distributed()
+        module = load_hf_model(args.hf, {}).to("cuda" if torch.cuda.is_available() else "cpu")
+        return cfg, DeepSpeedTrainer(None, cfg, module=module), dict(ckpt.items()), what + " (DeepSpeed trainer)"
+    from .megatron.trainer import MegatronTrainer
+
     init_one_process()
-    trainer = build_model(cfg, "bf16", grouped_gemm=True)
+    model = build_model(cfg, "bf16", grouped_gemm=True)
     if args.hf:
-        load_full_state_dict(trainer, ckpt)
+        load_full_state_dict(model, ckpt)
     elif megatron:
-        load_model(trainer, megatron)
-    state_dict = {k: v.detach().to("cpu", copy=True) for k, v in trainer.state_dict().items()
+        load_model(model, megatron)
+    state_dict = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()
                   if not k.endswith("_extra_state")}  # one process: local names are the full names
-    return cfg, trainer, state_dict, what
+    return cfg, MegatronTrainer(model, cfg), state_dict, what
 
 
 def mismatch_main(args: argparse.Namespace) -> dict:
@@ -298,6 +325,8 @@ def _add_mismatch_parser(sub) -> None:
     mm.add_argument("--engine", default=DEFAULT_ENGINE,
                     help="rollout backend class, module:Class; the module also exports its EngineConfig")
     mm.add_argument("--json", default=None, help="write {mode: metrics} here")
+    mm.add_argument("--trainer", default="megatron", choices=["megatron", "deepspeed"],
+                    help="the trainer backend whose forward is compared (deepspeed: needs --hf)")
 
 
 def _add_config_parsers(sub) -> None:

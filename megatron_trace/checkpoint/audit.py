@@ -43,13 +43,18 @@ def table_from_weights(model_cfg: ModelConfig, is_fp4: Callable[[str], bool], kv
 
 
 def trainer_table(model, model_cfg: ModelConfig) -> Table:
-    """The table of a one-process Megatron model (megatron.model.fp4_sites): a module is fp4 when
+    """The table of a one-process trainer: a Megatron model (megatron.model.fp4_sites) or a list
+    of FP4Sites (e.g. the DeepSpeed trainer's, deepspeed.model.fp4_sites): a module is fp4 when
     every site touching it (its weight's and its input's) runs an FP4 precision."""
-    from ..megatron.model import fp4_sites  # megatron-core only when auditing a trainer
+    if isinstance(model, list):
+        sites = model
+    else:
+        from ..megatron.model import fp4_sites  # megatron-core only when auditing a trainer
 
+        sites = fp4_sites(model)
     table = table_from_weights(model_cfg, lambda name: False, False)
     votes: dict[str, set[bool]] = {}
-    for site in fp4_sites(model):
+    for site in sites:
         fp4 = site.precision.quantizes
         L = site.layer
         if site.name in ("k", "v"):

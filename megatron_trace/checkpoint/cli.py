@@ -228,8 +228,17 @@ def audit_main(args: argparse.Namespace) -> list[str]:
         other = make_backend(path, cfg, precision=args.engine_precision, num_blocks=64)
         engines[path.partition(":")[0].rpartition(".")[2]] = other.quantization_table()
         getattr(other, "shutdown", lambda: None)()
-    tables, problems = audit(cfg, build_model(cfg, args.trainer_precision), engines,
-                             args.export or [])
+    if args.trainer == "deepspeed":  # transformers' Qwen3-MoE with TRACE's sites (the architecture alone)
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        from ..deepspeed.model import attach_fp4_sites, fp4_sites
+        from .qwen3_moe import hf_config
+
+        hf_model = attach_fp4_sites(Qwen3MoeForCausalLM(Qwen3MoeConfig(**hf_config(cfg))), args.trainer_precision)
+        trainer = fp4_sites(hf_model)
+    else:
+        trainer = build_model(cfg, args.trainer_precision)
+    tables, problems = audit(cfg, trainer, engines, args.export or [])
     sides = list(tables)
     print(f"{'site':48s} " + " ".join(f"{s:>8s}" for s in sides))
     for m in sorted(tables["trainer"]) if args.verbose else []:
@@ -255,6 +264,8 @@ def add_audit_parser(sub) -> None:
     au.add_argument("--export", action="append", help="an exported FP4 checkpoint to include (repeatable)")
     au.add_argument("--trainer-precision", default=TrainerPrecision.FP4_RNE.value,
                     choices=[p.value for p in TrainerPrecision])
+    au.add_argument("--trainer", default="megatron", choices=["megatron", "deepspeed"],
+                    help="the trainer backend whose sites are audited")
     au.add_argument("--engine-precision", default=EnginePrecision.FP4.value, choices=[p.value for p in EnginePrecision])
     au.add_argument("--engine", default=DEFAULT_ENGINE)
     au.add_argument("--also-engine", action="append", metavar="MODULE:CLASS",

@@ -137,7 +137,7 @@ class DeepSpeedTrainer:
         forward = self.engine if self.engine is not None else self.module
         infos = []
         for i, mb in enumerate(batches):
-            context.activate(mb.guidance)
+            context.activate(None if mb.guidance is None else mb.guidance.to(mb.input_ids.device))
             try:
                 with torch.set_grad_enabled(not forward_only and torch.is_grad_enabled()):
                     logits = forward(input_ids=mb.input_ids, position_ids=mb.position_ids,
@@ -197,7 +197,7 @@ class DeepSpeedTrainer:
         --hf read it); `directory`/deepspeed: DeepSpeed's own checkpoint (every rank's
         partitions, the optimizer's state and TRACE's phase). Call on every rank."""
         save_hf(self.module, self.model_cfg, directory / "model")
-        self.engine.save_checkpoint(str(directory / self.SUBDIR), tag=self.TAG, save_latest=False,
+        self.engine.save_checkpoint(str(directory / self.SUBDIR), tag=self.TAG, save_latest=True,
                                     client_state={"trace_phase": {"lr": self.lr, "steps": self.phase_steps}})
         _barrier()
 

@@ -18,7 +18,8 @@ from trace_kernels.fp4 import quantize, unpack_bits, unpack_codes
 
 from ..megatron import context, qat
 from ..megatron.context import MicroBatchGuidance
-from ..megatron.model import pack_sequences, set_precision, token_logprobs
+from ..megatron.model import pack_sequences
+from ..megatron.schedule import MicroBatch
 from ..modes import EnginePrecision, RunMode
 from ..rollout import GroupRequest, SamplingParams, close_backend
 from .metrics import mismatch_metrics
@@ -98,7 +99,7 @@ def run_mismatch(trainer, make_engine, state_dict, prompts: list[tuple[int, ...]
     """{mode: metrics} for each mode (RunMode or its name; see the module docstring).
 
     Args:
-        trainer: a one-process TraceGPTModel holding `state_dict`'s weights.
+        trainer: a one-process `rl.trainer.Trainer` holding `state_dict`'s weights.
         make_engine(precision, guide, coding) -> a RolloutBackend (weights not yet loaded).
         state_dict: full Megatron state dict, loaded into each engine.
         prompts: token ids of each prompt; each gets `samples_per_prompt` samples.
@@ -109,7 +110,7 @@ def run_mismatch(trainer, make_engine, state_dict, prompts: list[tuple[int, ...]
     """
     modes = [RunMode(m) for m in modes]  # ValueError naming an unknown one
     requests = [GroupRequest(f"p{i}", tuple(p), samples_per_prompt) for i, p in enumerate(prompts)]
-    dev = next(trainer.parameters()).device
+    dev = next(trainer.model.parameters()).device
     results = {}
     for mode in modes:
         fp4 = mode.engine_precision is EnginePrecision.FP4
@@ -138,16 +139,17 @@ def run_mismatch(trainer, make_engine, state_dict, prompts: list[tuple[int, ...]
         counter = FlipCounter(reference)
         seqs = [torch.tensor(list(requests[int(s.group_id[1:])].prompt_ids) + s.tokens) for s in out.samples]
         tokens, positions, psp = pack_sequences(seqs, dev)
-        set_precision(trainer, mode.trainer_precision)
+        trainer.set_precision(mode.trainer_precision)
         if fp4 and mode.trainer_precision.quantizes:
             qat.observers.append(counter)
+        mb = MicroBatch(tokens, positions, torch.roll(tokens, -1, 1), psp,
+                        applied if applied is not None else replay_only)
         try:
             with torch.no_grad():
-                lp = token_logprobs(trainer, tokens, positions, torch.roll(tokens, -1, 1), packed_seq_params=psp,
-                                    guidance=(applied if applied is not None else replay_only).to(dev))
+                lp = trainer.run_microbatches([mb], lambda i, logp: (logp.sum(), {"logp": logp.cpu()}),
+                                              forward_only=True)[0]["logp"]
         finally:
             qat.observers.clear()
-        lp = lp.reshape(-1).cpu()
         train, offset = [], 0
         for s, q in zip(out.samples, seqs, strict=True):
             train.append(lp[offset + s.prompt_len - 1: offset + len(q) - 1])
