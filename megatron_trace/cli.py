@@ -138,8 +138,12 @@ def _init_trainer_process(cfg) -> None:
     no GPU), DeepSpeed's communication backend for deepspeed (Megatron's CPU patches stay off:
     they rewrite torch.cuda process-wide, which DeepSpeed must not see)."""
     if cfg.trainer.backend == "deepspeed":
+        import os
+
         from .deepspeed.trainer import init_distributed
 
+        if torch.distributed.is_initialized():  # the trainer ranks' own world: DeepSpeed checks its size against
+            os.environ["WORLD_SIZE"] = str(torch.distributed.get_world_size())  # the launcher's (engines too)
         init_distributed()
         return
     if not torch.distributed.is_initialized():  # colocated: one process

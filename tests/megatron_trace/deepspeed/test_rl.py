@@ -188,3 +188,38 @@ def test_mismatch_and_audit_with_the_deepspeed_trainer(tmp_path, hf_dir):
     assert ds["trace"]["k3_kl"] < 1e-9 and ds["trace"]["residual_flip_rate"] == 0
     assert ds["fp4-rollout"]["k3_kl"] > 1e-4  # a mismatch there to measure
     spawn(run_cli, {}, argv=["audit", "--model", "tiny", "--trainer", "deepspeed"])  # SystemExit on a disagreement
+
+
+def _torchrun(out_dir, hf_dir, trainers, *extra):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(trainers + 1),
+           "-m", "tests.support.deepspeed_cli", "train", "--set", "dist.engine_ranks=1",
+           "--set", f"model.hf={hf_dir}", "--set", "trainer.backend=deepspeed",
+           "--set", "trainer.deepspeed={zero_optimization: {stage: 3}}", "--set", "sft.steps=10",
+           "--set", "rl.steps=2", "--set", "rl.prompts_per_step=4", "--set", "rl.mode=trace",
+           "--set", f"output_dir={out_dir}", *[a for kv in extra for a in ("--set", kv)]]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
+    run = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_zero3_trainer_ranks_and_an_engine_rank_under_torchrun(tmp_path, hf_dir):
+    """`trace-rl train` disaggregated with the DeepSpeed trainer: 2 ZeRO-3 trainer ranks (each the
+    data-parallel owner of its groups) and 1 engine rank, weights synced from trainer rank 0 after
+    every step, against 1 trainer rank: the same SFT'd model and first rollout (the same reward),
+    the engine's codes followed on both (k3_kl < 1e-9 on the first step)."""
+    sums = tmp_path / "sums.jsonl"  # a reward that the SFT'd model earns in part: a signal in every group
+    sums.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
+                            for a, b in zip(range(3, 99, 7), range(50, 2, -3), strict=False)))
+    task = ["task.kind=jsonl", f"task.path={sums}", "task.reward=tests.support.rewards:ones_share"]
+    two = _torchrun(tmp_path / "two", hf_dir, 2, *task)
+    one = _torchrun(tmp_path / "one", hf_dir, 1, *task)
+    assert [r["step"] for r in two] == [0, 1] and two[0]["weight_sync_bytes"] > 0
+    assert two[0]["k3_kl"] < 1e-9 and one[0]["k3_kl"] < 1e-9 and two[0]["residual_flip_rate"] == 0
+    assert two[0]["reward"] == one[0]["reward"] > 0 and two[0]["grad_norm"] > 0

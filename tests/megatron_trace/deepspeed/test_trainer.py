@@ -5,11 +5,12 @@ its caller-owned gradient accumulation against one packed micro-batch."""
 from __future__ import annotations
 
 import dataclasses
-import os
+from pathlib import Path
 
 import pytest
 import torch
 
+from megatron_trace.config import OptimSection
 from megatron_trace.deepspeed.trainer import REQUIRED_CONFIG, deepspeed_config
 from megatron_trace.megatron.context import MicroBatchGuidance
 from megatron_trace.megatron.schedule import MicroBatch
@@ -43,7 +44,10 @@ def _deepspeed(rank, *, hf_dir, batch, halves):
         model = attach_fp4_sites(Qwen3MoeForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16))
         config = deepspeed_config({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True},
                                    "gradient_clipping": 1.0, "steps_per_print": 10**9})
-        return DeepSpeedTrainer(deepspeed_cpu.initialize(model, config, lr=1e-3, weight_decay=0.0))
+        t = DeepSpeedTrainer(deepspeed_cpu.initialize(model, config, lr=1e-3, weight_decay=0.0), CFG,
+                             OptimSection(lr_warmup_steps=0))
+        t.start_phase(1e-3)
+        return t
 
     out = {"logp": {}}
     t = trainer()
@@ -64,17 +68,23 @@ def _deepspeed(rank, *, hf_dir, batch, halves):
 
 
 def _resume(rank, *, hf_dir, batch, ckpt):
-    """ZeRO-3: three steps uninterrupted; two steps, saved, a fresh engine loading it, the third."""
+    """ZeRO-3: three steps uninterrupted (the learning rate warming up over two); two steps, saved,
+    a fresh engine loading it, the third."""
     from transformers import Qwen3MoeForCausalLM
 
+    from megatron_trace.checkpoint.hf import HFCheckpoint
     from megatron_trace.deepspeed.model import attach_fp4_sites
     from megatron_trace.deepspeed.trainer import DeepSpeedTrainer, deepspeed_config
+    from megatron_trace.deepspeed.weights import megatron_weights
 
     def trainer():
         model = attach_fp4_sites(Qwen3MoeForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16), "fp4-guided")
         config = deepspeed_config({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
                                    "bf16": {"enabled": True}, "gradient_clipping": 1.0, "steps_per_print": 10**9})
-        return DeepSpeedTrainer(deepspeed_cpu.initialize(model, config, lr=1e-3, weight_decay=0.1))
+        t = DeepSpeedTrainer(deepspeed_cpu.initialize(model, config, lr=1e-3, weight_decay=0.1), CFG,
+                             OptimSection(lr_warmup_steps=2))
+        t.start_phase(1e-3)
+        return t
 
     def steps(t, n):
         for _ in range(n):
@@ -86,18 +96,17 @@ def _resume(rank, *, hf_dir, batch, ckpt):
     steps(whole, 3)
     first = trainer()
     steps(first, 2)
+    ckpt = Path(ckpt)
     first.save(ckpt)
-    exists = ""
-    try:
-        first.save(ckpt)
-    except FileExistsError as e:
-        exists = str(e)
     second = trainer()
-    second.load(ckpt)
+    second.load_weights(ckpt)
+    second.start_phase(1e-3)  # as a resumed run's phase starts: a fresh optimizer, then the saved state
+    second.load_optimizer(ckpt)
     steps(second, 1)
     return dict(whole=deepspeed_cpu.gathered_weights(whole.module), resumed=deepspeed_cpu.gathered_weights(
-        second.module), two=deepspeed_cpu.gathered_weights(first.module), exists=exists,
-                listing=sorted(os.listdir(os.path.dirname(ckpt))))
+        second.module), two=deepspeed_cpu.gathered_weights(first.module),
+                saved=dict(HFCheckpoint(ckpt / "model").items()) if rank == 0 else None,
+                two_megatron=dict(megatron_weights(first.module, CFG)))
 
 
 @pytest.fixture(scope="module")
@@ -156,8 +165,11 @@ def test_accumulated_microbatches_step_as_one(case):
 
 
 def test_config_keeps_the_users_keys_and_refuses_contradictions():
-    user = {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
+    user = {"zero_optimization": {"stage": 3}, "bf16": {"enabled": False}, "steps_per_print": 5}
     assert deepspeed_config(user) == {**user, **REQUIRED_CONFIG}
+    assert deepspeed_config({})["bf16"] == {"enabled": True}  # TRACE computes in BF16, as the engines
+    with pytest.raises(ValueError, match="fp16"):
+        deepspeed_config({"fp16": {"enabled": True}})
     with pytest.raises(ValueError, match="gradient_accumulation_steps"):
         deepspeed_config({"gradient_accumulation_steps": 4})
     with pytest.raises(ValueError, match="train_batch_size"):
@@ -166,11 +178,12 @@ def test_config_keeps_the_users_keys_and_refuses_contradictions():
 
 def test_zero3_save_and_load_resumes_the_uninterrupted_run(case):
     """Saved after 2 of 3 steps (ZeRO-3, 2 ranks, optimizer state included), loaded into a fresh
-    engine, the 3rd step: every weight bit for bit the uninterrupted run's; a second save onto the
-    same checkpoint is refused."""
+    engine, the 3rd step: every weight bit for bit the uninterrupted run's (the optimizer's moments
+    and the warm-up's position restored); the checkpoint's HF model is the trained weights."""
     for rank in case["resume"]:
         assert rank["whole"].keys() == rank["resumed"].keys()
         assert all(torch.equal(rank["resumed"][n], w) for n, w in rank["whole"].items())
         assert any(not torch.equal(rank["two"][n], w) for n, w in rank["whole"].items())  # the 3rd step moved them
-        assert "never overwrites" in rank["exists"]
-        assert rank["listing"] == ["ckpt"]  # renamed into place, no temporary left
+    saved, trained = case["resume"][0]["saved"], case["resume"][0]["two_megatron"]
+    assert saved.keys() == trained.keys()
+    assert all(torch.equal(saved[n], t.to(saved[n].dtype)) for n, t in trained.items())
