@@ -7,7 +7,7 @@ Marlin kernels take) saved as an HF checkpoint, converted to Megatron and export
 `trace-export-fp4` in both formats. Each export is loaded by `sglang.Engine` itself:
 
 - ModelOpt NVFP4 through SGLang's `modelopt_fp4` method. On Hopper (no FP4 tensor cores) SGLang
-  runs it weight-only through Marlin (`fp4_gemm_backend="marlin"`, Marlin MoE): its prompt
+  runs it weight-only through Marlin (`fp4_gemm_runner_backend="marlin"`, Marlin MoE): its prompt
   log-probabilities are compared with SGLang serving a BF16 checkpoint that holds our dequantized
   weights (W4A16 on the same weights: the same model up to GEMM order), and with the original
   BF16 weights (the quantization's own effect, for scale);
@@ -157,7 +157,7 @@ def main() -> None:
     bf16 = attempt("sglang bf16, original weights", lambda: prompt_logprobs(work / "hf", attention_backend="triton"))
     deq = attempt("sglang bf16, dequantized FP4 weights",
                   lambda: prompt_logprobs(work / "dequantized", attention_backend="triton"))
-    marlin = dict(quantization="modelopt_fp4", fp4_gemm_backend="marlin", moe_runner_backend="marlin",
+    marlin = dict(quantization="modelopt_fp4", fp4_gemm_runner_backend="marlin", moe_runner_backend="marlin",
                   attention_backend="triton")
     # as exported for TRACE's engines (kv_cache_quant_algo NVFP4), then without the KV-cache field
     attempt("sglang modelopt_fp4 (Marlin W4A16), kv_cache_quant_algo NVFP4",

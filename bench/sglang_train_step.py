@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -49,9 +50,12 @@ def run(backend: str, args, out_dir: Path) -> dict:
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ | {"PYTHONUNBUFFERED": "1"})
     wall = time.perf_counter() - t0
-    if proc.returncode:
-        return {"backend": backend, "ok": False, "wall_s": wall, "error": proc.stderr[-3000:]}
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = out_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    # the run's checkpoints go: at 30B-A3B shape one is ~41 GiB (FP32 optimizer state), two fill the disk
+    shutil.rmtree(out_dir / "checkpoints", ignore_errors=True)
+    if proc.returncode:  # keep the steps that finished (a failure after them must not lose the split)
+        return {"backend": backend, "ok": False, "wall_s": wall, "error": proc.stderr[-3000:], "steps": rows}
     later = rows[1:] or rows
     return {"backend": backend, "ok": True, "wall_s": wall, "steps": rows,
             "median": {k: statistics.median(r[k] for r in later) for k in SPLIT},
@@ -77,8 +81,10 @@ def main() -> None:
     work = Path(tempfile.mkdtemp())
     result = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name() if torch.cuda.is_available()
               else "cpu", "model": args.model, "layers": args.layers, "steps": args.steps, "set": args.set,
-              "runs": [run(b, args, work / b) for b in args.backends.split(",")]}
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+              "runs": []}
+    for b in args.backends.split(","):  # written after each backend: a run cut short keeps the earlier ones
+        result["runs"].append(run(b, args, work / b))
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"{args.model} ({args.layers or 'all'} layers), {args.steps} RL steps, {result['gpu']}; "
           "medians of steps 2.. (first step)")
     print(f"{'backend':10s} " + " ".join(f"{k:>16s}" for k in SPLIT) + "   k3_kl   tokens")
