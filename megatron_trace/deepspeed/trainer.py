@@ -29,7 +29,7 @@ from ..model_config import ModelConfig
 from ..modes import TrainerPrecision
 from ..weight_buckets import Buckets
 from . import model as model_lib
-from .weights import save_hf, weight_buckets
+from .weights import megatron_weights, save_hf, weight_buckets
 
 # what TRACE sets in every DeepSpeed config: the caller owns the accumulation boundary (the RL
 # step's micro-batch count varies), one micro-batch row at a time (packed sequences)
@@ -189,8 +189,12 @@ class DeepSpeedTrainer:
     def weight_buckets(self, fp4: bool, max_bytes: int):
         """The whole model, packed for the engine, from rank 0 (empty elsewhere); every rank takes
         part in ZeRO-3's gathers."""
-        buckets = weight_buckets(self.module, self.model_cfg, fp4, max_bytes)
-        return buckets if _rank() == 0 else Buckets([], max_bytes)
+        if _rank() == 0:
+            return weight_buckets(self.module, self.model_cfg, fp4, max_bytes)
+        if _zero_stage(self.config) == 3:  # the other ranks only take part in the gathers
+            for _ in megatron_weights(self.module, self.model_cfg, device="meta"):
+                pass
+        return Buckets([], max_bytes)
 
     def save(self, directory: Path) -> None:
         """`directory`/model: the weights as an HF checkpoint (transformers and trace-export-fp4

@@ -269,6 +269,18 @@ def optimizer_bytes(held: Held, dp: int, expert_dp: int, distributed: bool, offl
     return main + 8 * shard, 0.0
 
 
+def zero_bytes(params: float, dp: int, stage: int, offload_optimizer: bool) -> dict[str, float]:
+    """One GPU's trainer state under DeepSpeed ZeRO in bf16 mode, `params` parameters over `dp`
+    data-parallel ranks (DeepSpeed's memory model): BF16 parameters (2 B; partitioned at stage 3),
+    FP32 gradients (4 B; partitioned from stage 2), FP32 master parameters and AdamW's two
+    moments (12 B; partitioned from stage 1; on the host with offload_optimizer)."""
+    opt = 12 * params / (dp if stage >= 1 else 1)
+    return {"parameters (BF16)": 2 * params / (dp if stage == 3 else 1),
+            "gradients (FP32)": 4 * params / (dp if stage >= 2 else 1),
+            "optimizer state (FP32 masters + AdamW moments)": 0.0 if offload_optimizer else opt,
+            "host: offloaded optimizer state": opt if offload_optimizer else 0.0}
+
+
 def grad_reduction_bytes(held: Held, dp: int, expert_dp: int, distributed: bool) -> float:
     """Bytes one GPU sends per step to reduce its gradients, as NCCL's ring algorithms send
     them: an all-reduce of the FP32 buffer over n ranks sends 2 (n-1)/n x 4 B per parameter;
@@ -313,10 +325,18 @@ def make_plan(cfg, arch: Architecture, layout: Layout | None = None) -> Plan:
         "gradient buffer (FP32 main_grad)": 4 * held.total,
         "optimizer state (FP32 main params + AdamW moments)": opt_gpu,
     }
+    zero_host = 0.0
+    if cfg.trainer.backend == "deepspeed":  # ZeRO data parallelism over every trainer GPU (no TP / EP / PP)
+        zero = cfg.trainer.deepspeed.get("zero_optimization", {})
+        offload = zero.get("offload_optimizer", {}).get("device", "none") == "cpu"
+        trainer = zero_bytes(held.total, dp, int(zero.get("stage", 0)), offload)
+        zero_host = trainer.pop("host: offloaded optimizer state")
     if rl.mode.trainer_precision.quantizes:
         trainer["QAT weight copies + STE masks"] = 3 * held.fp4
     if rl.kl_coef:
-        trainer["KL reference weights (BF16)"] = 2 * held.total
+        trainer["KL reference weights (BF16)"] = 2 * held.total / (
+            dp if cfg.trainer.backend == "deepspeed" and
+            int(cfg.trainer.deepspeed.get("zero_optimization", {}).get("stage", 0)) == 3 else 1)
     trainer["activations"] = _activation_bytes(arch, lay, T, stage_layers, dist.recompute)
     trainer["logits (FP32)"] = 3 * 4 * T * arch.vocab / lay.tp
     in_flight = min(lay.pp, math.ceil(rank_tokens / T))  # 1F1B keeps up to PP micro-batches alive
@@ -334,6 +354,10 @@ def make_plan(cfg, arch: Architecture, layout: Layout | None = None) -> Plan:
     host = {"trainer node: one sync bucket per rank": local_trainers * bucket}
     if optim.cpu_offload:
         host["trainer node: offloaded optimizer state"] = local_trainers * opt_host
+    if zero_host:
+        host["trainer node: offloaded optimizer state"] = local_trainers * zero_host
+    if cfg.trainer.backend == "deepspeed":  # rank 0 sends the whole model, copied out a layer at a time
+        host["trainer node: rank 0's copy of the model for the weight sync"] = packed_rank
     host["trainer node: its ranks' rollout guidance"] = local_trainers * rank_tokens * (
         guidance_bytes_per_token(arch, min(guided, stage_layers), rl.coding) + ids_stage)
     host["engine node: its engines' recorded guidance"] = engine_node
@@ -348,7 +372,8 @@ def make_plan(cfg, arch: Architecture, layout: Layout | None = None) -> Plan:
         problems += sglang.problems + [p + fit for p in sglang.shortfalls]
     if arch.implemented:
         problems.append(f"{arch.name} is plan-only: {arch.implemented}")
-    how = ("distributed" if optim.distributed else "replicated") + (
+    how = f"DeepSpeed ZeRO-{cfg.trainer.deepspeed.get('zero_optimization', {}).get('stage', 0)}" \
+        if cfg.trainer.backend == "deepspeed" else ("distributed" if optim.distributed else "replicated") + (
         ", offloaded to the host" if optim.cpu_offload else "")
     return Plan(arch=arch, layout=lay, trainer_gpus=trainer_gpus, engine_gpus=engine_gpus, dp=dp, expert_dp=expert_dp,
                 optimizer=how, trainer=trainer, engine=engine, traffic=traffic, seconds=seconds, host=host,

@@ -440,3 +440,32 @@ def test_sglang_engine_layouts_sglang_would_pad_are_refused():
     assert "would be padded to a multiple of 32" in layout_problems(a30, 16, 1)[0]
     assert layout_problems(a30, 16, 2) == []  # 768 / 8
     assert "ep_size 3 does not divide dist.engine_tp=4" in layout_problems(a30, 4, 3)[0]
+
+
+@pytest.mark.parametrize("stage, offload", [(1, False), (2, False), (3, False), (3, True)])
+def test_deepspeed_trainer_memory_follows_zero_partitioning(tmp_path, stage, offload):
+    """trainer.backend=deepspeed on 8 trainer GPUs: the plan's parameter, gradient and optimizer
+    bytes per GPU are DeepSpeed's ZeRO memory model (2 + 4 + 12 B per parameter, each divided by
+    DP from the stage that partitions it) over the parameter count transformers' own model of the
+    checkpoint's config has."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from megatron_trace.checkpoint.qwen3_moe import hf_config
+    from megatron_trace.rl.plan import architecture
+
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**hf_config(PRESETS["tiny"])))
+    model.save_pretrained(tmp_path)
+    params = sum(p.numel() for p in model.parameters())
+    zero = {"stage": stage} | ({"offload_optimizer": {"device": "cpu"}} if offload else {})
+    cfg = load_config(None, [f"model.hf={tmp_path}", "trainer.backend=deepspeed", "dist.engine_ranks=1",
+                             "cluster.gpus_per_node=9", f"trainer.deepspeed={json.dumps({'zero_optimization': zero})}"])
+    plan = make_plan(cfg, architecture(cfg))
+    dp = 8
+    assert plan.dp == dp and plan.optimizer == f"DeepSpeed ZeRO-{stage}"
+    want = {"parameters (BF16)": 2 * params / (dp if stage == 3 else 1),
+            "gradients (FP32)": 4 * params / (dp if stage >= 2 else 1),
+            "optimizer state (FP32 masters + AdamW moments)": 0 if offload else 12 * params / dp}
+    for key, value in want.items():
+        assert plan.trainer[key] == pytest.approx(value, rel=1e-9), key
+    host = plan.host.get("trainer node: offloaded optimizer state", 0)
+    assert host == pytest.approx(8 * 12 * params / dp if offload else 0)
