@@ -14,6 +14,7 @@ mini-batch packs into. Data-parallel ranks average their gradients, as Megatron'
 from __future__ import annotations
 
 import copy
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -27,9 +28,8 @@ from ..megatron import context
 from ..megatron.schedule import MicroBatch
 from ..model_config import ModelConfig
 from ..modes import TrainerPrecision
-from ..weight_buckets import Buckets
 from . import model as model_lib
-from .weights import megatron_weights, save_hf, weight_buckets
+from .weights import LayerBuckets, save_hf
 
 # what TRACE sets in every DeepSpeed config: the caller owns the accumulation boundary (the RL
 # step's micro-batch count varies), one micro-batch row at a time (packed sequences)
@@ -58,6 +58,9 @@ def init_distributed() -> None:
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not dist.is_initialized():
+        # one process outside a launcher: the variables DeepSpeed reads (zero.Init: LOCAL_RANK)
+        for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+            os.environ.setdefault(key, value)
         from ..megatron.spawn import _free_port
 
         if torch.cuda.is_available():
@@ -187,14 +190,9 @@ class DeepSpeedTrainer:
 
     # -- weights and checkpoints --------------------------------------------------------------
     def weight_buckets(self, fp4: bool, max_bytes: int):
-        """The whole model, packed for the engine, from rank 0 (empty elsewhere); every rank takes
-        part in ZeRO-3's gathers."""
-        if _rank() == 0:
-            return weight_buckets(self.module, self.model_cfg, fp4, max_bytes)
-        if _zero_stage(self.config) == 3:  # the other ranks only take part in the gathers
-            for _ in megatron_weights(self.module, self.model_cfg, device="meta"):
-                pass
-        return Buckets([], max_bytes)
+        """The whole model, packed for the engine, made a layer at a time on rank 0 (empty
+        elsewhere); every rank takes part in ZeRO-3's gathers while rank 0's buckets are iterated."""
+        return LayerBuckets(self.module, self.model_cfg, fp4, max_bytes, sender=_rank() == 0)
 
     def save(self, directory: Path) -> None:
         """`directory`/model: the weights as an HF checkpoint (transformers and trace-export-fp4

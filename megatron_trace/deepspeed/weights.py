@@ -12,7 +12,6 @@ weight needs q, k and v together). Without ZeRO-3 nothing is gathered.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import re
 from collections.abc import Iterator
 from itertools import groupby
@@ -62,11 +61,7 @@ def megatron_weights(model: torch.nn.Module, model_cfg: ModelConfig,
     if model_cfg.tie_word_embeddings:
         params.setdefault("lm_head.weight", params["model.embed_tokens.weight"])
 
-    def layer_of(name: str) -> int:
-        m = _LAYER.match(name)
-        return -1 if m is None else int(m.group(1))
-
-    for _, names in groupby(full_weight_shapes(model_cfg), key=layer_of):
+    for _, names in groupby(full_weight_shapes(model_cfg), key=_layer_of):
         names = list(names)
         parts = {name: [h for h, _ in hf_parts(name, model_cfg)] for name in names}
         needed = {_FUSED_EXPERT.sub(lambda m: f"{m.group(1)}.{'down' if m.group(3) == 'down' else 'gate_up'}_proj",
@@ -80,19 +75,55 @@ def megatron_weights(model: torch.nn.Module, model_cfg: ModelConfig,
         yield from out
 
 
-def weight_buckets(model: torch.nn.Module, model_cfg: ModelConfig, fp4: bool, max_bytes: int) -> Buckets:
-    """The model's weights as the engines take them (megatron_trace.weight_buckets), in buckets of
-    at most max_bytes: matrices BF16, norms FP32 (the Megatron trainer's dtypes), and with `fp4`
-    the FP4 sites' weights packed with the whole tensor's amax, as the trainer's forward quantizes
-    them. Collective under ZeRO-3 (the gathers): call on every rank. The buckets are cut from a
-    copy of the whole model in host memory (megatron_weights' tensors), not streamed layer by layer."""
-    sources = []
-    for name, t in megatron_weights(model, model_cfg):
-        t = t.to(torch.bfloat16 if t.dim() > 1 else torch.float32)
-        packed = fp4 and name.endswith(FP4_WEIGHT_SUFFIXES)
-        piece = dataclasses.replace(Piece.whole(name, t), kind=NVFP4) if packed else Piece.whole(name, t)
-        sources.append(Source(piece, t, amax_of(t) if packed else None))
-    return Buckets(sources, max_bytes)
+def _layer_of(name: str) -> int:
+    m = _LAYER.match(name)
+    return -1 if m is None else int(m.group(1))
+
+
+class LayerBuckets:
+    """The model's weights as the engines take them (a sized iterable of flat uint8 buckets, as
+    megatron_trace.weight_buckets.Buckets), made a layer at a time: megatron_weights gathers and
+    copies out one layer, its buckets of at most max_bytes are cut and handed over, then the next
+    (a bucket never spans two layers). Matrices BF16, norms FP32 (the Megatron trainer's dtypes);
+    with `fp4` the FP4 sites' weights packed with the whole tensor's amax, as the trainer's forward
+    quantizes them. The number of buckets follows from the shapes, before any gather. Iterating is
+    collective under ZeRO-3 (the gathers): every rank iterates, or takes part in the gathers."""
+
+    def __init__(self, model: torch.nn.Module, model_cfg: ModelConfig, fp4: bool, max_bytes: int,
+                 sender: bool = True):
+        self.model, self.model_cfg, self.fp4, self.max_bytes = model, model_cfg, fp4, max_bytes
+        self.sender = sender  # False: no buckets; iterating only takes part in ZeRO-3's gathers, in step
+        layers = groupby(full_weight_shapes(model_cfg).items(), key=lambda item: _layer_of(item[0]))
+        self.counts = [len(Buckets([Source(self._piece(name, shape), None) for name, shape in items], max_bytes, "cpu"))
+                       if sender else 0 for _, items in layers]
+        self.nbytes = 0
+
+    def _piece(self, name: str, shape: tuple[int, ...]) -> Piece:
+        kind = NVFP4 if self.fp4 and name.endswith(FP4_WEIGHT_SUFFIXES) else "bfloat16" if len(shape) > 1 else "float32"
+        return Piece(name, kind, 0, 0, tuple(shape), tuple(shape))
+
+    def __len__(self) -> int:
+        return sum(self.counts)
+
+    def __iter__(self):
+        if not self.sender:
+            if any(hasattr(p, "ds_id") for p in self.model.parameters()):  # ZeRO-3: the sender's gathers
+                for _ in megatron_weights(self.model, self.model_cfg, device="meta"):
+                    pass
+            return
+        layers = groupby(megatron_weights(self.model, self.model_cfg), key=lambda item: _layer_of(item[0]))
+        for count, (_, items) in zip(self.counts, layers, strict=True):
+            sources = []
+            for name, t in items:
+                t = t.to(torch.bfloat16 if t.dim() > 1 else torch.float32)
+                piece = self._piece(name, tuple(t.shape))
+                sources.append(Source(piece, t, amax_of(t) if piece.kind == NVFP4 else None))
+            buckets = Buckets(sources, self.max_bytes)
+            if len(buckets) != count:
+                raise RuntimeError(f"weight sync: a layer made {len(buckets)} buckets, its shapes {count}")
+            for flat in buckets:
+                self.nbytes += flat.numel()
+                yield flat
 
 
 def save_hf(model: torch.nn.Module, model_cfg: ModelConfig, out, max_shard_bytes: int = 2 << 30) -> None:

@@ -356,8 +356,6 @@ def make_plan(cfg, arch: Architecture, layout: Layout | None = None) -> Plan:
         host["trainer node: offloaded optimizer state"] = local_trainers * opt_host
     if zero_host:
         host["trainer node: offloaded optimizer state"] = local_trainers * zero_host
-    if cfg.trainer.backend == "deepspeed":  # rank 0 sends the whole model, copied out a layer at a time
-        host["trainer node: rank 0's copy of the model for the weight sync"] = packed_rank
     host["trainer node: its ranks' rollout guidance"] = local_trainers * rank_tokens * (
         guidance_bytes_per_token(arch, min(guided, stage_layers), rl.coding) + ids_stage)
     host["engine node: its engines' recorded guidance"] = engine_node

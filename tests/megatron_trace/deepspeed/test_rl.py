@@ -143,33 +143,61 @@ def run_cli(rank, *, argv):
     main(argv)
 
 
-def _train(out_dir, hf_dir, steps, *extra):
-    argv = ["train", "--set", f"model.hf={hf_dir}", "--set", "trainer.backend=deepspeed",
+def _cli(out_dir, hf_dir, *extra, module="tests.support.deepspeed_cli"):
+    """`trace-rl train` with trainer.backend=deepspeed (ZeRO-3, trace mode, a KL penalty), as a command."""
+    import sys
+
+    return [sys.executable, "-m", module, "train", "--set", f"model.hf={hf_dir}", "--set", "trainer.backend=deepspeed",
             "--set", "trainer.deepspeed={zero_optimization: {stage: 3}}", "--set", "sft.steps=10",
-            "--set", f"rl.steps={steps}", "--set", "rl.prompts_per_step=4", "--set", "rl.mode=trace",
-            "--set", "rl.kl_coef=0.01", "--set", "checkpoint.every=2", "--set", f"output_dir={out_dir}",
+            "--set", "rl.steps=4", "--set", "rl.prompts_per_step=4", "--set", "rl.mode=trace",
+            "--set", "rl.kl_coef=0.01", "--set", "checkpoint.every=1", "--set", f"output_dir={out_dir}",
             *[a for kv in extra for a in ("--set", kv)]]
-    deepspeed_cpu.spawn(run_cli, world=1, argv=argv)
+
+
+def _untimed(out_dir):
     return [{k: v for k, v in json.loads(line).items() if not k.endswith("_s") and "per_s" not in k}
             for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_trace_rl_train_on_deepspeed_resumes_as_it_would_have_continued(tmp_path, hf_dir):
-    """`trace-rl train` with trainer.backend=deepspeed (ZeRO-3, trace mode, a KL penalty): SFT
-    then RL, the engine's codes followed (k3_kl < 1e-9 on the first step); a run stopped after 2
-    RL steps and resumed to 4 gives the uninterrupted run's metrics exactly. A run checkpoint holds
-    the model as an HF checkpoint that TRACE's reader loads, beside DeepSpeed's own."""
-    from megatron_trace.checkpoint.hf import HFCheckpoint
+def test_trace_rl_train_on_deepspeed_resumes_a_killed_run_as_it_would_have_continued(tmp_path):
+    """`trace-rl train` with trainer.backend=deepspeed on a tiny checkpoint written by transformers
+    (ZeRO-3, trace mode, a KL penalty): SFT then RL, the engine's codes followed; a run killed
+    (SIGKILL) after its step-2 checkpoint and started again gives the uninterrupted run's metrics
+    exactly. A run checkpoint holds the model as an HF checkpoint that TRACE's reader loads, beside
+    DeepSpeed's own."""
+    import os
+    import subprocess
+    import time
 
-    whole = _train(tmp_path / "whole", hf_dir, 4)
+    import psutil
+
+    from megatron_trace.checkpoint.hf import HFCheckpoint
+    from tests.support.hf_models import save_hf_tiny
+
+    hf = tmp_path / "hf"
+    save_hf_tiny(hf, seed=4)
+    env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
+    subprocess.run(_cli(tmp_path / "whole", hf), env=env, check=True, capture_output=True)
+    whole = _untimed(tmp_path / "whole")
     assert [r["step"] for r in whole] == [0, 1, 2, 3] and whole[0]["k3_kl"] < 1e-9
     assert all(r["residual_flip_rate"] == 0 and r["kl_ref"] >= 0 for r in whole)
-    _train(tmp_path / "split", hf_dir, 2)
-    resumed = _train(tmp_path / "split", hf_dir, 4)
-    assert resumed == whole
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(_cli(killed, hf), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    latest = killed / "checkpoints" / "latest"
+    deadline = time.time() + 300
+    while not (latest.exists() and latest.read_text().strip() == "rl-000002") and proc.poll() is None:
+        assert time.time() < deadline, "the run never reached its step-2 checkpoint"
+        time.sleep(0.05)
+    children = psutil.Process(proc.pid).children(recursive=True)
+    proc.kill()  # SIGKILL: no cleanup of any kind
+    proc.wait()
+    psutil.wait_procs(children, timeout=10)
+    resumed = subprocess.run(_cli(killed, hf), env=env, check=True, capture_output=True, text=True)
+    assert "resuming from" in resumed.stdout
+    assert _untimed(killed) == whole
     ckpt = tmp_path / "whole" / "checkpoints" / "rl-000004"
     assert (ckpt / "deepspeed" / "state").is_dir()
-    assert HFCheckpoint(ckpt / "model").model_cfg == CFG
+    assert HFCheckpoint(ckpt / "model").model_cfg == HFCheckpoint(hf).model_cfg
 
 
 def test_mismatch_and_audit_with_the_deepspeed_trainer(tmp_path, hf_dir):
