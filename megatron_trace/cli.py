@@ -250,9 +250,8 @@ def _mismatch_model(args):
     if args.trainer == "deepspeed":  # transformers' model with TRACE's sites; no optimizer, so no engine
         if not args.hf:
             raise SystemExit("--trainer deepspeed reads an HF checkpoint: give --hf DIR")
-        from .deepspeed.trainer import DeepSpeedTrainer, init_distributed, load_hf_model
+        from .deepspeed.trainer import DeepSpeedTrainer, load_hf_model
 
-        init_distributed()
         module = load_hf_model(args.hf, {}).to("cuda" if torch.cuda.is_available() else "cpu")
         return cfg, DeepSpeedTrainer(None, cfg, module=module), dict(ckpt.items()), what + " (DeepSpeed trainer)"
     from .megatron.trainer import MegatronTrainer

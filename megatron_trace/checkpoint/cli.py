@@ -234,8 +234,9 @@ def audit_main(args: argparse.Namespace) -> list[str]:
         from ..deepspeed.model import attach_fp4_sites, fp4_sites
         from .qwen3_moe import hf_config
 
-        hf_model = attach_fp4_sites(Qwen3MoeForCausalLM(Qwen3MoeConfig(**hf_config(cfg))), args.trainer_precision)
-        trainer = fp4_sites(hf_model)
+        with torch.device("meta"):  # the sites alone: no weights are allocated, whatever the model's size
+            hf_model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**hf_config(cfg)))
+        trainer = fp4_sites(attach_fp4_sites(hf_model, args.trainer_precision))
     else:
         trainer = build_model(cfg, args.trainer_precision)
     tables, problems = audit(cfg, trainer, engines, args.export or [])

@@ -110,7 +110,7 @@ def run_mismatch(trainer, make_engine, state_dict, prompts: list[tuple[int, ...]
     """
     modes = [RunMode(m) for m in modes]  # ValueError naming an unknown one
     requests = [GroupRequest(f"p{i}", tuple(p), samples_per_prompt) for i, p in enumerate(prompts)]
-    dev = next(trainer.model.parameters()).device
+    dev = trainer.device
     results = {}
     for mode in modes:
         fp4 = mode.engine_precision is EnginePrecision.FP4

@@ -33,7 +33,7 @@ def pack(trainer, batch: RolloutBatch, samples: list[int], records: bool, weight
     """The rollout's `samples` (indices) as one micro-batch. `records`: the forward carries the
     guidance records (applied in trace mode; read by flip counters otherwise); routed experts
     ride along always."""
-    dev, out = next(trainer.model.parameters()).device, batch.out
+    dev, out = trainer.device, batch.out
     chosen = [out.samples[i] for i in samples]
     seqs = [torch.tensor(list(batch.prompts[s.group_id]) + s.tokens) for s in chosen]
     pad = trainer.sequence_padding(sum(len(q) for q in seqs))

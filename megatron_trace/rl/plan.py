@@ -325,18 +325,17 @@ def make_plan(cfg, arch: Architecture, layout: Layout | None = None) -> Plan:
         "gradient buffer (FP32 main_grad)": 4 * held.total,
         "optimizer state (FP32 main params + AdamW moments)": opt_gpu,
     }
-    zero_host = 0.0
+    zero = cfg.trainer.deepspeed.get("zero_optimization", {})
+    zero_stage, zero_host = int(zero.get("stage", 0)), 0.0
     if cfg.trainer.backend == "deepspeed":  # ZeRO data parallelism over every trainer GPU (no TP / EP / PP)
-        zero = cfg.trainer.deepspeed.get("zero_optimization", {})
         offload = zero.get("offload_optimizer", {}).get("device", "none") == "cpu"
-        trainer = zero_bytes(held.total, dp, int(zero.get("stage", 0)), offload)
+        trainer = zero_bytes(held.total, dp, zero_stage, offload)
         zero_host = trainer.pop("host: offloaded optimizer state")
     if rl.mode.trainer_precision.quantizes:
         trainer["QAT weight copies + STE masks"] = 3 * held.fp4
     if rl.kl_coef:
         trainer["KL reference weights (BF16)"] = 2 * held.total / (
-            dp if cfg.trainer.backend == "deepspeed" and
-            int(cfg.trainer.deepspeed.get("zero_optimization", {}).get("stage", 0)) == 3 else 1)
+            dp if cfg.trainer.backend == "deepspeed" and zero_stage == 3 else 1)
     trainer["activations"] = _activation_bytes(arch, lay, T, stage_layers, dist.recompute)
     trainer["logits (FP32)"] = 3 * 4 * T * arch.vocab / lay.tp
     in_flight = min(lay.pp, math.ceil(rank_tokens / T))  # 1F1B keeps up to PP micro-batches alive
@@ -370,9 +369,10 @@ def make_plan(cfg, arch: Architecture, layout: Layout | None = None) -> Plan:
         problems += sglang.problems + [p + fit for p in sglang.shortfalls]
     if arch.implemented:
         problems.append(f"{arch.name} is plan-only: {arch.implemented}")
-    how = f"DeepSpeed ZeRO-{cfg.trainer.deepspeed.get('zero_optimization', {}).get('stage', 0)}" \
-        if cfg.trainer.backend == "deepspeed" else ("distributed" if optim.distributed else "replicated") + (
+    how = ("distributed" if optim.distributed else "replicated") + (
         ", offloaded to the host" if optim.cpu_offload else "")
+    if cfg.trainer.backend == "deepspeed":
+        how = f"DeepSpeed ZeRO-{zero_stage}"
     return Plan(arch=arch, layout=lay, trainer_gpus=trainer_gpus, engine_gpus=engine_gpus, dp=dp, expert_dp=expert_dp,
                 optimizer=how, trainer=trainer, engine=engine, traffic=traffic, seconds=seconds, host=host,
                 limits=limits, problems=problems, sglang=sglang)

@@ -19,7 +19,7 @@ def sft_step(trainer, examples: list[tuple[list[int], list[bool]]],
     """One optimizer step of `trainer` (an `rl.trainer.Trainer` in a phase) on packed examples
     ((tokens, loss mask) pairs); returns the mean loss over masked tokens. The mask marks tokens
     to predict (a token's log-prob sits one before)."""
-    dev = next(trainer.model.parameters()).device
+    dev = trainer.device
     seqs = [torch.tensor(t) for t, _ in examples]
     pad = trainer.sequence_padding(sum(len(q) for q in seqs))
     tokens, positions, psp = pack_sequences(seqs, dev, pad)

@@ -26,6 +26,10 @@ class Trainer(Protocol):
     model_cfg: ModelConfig
     scales_gradients: bool  # scale_grads works between backward and step (else the loss carries the scale)
 
+    @property
+    def device(self) -> torch.device:
+        """Where the trainer's parameters and micro-batches live."""
+
     def sequence_padding(self, num_tokens: int) -> int:
         """Tokens to append to a packed micro-batch of num_tokens (sequence parallelism)."""
 
