@@ -167,12 +167,10 @@ def test_trace_rl_train_on_deepspeed_resumes_a_killed_run_as_it_would_have_conti
     DeepSpeed's own."""
     import os
     import subprocess
-    import time
-
-    import psutil
 
     from megatron_trace.checkpoint.hf import HFCheckpoint
     from tests.support.hf_models import save_hf_tiny
+    from tests.support.kill import kill_at_checkpoint
 
     hf = tmp_path / "hf"
     save_hf_tiny(hf, seed=4)
@@ -182,16 +180,7 @@ def test_trace_rl_train_on_deepspeed_resumes_a_killed_run_as_it_would_have_conti
     assert [r["step"] for r in whole] == [0, 1, 2, 3] and whole[0]["k3_kl"] < 1e-9
     assert all(r["residual_flip_rate"] == 0 and r["kl_ref"] >= 0 for r in whole)
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(_cli(killed, hf), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    latest = killed / "checkpoints" / "latest"
-    deadline = time.time() + 300
-    while not (latest.exists() and latest.read_text().strip() == "rl-000002") and proc.poll() is None:
-        assert time.time() < deadline, "the run never reached its step-2 checkpoint"
-        time.sleep(0.05)
-    children = psutil.Process(proc.pid).children(recursive=True)
-    proc.kill()  # SIGKILL: no cleanup of any kind
-    proc.wait()
-    psutil.wait_procs(children, timeout=10)
+    assert not kill_at_checkpoint(_cli(killed, hf), killed, "rl-000002", env)
     resumed = subprocess.run(_cli(killed, hf), env=env, check=True, capture_output=True, text=True)
     assert "resuming from" in resumed.stdout
     assert _untimed(killed) == whole

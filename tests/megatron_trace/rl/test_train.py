@@ -4,13 +4,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 
-import psutil
 import pytest
 import torch
 
 from megatron_trace.megatron.spawn import spawn
+from tests.support.kill import kill_at_checkpoint
 
 
 def run_train(rank, *, out_dir, mode, extra=()):
@@ -61,16 +60,7 @@ def test_a_killed_run_resumes_as_it_would_have_continued(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
     subprocess.run(_train_cmd(tmp_path / "whole"), env=env, check=True, capture_output=True)
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(_train_cmd(killed), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    latest = killed / "checkpoints" / "latest"
-    deadline = time.time() + 300
-    while not (latest.exists() and latest.read_text().strip() == "rl-000002") and proc.poll() is None:
-        assert time.time() < deadline, "the run never reached its step-2 checkpoint"
-        time.sleep(0.05)
-    children = psutil.Process(proc.pid).children(recursive=True)
-    proc.kill()  # SIGKILL: no cleanup of any kind
-    proc.wait()
-    _, alive = psutil.wait_procs(children, timeout=10)
+    alive = kill_at_checkpoint(_train_cmd(killed), killed, "rl-000002", env)
     assert not alive, f"the killed run left processes behind: {[p.cmdline() for p in alive]}"
     resumed = subprocess.run(_train_cmd(killed), env=env, check=True, capture_output=True, text=True)
     assert "resuming from" in resumed.stdout
