@@ -11,7 +11,7 @@ weight `name` (full Megatron name) of shape `full_shape`; `kind` is the dtype na
 values ("bfloat16", "float32") or "nvfp4" for packed FP4, whose parts are the codes uint8
 [..., k/2], the block scales uint8 (E4M3 bits) [..., k/16] and the global scale float32 [1] of
 the *whole* tensor (docs/design.md section 2). Parts follow in piece order, each at a multiple
-of ALIGN bytes (`bucket_layout`, also the layout of SGLang's flat broadcasts).
+of ALIGN bytes (`bucket_layout`).
 
 Senders cut their pieces (`Buckets`) so that a bucket's parts take at most max_bytes; the
 receiver checks each piece (`Coverage`: a known weight, its shape, in bounds, never twice; at
@@ -48,30 +48,6 @@ def bucket_layout(dtypes: list, shapes: list) -> tuple[list[int], int]:
         offsets.append(size)
         size += _aligned(math.prod(shape) * _dtype(dtype).itemsize)
     return offsets, size
-
-
-def pack_bucket(named: list[tuple[str, torch.Tensor]], device=None) -> tuple[torch.Tensor, list, list, list]:
-    """One flat uint8 tensor holding `named`'s tensors (see bucket_layout), with their names,
-    dtype names and shapes (SGLang's update_weights_from_distributed takes them apart)."""
-    names = [n for n, _ in named]
-    dtypes = [str(t.dtype).removeprefix("torch.") for _, t in named]
-    shapes = [list(t.shape) for _, t in named]
-    offsets, size = bucket_layout(dtypes, shapes)
-    device = device if device is not None else (named[0][1].device if named else "cpu")
-    flat = torch.zeros(size, dtype=torch.uint8, device=device)
-    for (_, t), start in zip(named, offsets, strict=True):
-        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
-        flat[start:start + raw.numel()].copy_(raw)
-    return flat, names, dtypes, shapes
-
-
-def unpack_bucket(flat: torch.Tensor, names: list, dtypes: list, shapes: list) -> list[tuple[str, torch.Tensor]]:
-    """`pack_bucket`'s tensors, as views of `flat`."""
-    offsets, size = bucket_layout(dtypes, shapes)
-    if flat.numel() != size:
-        raise ValueError(f"weight bucket of {flat.numel()} bytes, its {len(names)} tensors need {size}")
-    return [(name, _view(flat, start, dtype, shape))
-            for name, dtype, shape, start in zip(names, dtypes, shapes, offsets, strict=True)]
 
 
 @dataclass(frozen=True)
@@ -377,13 +353,15 @@ def assemble_state_dict(buckets: Iterable[torch.Tensor], shapes: dict[str, tuple
         coverage.add(pieces)
         for piece, parts in pieces:
             if piece.name not in out:
-                out[piece.name] = _empty(piece, device)
+                out[piece.name] = new_value(piece, device)
             write_piece(out[piece.name], piece, [p.to(device) for p in parts])
     coverage.check_complete()
     return out
 
 
-def _empty(piece: Piece, device) -> torch.Tensor | QTensor:
+def new_value(piece: Piece, device) -> torch.Tensor | QTensor:
+    """An uninitialised full tensor for `piece`'s weight (a packed QTensor for an nvfp4 piece),
+    for its slices to be written into (`write_piece`)."""
     full = piece.full_shape
     if piece.kind != NVFP4:
         return torch.empty(full, dtype=_dtype(piece.kind), device=device)

@@ -358,10 +358,6 @@ def make_plan(cfg, arch: Architecture, layout: Layout | None = None) -> Plan:
     host["trainer node: its ranks' rollout guidance"] = local_trainers * rank_tokens * (
         guidance_bytes_per_token(arch, min(guided, stage_layers), rl.coding) + ids_stage)
     host["engine node: its engines' recorded guidance"] = engine_node
-    if sglang is not None and not colocated:  # SGLangEngine.update_weights_from_buckets: whole tensors
-        per_node = max(1, min(cl.gpus_per_node, engine_gpus) // dist.engine_tp)
-        host["engine node: a packed model per SGLang engine rank"] = per_node * _packed_model(
-            arch, fp4_engine)
     problems += _shortfalls(cfg, arch, fp4_engine, _peak(trainer), engine, host, limits, colocated)
     if sglang is not None:
         fit = "" if colocated or not sglang.shortfalls else \
@@ -396,7 +392,11 @@ def _engine_side(cfg, arch: Architecture, guided: int, fp4_engine: bool, colocat
     else:
         engine = _engine_bytes(arch, fp4_engine, dist.engine_tp, kv_tokens)
     if not colocated:
-        engine["weight sync bucket (received)"] = min(dist.sync_bucket_mb * MiB, sum(engine.values()))
+        bucket = min(dist.sync_bucket_mb * MiB, sum(engine.values()))
+        engine["weight sync bucket (received)"] = bucket
+        if sglang is not None:  # SGLangEngine checks one bucket ahead and puts sliced weights together on the GPU
+            engine["weight sync: the next bucket, and a sliced weight put together"] = bucket + max(
+                0, 2 * arch.vocab * arch.hidden - bucket)
     per_node = max(1, min(cl.gpus_per_node, engine_gpus) // dist.engine_tp)
     return engine, per_node * kv_tokens * (guidance_bytes_per_token(arch, recorded, coding)
                                            + routed_expert_bytes_per_token(arch)), sglang

@@ -21,14 +21,14 @@ import weakref
 import torch
 
 from megatron_trace.guidance import GuidanceBatch
-from megatron_trace.model_config import ModelConfig, fp4_site_of, full_weight_shapes
+from megatron_trace.model_config import ModelConfig, full_weight_shapes
 from megatron_trace.modes import EnginePrecision
 from megatron_trace.rollout import GroupRequest, RolloutOutput, SamplingParams
-from megatron_trace.weight_buckets import assemble_state_dict, pack_bucket
+from megatron_trace.weight_buckets import Coverage
 
 from .config import EngineConfig, check_layout
 from .weight_group import broadcast_bucket, close_group, free_port, open_group
-from .weight_payload import buckets, check_update, flatten
+from .weight_payload import bucket_name, check_update, checked, packs, serialize_bucket, state_dict_buckets
 
 __all__ = ["EngineConfig", "SGLangEngine"]
 START_TIMEOUT_S = 600
@@ -42,6 +42,7 @@ class SGLangEngine:
         self.model_cfg, self.engine_cfg = model_cfg, engine_cfg
         self.weight_version = -1
         self._group, self._group_device = None, "cpu"  # the weight group (connect_weight_group)
+        self._released = False  # release_memory gave SGLang's memory to a trainer
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._host = ctx.Process(target=_host_main, args=(child, model_cfg, engine_cfg), daemon=False,
@@ -60,35 +61,47 @@ class SGLangEngine:
 
     def update_weights(self, state_dict, version: int) -> None:
         """Load a full (or partial) Megatron state dict (BF16, or FP4 QTensors for the FP4 sites)
-        as `version`: through the weight group once `connect_weight_group` opened one (the
-        tensors broadcast from this process, bucket by bucket), else through SGLang's
-        update_weights_from_tensor. ValueError for a version not newer than the current one, or
-        a tensor that does not fit the model; both are checked before anything is sent, so the
-        old weights stay."""
+        as `version`, in weight buckets of at most EngineConfig.weight_bucket_mb (see
+        update_weights_from_buckets). ValueError for a version not newer than the current one,
+        or a tensor that does not fit the model: both checked before anything is sent, so then
+        the old weights stay."""
         self._check_newer(version)
-        if self._group is None:
-            self._call(("update_weights", state_dict, version))
-        else:
-            check_update(self.model_cfg, state_dict, self.precision is EnginePrecision.FP4)
-            parts = buckets(state_dict, self.engine_cfg.weight_bucket_bytes)
-            for i, bucket in enumerate(parts):
-                flat, names, dtypes, shapes = pack_bucket(flatten(bucket), device=self._group_device)
-                self._conn.send(("receive_weights", names, dtypes, shapes, version, i == len(parts) - 1))
+        fp4 = self.precision is EnginePrecision.FP4
+        check_update(self.model_cfg, state_dict, fp4)
+        self._send(state_dict_buckets(self.model_cfg, state_dict, self.engine_cfg.weight_bucket_bytes, fp4),
+                   version, complete=False)
+
+    def update_weights_from_buckets(self, buckets, version: int) -> None:
+        """Take `version` from weight buckets (megatron_trace.weight_buckets) as they arrive, each
+        checked whole in this process and then handed to SGLang's scheduler processes as it is:
+        through the weight group once `connect_weight_group` opened one (one broadcast a
+        bucket), else through SGLang's update_weights_from_tensor (mapped by each scheduler
+        process, no copy through the host process). The version holds once every weight has
+        arrived complete, each slice exactly once.
+
+        ValueError (naming the weight) for a version not newer than the current one, a bucket
+        that does not fit, or an update that would end incomplete (its last bucket is then not
+        sent). Until a bucket has gone the old weights stay; after that a failed update leaves
+        the engine refusing to generate until a complete version arrives."""
+        self._check_newer(version)
+        self._send(buckets, version, complete=True)
+
+    def _send(self, buckets, version: int, complete: bool) -> None:
+        if self._released:  # checked here too: the weight group's broadcast would wait for a host that refused
+            raise RuntimeError("the engine's memory is released (release_memory): resume_memory before sending weights")
+        fp4 = self.precision is EnginePrecision.FP4
+        coverage = Coverage(full_weight_shapes(self.model_cfg), packs(fp4))
+        for index, (flat, last) in enumerate(checked(buckets, coverage, complete)):
+            name = bucket_name(version, index)
+            names = list(coverage.spans) if last else []
+            if self._group is None:
+                self._call(("load_bucket", serialize_bucket(name, flat, self.engine_cfg.tp_size), version, last, names))
+            else:
+                flat = flat.to(self._group_device)
+                self._conn.send(("receive_bucket", name, flat.numel(), version, last, names))
                 broadcast_bucket(flat, self._group)
                 self._call(None)
         self.weight_version = version
-
-    def update_weights_from_buckets(self, buckets, version: int) -> None:
-        """Take `version` from weight buckets (megatron_trace.weight_buckets), reassembled here
-        into full tensors (each slice checked, every weight complete) and then loaded as
-        update_weights loads a state dict, so the old weights stay on any error. This holds the
-        whole model in this process for the update; writing slices straight into SGLang's
-        tensor-parallel ranks is left to the SGLang weight-sync work."""
-        self._check_newer(version)
-        fp4 = self.precision is EnginePrecision.FP4
-        state_dict = assemble_state_dict(buckets, full_weight_shapes(self.model_cfg),
-                                         lambda name: fp4 and fp4_site_of(name) is not None)
-        self.update_weights(state_dict, version)
 
     def _check_newer(self, version: int) -> None:
         if version <= self.weight_version:
@@ -133,10 +146,12 @@ class SGLangEngine:
         """Free SGLang's GPU memory while a trainer on the same GPU trains (Session.release_memory;
         a no-op unless EngineConfig.release_memory)."""
         self._call(("release_memory",))
+        self._released = self.engine_cfg.release_memory
 
     def resume_memory(self) -> None:
         """Take it back; every weight must then be sent again before generate (Session.resume_memory)."""
         self._call(("resume_memory",))
+        self._released = False
 
     def quantization_table(self) -> dict[str, str]:
         """{HF module: "fp4" | "bf16"} of every linear and KV site as SGLang built them (the audit's view)."""

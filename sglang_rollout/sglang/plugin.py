@@ -99,22 +99,24 @@ def _fused_kv_write(original, *args, **kwargs) -> bool:
 
 def _update_from_distributed(original, updater, names, dtypes, shapes, group_name, load_format=None):
     """update_weights_from_distributed with a custom weight loader (SGLang's own path calls only
-    the model's loader): the tensors arrive as one flat bucket (weight_buckets.pack_bucket), one
-    broadcast from the trainer, and go to the loader named by load_format (TRACE's packs FP4 in
-    place). Other load formats take SGLang's path."""
+    the model's loader): each of `names` is one of TRACE's flat uint8 weight buckets
+    (weight_payload), one broadcast from the trainer each, handed to the loader named by
+    load_format (TRACE's writes FP4 in place). Other load formats take SGLang's path."""
     if load_format not in updater.custom_weight_loaders:
         return original(updater, names, dtypes, shapes, group_name, load_format)
     import torch
     from sglang.srt.utils import dynamic_import
 
-    from megatron_trace.weight_buckets import bucket_layout, unpack_bucket
-
     from .weight_group import broadcast_bucket
 
     try:
-        flat = torch.empty(bucket_layout(dtypes, shapes)[1], dtype=torch.uint8, device=updater.device)
-        broadcast_bucket(flat, updater._model_update_group[group_name])
-        dynamic_import(load_format)(updater.get_model(), unpack_bucket(flat, names, dtypes, shapes))
+        named = []
+        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+            if str(dtype).removeprefix("torch.") != "uint8" or len(shape) != 1:
+                raise ValueError(f"{name}: a weight bucket is a flat uint8 tensor, got {dtype} {shape}")
+            named.append((name, torch.empty(shape, dtype=torch.uint8, device=updater.device)))
+            broadcast_bucket(named[-1][1], updater._model_update_group[group_name])
+        dynamic_import(load_format)(updater.get_model(), named)
     except Exception as e:  # noqa: BLE001 - SGLang's convention: (success, message) back to the caller
         logger.exception("trace: weight update from the trainer's group failed")
         return False, f"trace: weight update failed ({type(e).__name__}: {e}); the weights may be partly updated"

@@ -43,7 +43,7 @@ from sglang_rollout.engine.sampler import sample_key
 from . import capture
 from .config import EngineConfig, check_layout, server_args
 from .plugin import SEEDED
-from .weight_payload import LOADER, MODEL_ENV, buckets, check_update, flatten
+from .weight_payload import LOADER, MODEL_ENV
 
 CPU_SITE = Path(__file__).with_name("cpu_site")
 
@@ -57,7 +57,7 @@ class Session:
         self.model_cfg, self.engine_cfg = model_cfg, engine_cfg
         self.weight_version = -1
         self._group_name = None  # the trainer's weight group, once joined (init_weights_update_group)
-        self._torn = False  # a bucketed update from the group stopped part way
+        self._torn = False  # a bucketed update stopped part way
         self._released = False  # release_memory: SGLang's GPU memory is given back to the trainer
         self._unsent: set[str] = set()  # weights not yet sent again since resume_memory
         self.guided_layers = sorted(LayerPolicy.parse(engine_cfg.guide).select(model_cfg.num_layers))
@@ -95,19 +95,33 @@ class Session:
             engine.shutdown()
 
     # -- weights ------------------------------------------------------------------------------
-    def update_weights(self, state_dict, version: int) -> None:
-        """Load a full (or partial) Megatron state dict (BF16, or FP4 QTensors for the FP4 sites)
-        as `version`, in buckets of at most EngineConfig.weight_bucket_mb (SGLang's
-        update_weights_from_tensor each). ValueError for a version not newer than the current
-        one, or a tensor that does not fit the model: checked before any bucket goes, so then
-        the old weights stay."""
-        self._check_update(state_dict, version)
-        parts = buckets(state_dict, self.engine_cfg.weight_bucket_bytes)
-        for i, bucket in enumerate(parts):
-            self._applied(self.engine.update_weights_from_tensor(flatten(bucket), load_format=LOADER,
-                                                                 flush_cache=i == len(parts) - 1))
-        self._unsent -= set(state_dict)
-        self.weight_version = version
+    def load_bucket(self, payloads: list[bytes], version: int, last: bool, names: list[str]) -> None:
+        """Load one weight bucket the caller pickled for each tensor-parallel rank
+        (weight_payload.serialize_bucket: SGLang's update_weights_from_tensor payloads, read by
+        TRACE's loader) of the update to `version`; `version` holds once the `last` is in, and
+        `names` (given with the last) are the weights the update sent. The caller checked
+        each bucket (weight_payload.checked)."""
+        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+
+        self._start_bucket(version)
+        request = UpdateWeightsFromTensorReqInput(serialized_named_tensors=payloads, load_format=LOADER,
+                                                  flush_cache=last)
+        self._applied(self.engine.loop.run_until_complete(
+            self.engine.tokenizer_manager.update_weights_from_tensor(request, None)))
+        self._end_bucket(version, last, names)
+
+    def _start_bucket(self, version: int) -> None:
+        if self._released:
+            raise RuntimeError("the engine's memory is released (release_memory): resume_memory before sending weights")
+        if version <= self.weight_version:
+            raise ValueError(f"weight version {version} is not newer than the engine's {self.weight_version}")
+        self._torn = True  # until the last bucket is in, the weights are neither the old nor the new ones
+
+    def _end_bucket(self, version: int, last: bool, names: list[str]) -> None:
+        if last:
+            self._torn = False
+            self._unsent -= set(names)
+            self.weight_version = version
 
     # -- memory (colocated with a trainer) ----------------------------------------------------
     def release_memory(self) -> None:
@@ -137,27 +151,16 @@ class Session:
                                                             backend), what="the weight group")
         self._group_name = group_name
 
-    def receive_weights(self, names: list, dtypes: list, shapes: list, version: int, last: bool) -> None:
-        """Receive one bucket the trainer broadcasts over the weight group (SGLang's
-        update_weights_from_distributed with TRACE's loader); `version` holds once the last is in.
-        The caller checked the whole update first (weight_payload.check_update)."""
+    def receive_bucket(self, name: str, nbytes: int, version: int, last: bool, names: list[str]) -> None:
+        """Receive one weight bucket (`nbytes`, travelling as `name`) the trainer broadcasts over
+        the weight group (SGLang's update_weights_from_distributed with TRACE's loader) of the
+        update to `version`, as load_bucket takes one."""
         if self._group_name is None:
-            raise RuntimeError("receive_weights before init_weights_update_group")
-        if self._released:
-            raise RuntimeError("the engine's memory is released (release_memory): resume_memory before sending weights")
-        self._torn = True  # until the last bucket is in, the weights are neither the old nor the new ones
-        self._applied(self.engine.update_weights_from_distributed(names, dtypes, shapes, self._group_name,
+            raise RuntimeError("receive_bucket before init_weights_update_group")
+        self._start_bucket(version)
+        self._applied(self.engine.update_weights_from_distributed([name], ["uint8"], [[nbytes]], self._group_name,
                                                                   flush_cache=last, load_format=LOADER))
-        if last:
-            self._torn = False
-            self.weight_version = version
-
-    def _check_update(self, state_dict, version: int) -> None:
-        if self._released:
-            raise RuntimeError("the engine's memory is released (release_memory): resume_memory before sending weights")
-        if version <= self.weight_version:
-            raise ValueError(f"weight version {version} is not newer than the engine's {self.weight_version}")
-        check_update(self.model_cfg, state_dict, self.precision is EnginePrecision.FP4)
+        self._end_bucket(version, last, names)
 
     @staticmethod
     def _applied(result, what: str = "the weights") -> None:
@@ -182,7 +185,8 @@ class Session:
         if self.weight_version < 0:
             raise RuntimeError("the engine has no weights yet: call update_weights first")
         if self._torn:
-            raise RuntimeError("the engine's last weight update stopped part way: send a whole update first")
+            raise RuntimeError("the engine's weights are a mix of versions (its last update stopped part way): "
+                               "it generates again once a whole update is in")
         if self._released:
             raise RuntimeError("the engine's memory is released (release_memory): resume_memory first")
         if self._unsent:

@@ -1,13 +1,12 @@
 """Weight updates inside SGLang's scheduler processes (SGLang's `custom_weight_loader` hook): the
-trainer's full state dict, FP4 sites packed or BF16, placed into this tensor-parallel rank's
-packed FP4 storage in place (CUDA graphs keep reading the same buffers), the rest through the
-model's own loaders.
+trainer's weight buckets (`weight_payload`), FP4 sites packed or BF16, placed into this
+tensor-parallel rank's packed FP4 storage in place (CUDA graphs keep reading the same buffers),
+the rest through the model's own loaders.
 
-The engine sends tensors under Megatron's full names (megatron/weights.py), a packed FP4 weight
-as its parts (`weight_payload`). A BF16 engine (no trace_fp4) loads everything through the
-model's loaders. The engine's host process checks an update before sending it
-(`check_update`): an exception in a scheduler process stops SGLang, so none may be raised there
-for bad input.
+Buckets hold weights under Megatron's full names (megatron/weights.py), whole or in slices. A
+BF16 engine (no trace_fp4) loads everything through the model's loaders. The sender checks
+every bucket before it goes (`weight_payload.checked`): an exception in a scheduler process
+stops SGLang, so none may be raised here for bad input.
 """
 
 from __future__ import annotations
@@ -19,23 +18,56 @@ import re
 import torch
 
 from megatron_trace.checkpoint.qwen3_moe import to_hf
-from megatron_trace.model_config import ModelConfig, fp4_site_of, full_weight_shapes
+from megatron_trace.model_config import ModelConfig, fp4_site_of
+from megatron_trace.weight_buckets import NVFP4, new_value, read_bucket, write_piece
 from trace_kernels.fp4 import Format, QTensor, quantize
 
 from .quant import ExpertWeights, store_linear
-from .weight_payload import MODEL_ENV, check_update, unflatten
+from .weight_payload import MODEL_ENV, parse_bucket_name
 
 _EXPERT = re.compile(r"decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.linear_fc(\d)\.weight")
 
 
 def load_trace_weights(model, named_tensors) -> None:
-    """SGLang's custom weight loader: place a (partial or full) Megatron state dict into `model`
-    (SGLang's Qwen3MoeForCausalLM on this TP rank)."""
+    """SGLang's custom weight loader: write TRACE's weight buckets (`weight_payload`: each a flat
+    uint8 tensor named `trace-bucket/v<version>/<index>`, checked by the sender) into `model`
+    (SGLang's Qwen3MoeForCausalLM on this TP rank). A weight that arrives in slices is put
+    together here and written once its last slice is in."""
     model_cfg = model_config_of(model)
-    shapes = full_weight_shapes(model_cfg)
-    state_dict = unflatten(named_tensors, shapes)
     fp4 = hasattr(model.model.layers[0].self_attn.qkv_proj, "trace_weight")
-    check_update(model_cfg, state_dict, fp4)
+    for name, flat in named_tensors:
+        version, index = parse_bucket_name(name)
+        staged = getattr(model, "_trace_staged", None)
+        if index == 0 or staged is None or staged[0] != version:  # a new update: slices of an old one are void
+            staged = model._trace_staged = (version, {})
+        whole = {}
+        for piece, parts in read_bucket(flat):
+            if piece.shape == piece.full_shape:
+                whole[piece.name] = _value(piece, parts)
+                continue
+            held, arrived = staged[1].get(piece.name, (None, 0))
+            if held is None:
+                held = new_value(piece, flat.device)
+            write_piece(held, piece, parts)
+            arrived += piece.length
+            if arrived == piece.full_shape[piece.dim]:
+                staged[1].pop(piece.name, None)
+                whole[piece.name] = held
+            else:
+                staged[1][piece.name] = (held, arrived)
+        _write(model, model_cfg, whole, fp4)
+
+
+def _value(piece, parts) -> torch.Tensor | QTensor:
+    """A whole piece's value: the tensor, or the packed QTensor its parts make."""
+    if piece.kind != NVFP4:
+        return parts[0]
+    return QTensor(parts[0], parts[1].view(torch.float8_e4m3fn), parts[2].reshape(()), Format.NVFP4,
+                   torch.Size(piece.full_shape))
+
+
+def _write(model, model_cfg: ModelConfig, state_dict: dict, fp4: bool) -> None:
+    """Write whole weights (Megatron names; packed QTensors or plain) into `model`."""
     writes = [_plan(model, model_cfg, name, t, fp4) for name, t in state_dict.items()]
     hf = [pair for w in writes if w[0] == "hf" for pair in w[1]]
     for kind, *args in writes:

@@ -19,7 +19,7 @@ from megatron_trace.rollout import GroupRequest, SamplingParams
 from sglang_rollout.engine import EngineConfig as BuiltinConfig
 from sglang_rollout.engine import TraceEngine
 from sglang_rollout.sglang import EngineConfig, SGLangEngine
-from sglang_rollout.sglang.weight_payload import buckets
+from sglang_rollout.sglang.weight_payload import state_dict_buckets
 from tests.support import scenarios as sc
 from trace_kernels.fp4 import quantize
 
@@ -195,13 +195,15 @@ def test_sglangs_fp4_engine_computes_what_the_built_in_engine_computes(sd, rollo
     assert k3["bf16"] < 1e-3, k3
 
 
-def test_released_memory_is_taken_back_and_the_weights_sent_again(sd):
+def test_released_memory_is_taken_back_and_the_weights_sent_again(sd, rollouts):
     """Colocated with a trainer (EngineConfig.release_memory), the engine gives its memory back
     between rollouts (SGLang's release/resume_memory_occupation; freed with torch_memory_saver on
     a GPU, its bookkeeping alone on the CPU), refuses to generate or take weights while released,
-    and after resuming until every weight was sent again; then it generates what it did before."""
+    and after resuming until every weight was sent again; then it generates what it did before.
+    Its updates go in 32 KiB buckets, large weights in slices the scheduler processes put
+    together: it generates what the engine loaded in one bucket generated."""
     engine = SGLangEngine(CFG, EngineConfig(device=DEVICE, precision="fp4", guide="all", release_memory=True,
-                                            num_blocks=1 << 16 if DEVICE == "cuda" else 512))
+                                            weight_bucket_mb=1 / 32, num_blocks=1 << 16 if DEVICE == "cuda" else 512))
     try:
         engine.update_weights(sd, 0)
         before = engine.generate(REQUESTS, SAMPLING)
@@ -219,6 +221,7 @@ def test_released_memory_is_taken_back_and_the_weights_sent_again(sd):
         after = engine.generate(REQUESTS, SAMPLING)
     finally:
         engine.shutdown()
+    assert [sample_key(s) for s in before.samples] == [sample_key(s) for s in rollouts["fp4"][0].samples]
     assert [s.tokens for s in after.samples] == [s.tokens for s in before.samples]
     for a, b in zip(after.samples, before.samples, strict=True):
         assert torch.equal(a.logprobs, b.logprobs)
@@ -235,7 +238,8 @@ def test_weights_broadcast_over_a_weight_group_equal_a_fresh_load(sd, rollouts):
     a stale or misfit update is refused before anything is sent."""
     name = "fp4-tp2" if "fp4-tp2" in rollouts else "fp4"
     packed = {k: quantize(v, "nvfp4") if k.endswith(FP4_WEIGHT_SUFFIXES) else v for k, v in sd.items()}
-    assert len(buckets(packed, 1 << 15)) > 2  # several buckets, a packed weight's parts in one
+    parts = state_dict_buckets(CFG, packed, 1 << 15, fp4=True)
+    assert len(parts) > 2 and any(sub.shape != sub.full_shape for group in parts.plan for _, sub in group)
     engine = SGLangEngine(CFG, EngineConfig(device=DEVICE, precision="fp4", guide="all", weight_bucket_mb=1 / 32,
                                             tp_size=2 if name == "fp4-tp2" else 1))
     try:
