@@ -9,7 +9,7 @@
 # test the SGLang tests on CUDA (tests/sglang_rollout/sglang/, TESTS narrows them), smoke a 2-layer
 # throughput run of each engine, bench the throughput at Qwen3-30B-A3B's shape
 # (bench/sglang_throughput.py; ENGINES picks them, BENCH_ARGS adds options), export SGLang's own
-# loaders on TRACE's FP4 exports (bench/sglang_export_check.py), train `trace-rl train` colocated
+# loaders on TRACE's FP4 exports (bench/sglang_export_check.py; EXPORT_ARGS adds options), train `trace-rl train` colocated
 # on the built-in engine and on SGLang, step split (bench/sglang_train_step.py; TRAIN_RUNS picks
 # the models), workspace SGLang's activation + CUDA-graph memory for `trace-rl plan`
 # (bench/sglang_workspace.py; WORKSPACE_ARGS adds options). Logs and JSON go to $OUT.
@@ -38,7 +38,7 @@ for step in "$@"; do
           > "$OUT/sglang_workspace.log" 2>&1
         grep '^{' "$OUT/sglang_workspace.log"; tail -n 5 "$OUT/sglang_workspace.log"
       elif [ "$step" = export ]; then
-        bash $run bench/sglang_export_check.py --out "$OUT/sglang_export_check.json" > "$OUT/sglang_export_check.log" 2>&1
+        bash $run bench/sglang_export_check.py --out "$OUT/sglang_export_check.json" ${EXPORT_ARGS:-} > "$OUT/sglang_export_check.log" 2>&1
         tail -n 30 "$OUT/sglang_export_check.log"
       elif [ "$step" = train ]; then
         for spec in ${TRAIN_RUNS:-demo:0:5:200 qwen3-30b-a3b:4:4:0}; do  # model:layers:RL steps:SFT steps

@@ -38,6 +38,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+CHECKS = ("bf16", "dequantized", "marlin-kv", "marlin", "compressed-tensors", "trace")
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9], [1, 2, 3, 4, 5, 6, 7, 8]]
 
 
@@ -130,7 +131,11 @@ def main() -> None:
         return _one(sys.argv[2])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--checks", default=",".join(CHECKS), help=f"a comma list of {', '.join(CHECKS)}")
     args = ap.parse_args()
+    checks = args.checks.split(",")
+    if unknown := set(checks) - set(CHECKS):
+        ap.error(f"unknown checks {sorted(unknown)}; choose from {', '.join(CHECKS)}")
     from megatron_trace.checkpoint.cli import export_main
     from megatron_trace.checkpoint.convert import hf_to_megatron
 
@@ -143,34 +148,40 @@ def main() -> None:
                      "--kv-cache", kv, "--calib-random", "2", "--calib-len", "32"])
     dequantized_copy(work / "modelopt-kv-none", work / "dequantized")
 
-    def attempt(name, fn):
+    def attempt(name, fn, check):
+        if check not in checks:
+            return None
         t0 = time.perf_counter()
         try:
             value = fn()
             result["runs"][name] = {"ok": True, "s": time.perf_counter() - t0}
-            return value
         except Exception as e:  # noqa: BLE001 - every outcome is recorded, the next check still runs
             result["runs"][name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:2000],
                                     "trace": traceback.format_exc()[-3000:]}
-            return None
+            value = None
+        args.out.write_text(json.dumps(result, indent=1) + "\n")  # kept if a later check is cut off
+        return value
 
-    bf16 = attempt("sglang bf16, original weights", lambda: prompt_logprobs(work / "hf", attention_backend="triton"))
+    bf16 = attempt("sglang bf16, original weights", lambda: prompt_logprobs(work / "hf", attention_backend="triton"),
+                   "bf16")
     deq = attempt("sglang bf16, dequantized FP4 weights",
-                  lambda: prompt_logprobs(work / "dequantized", attention_backend="triton"))
+                  lambda: prompt_logprobs(work / "dequantized", attention_backend="triton"), "dequantized")
     marlin = dict(quantization="modelopt_fp4", fp4_gemm_runner_backend="marlin", moe_runner_backend="marlin",
                   attention_backend="triton")
     # as exported for TRACE's engines (kv_cache_quant_algo NVFP4), then without the KV-cache field
     attempt("sglang modelopt_fp4 (Marlin W4A16), kv_cache_quant_algo NVFP4",
-            lambda: prompt_logprobs(work / "modelopt-kv-fp4", **marlin))
+            lambda: prompt_logprobs(work / "modelopt-kv-fp4", **marlin), "marlin-kv")
     w4a16 = attempt("sglang modelopt_fp4 (Marlin W4A16), no KV-cache field",
-                    lambda: prompt_logprobs(work / "modelopt-kv-none", **marlin))
-    attempt("sglang compressed-tensors NVFP4", lambda: prompt_logprobs(
-        work / "compressed-tensors-kv-fp4", quantization="compressed-tensors", attention_backend="triton"))
+                    lambda: prompt_logprobs(work / "modelopt-kv-none", **marlin), "marlin")
     if w4a16 is not None and deq is not None:
         result["modelopt W4A16 vs BF16 dequantized"] = compare(w4a16, deq)
     if bf16 is not None and deq is not None:
         result["BF16 dequantized vs BF16 original"] = compare(deq, bf16)
-    result["trace_fp4 vs built-in engine"] = attempt("trace_fp4 on the export", lambda: trace_fp4_check(work))
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    attempt("sglang compressed-tensors NVFP4", lambda: prompt_logprobs(
+        work / "compressed-tensors-kv-fp4", quantization="compressed-tensors", attention_backend="triton"),
+            "compressed-tensors")
+    result["trace_fp4 vs built-in engine"] = attempt("trace_fp4 on the export", lambda: trace_fp4_check(work), "trace")
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
     for name, r in result["runs"].items():
