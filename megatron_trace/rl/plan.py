@@ -358,6 +358,12 @@ def make_plan(cfg, arch: Architecture, layout: Layout | None = None) -> Plan:
     host["trainer node: its ranks' rollout guidance"] = local_trainers * rank_tokens * (
         guidance_bytes_per_token(arch, min(guided, stage_layers), rl.coding) + ids_stage)
     host["engine node: its engines' recorded guidance"] = engine_node
+    if sglang is not None and not colocated:  # SGLang's loader puts sliced weights together in host memory
+        per_node = max(1, min(cl.gpus_per_node, engine_gpus) // dist.engine_tp)
+        # trainer TP / expert-TP shards arrive rank after rank: up to the whole model; else the largest
+        # weight cut by bucket size (the BF16 embedding or output layer)
+        sliced = _packed_model(arch, fp4_engine) if lay.tp * lay.etp > 1 else 2 * arch.vocab * arch.hidden
+        host["engine node: sliced weights put together, per SGLang engine rank"] = per_node * sliced
     problems += _shortfalls(cfg, arch, fp4_engine, _peak(trainer), engine, host, limits, colocated)
     if sglang is not None:
         fit = "" if colocated or not sglang.shortfalls else \
@@ -394,9 +400,8 @@ def _engine_side(cfg, arch: Architecture, guided: int, fp4_engine: bool, colocat
     if not colocated:
         bucket = min(dist.sync_bucket_mb * MiB, sum(engine.values()))
         engine["weight sync bucket (received)"] = bucket
-        if sglang is not None:  # SGLangEngine checks one bucket ahead and puts sliced weights together on the GPU
-            engine["weight sync: the next bucket, and a sliced weight put together"] = bucket + max(
-                0, 2 * arch.vocab * arch.hidden - bucket)
+        if sglang is not None:  # SGLangEngine checks each bucket before the one before it goes
+            engine["weight sync bucket (the next, being checked)"] = bucket
     per_node = max(1, min(cl.gpus_per_node, engine_gpus) // dist.engine_tp)
     return engine, per_node * kv_tokens * (guidance_bytes_per_token(arch, recorded, coding)
                                            + routed_expert_bytes_per_token(arch)), sglang

@@ -104,6 +104,8 @@ class Session:
         from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
 
         self._start_bucket(version)
+        # the request Engine.update_weights_from_tensor makes, with our payloads: it would pickle the
+        # tensors itself, and so need them in this process (a second hop for every bucket)
         request = UpdateWeightsFromTensorReqInput(serialized_named_tensors=payloads, load_format=LOADER,
                                                   flush_cache=last)
         self._applied(self.engine.loop.run_until_complete(

@@ -32,7 +32,8 @@ def load_trace_weights(model, named_tensors) -> None:
     """SGLang's custom weight loader: write TRACE's weight buckets (`weight_payload`: each a flat
     uint8 tensor named `trace-bucket/v<version>/<index>`, checked by the sender) into `model`
     (SGLang's Qwen3MoeForCausalLM on this TP rank). A weight that arrives in slices is put
-    together here and written once its last slice is in."""
+    together in host memory (a trainer's TP shards arrive from each rank in turn: on the GPU
+    they could add up to a second model) and written once its last slice is in."""
     model_cfg = model_config_of(model)
     fp4 = hasattr(model.model.layers[0].self_attn.qkv_proj, "trace_weight")
     for name, flat in named_tensors:
@@ -47,7 +48,7 @@ def load_trace_weights(model, named_tensors) -> None:
                 continue
             held, arrived = staged[1].get(piece.name, (None, 0))
             if held is None:
-                held = new_value(piece, flat.device)
+                held = new_value(piece, "cpu")
             write_piece(held, piece, parts)
             arrived += piece.length
             if arrived == piece.full_shape[piece.dim]:
