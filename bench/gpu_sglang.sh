@@ -5,6 +5,8 @@
 #   carry [".sgl", ".whl/megatron_core-0.19.2-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl"]:
 #     bash bench/gpu_sglang.sh install test export train
 # A later call on the warm machine may carry .sglrun (run.sh and sitecustomize.py alone) instead of .sgl.
+# SGLang compiles its Marlin kernels (ModelOpt NVFP4 weight-only on Hopper) with nvcc at first use, for
+# minutes; .sgljit, built here by bench/sglang_h200/prebuild_jit.py, carries them ready (TVM_FFI_CACHE_DIR).
 # install keeps SGLang in /tmp/sglsite on the warm machine; check runs bench/sglang_gpu_check.py,
 # test the SGLang tests on CUDA (tests/sglang_rollout/sglang/, TESTS narrows them), smoke a 2-layer
 # throughput run of each engine, bench the throughput at Qwen3-30B-A3B's shape
@@ -23,6 +25,7 @@ for step in "$@"; do
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site --upgrade .whl/*.whl >/dev/null 2>&1
       python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site --upgrade . >/dev/null 2>&1
       export PYTHONPATH=/tmp/site SGL_SKIP_INSTALL=1
+      [ -d .sgljit ] && export TVM_FFI_CACHE_DIR=$PWD/.sgljit
       run=.sglrun/run.sh; [ -f .sgl/run.sh ] && run=.sgl/run.sh
       if [ "$step" = smoke ] || [ "$step" = bench ]; then
         extra=""; [ "$step" = smoke ] && extra="--layers 2 --batch 8 --generate 32:16 --decode 256 --decode-tokens 16"

@@ -9,8 +9,11 @@ Marlin kernels take) saved as an HF checkpoint, converted to Megatron and export
 - ModelOpt NVFP4 through SGLang's `modelopt_fp4` method. On Hopper (no FP4 tensor cores) SGLang
   runs it weight-only through Marlin (`fp4_gemm_runner_backend="marlin"`, Marlin MoE): its prompt
   log-probabilities are compared with SGLang serving a BF16 checkpoint that holds our dequantized
-  weights (W4A16 on the same weights: the same model up to GEMM order), and with the original
-  BF16 weights (the quantization's own effect, for scale);
+  weights (W4A16 on the same weights: the same model up to GEMM order), with transformers' own
+  Qwen3-MoE on those weights (an independent reference; SGLang BF16 against it gives the noise
+  floor of two BF16 implementations), and with the original BF16 weights (the quantization's own
+  effect, for scale). SGLang builds its Marlin kernels with nvcc at first use: carry them prebuilt
+  (bench/sglang_h200/prebuild_jit.py, TVM_FFI_CACHE_DIR);
 - compressed-tensors NVFP4 through SGLang's `compressed-tensors` method: SGLang 0.5.17 asks for
   compute capability 10.0 (Blackwell) for its W4A4 NVFP4 schemes, so on an H200 the load is
   expected to be refused; the refusal is recorded;
@@ -25,7 +28,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -38,7 +43,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-CHECKS = ("bf16", "dequantized", "marlin-kv", "marlin", "compressed-tensors", "trace")
+CHECKS = ("bf16", "dequantized", "hf-dequantized", "marlin-kv", "marlin", "compressed-tensors", "trace")
+ENGINE_TIMEOUT_S = 600  # --engine-timeout
+LOG_DIR: Path | None = None  # each engine's stderr is written beside --out
+ENGINE_LOG_LEVEL = "error"  # --log-level
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9], [1, 2, 3, 4, 5, 6, 7, 8]]
 
 
@@ -94,8 +102,26 @@ def prompt_logprobs(model_path: Path, **args) -> list[torch.Tensor]:
     """Each prompt's token log-probs (positions 1..) under sglang.Engine serving model_path, in a
     process of its own: a scheduler that fails to start makes SGLang send SIGQUIT to the process
     that started it, which would end this check before it reports."""
-    proc = subprocess.run([sys.executable, __file__, "--one", json.dumps({"path": str(model_path), "args": args})],
-                          capture_output=True, text=True, timeout=600)
+    log = LOG_DIR / f"engine_{model_path.name}_{args.get('quantization', 'bf16')}.log" if LOG_DIR else None
+    spec = json.dumps({"path": str(model_path), "args": args, "log_level": ENGINE_LOG_LEVEL})
+    # a session of its own: on a timeout SGLang's scheduler processes go with it, not only the host process
+    proc = subprocess.Popen([sys.executable, __file__, "--one", spec], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+    try:
+        stdout, stderr = proc.communicate(timeout=ENGINE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGABRT)  # with PYTHONFAULTHANDLER each process prints where it waits
+        try:
+            stdout, stderr = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+        if log:
+            log.write_text(stderr)
+        raise RuntimeError(f"no result after {ENGINE_TIMEOUT_S:.0f} s; its log ends: {stderr[-800:]}") from None
+    proc = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    if log:
+        log.write_text(proc.stderr)
     if proc.returncode:
         lines = [x for x in proc.stderr.splitlines() if "Error" in x or "error" in x]
         raise RuntimeError(f"exit {proc.returncode}: {' | '.join(lines[-3:]) or proc.stderr[-800:]}")
@@ -109,7 +135,7 @@ def _one(spec: str) -> None:
     spec = json.loads(spec)
     model_path, args = Path(spec["path"]), spec["args"]
 
-    engine = sglang.Engine(model_path=str(model_path), skip_tokenizer_init=True, log_level="error",
+    engine = sglang.Engine(model_path=str(model_path), skip_tokenizer_init=True, log_level=spec["log_level"],
                            disable_cuda_graph=True, mem_fraction_static=0.3, random_seed=0, **args)
     try:
         outs = engine.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": 1, "temperature": 0.0},
@@ -117,6 +143,23 @@ def _one(spec: str) -> None:
     finally:
         engine.shutdown()
     print(json.dumps([[lp for lp, _, _ in o["meta_info"]["input_token_logprobs"][1:]] for o in outs]))
+
+
+def hf_prompt_logprobs(model_path: Path) -> list[torch.Tensor]:
+    """Each prompt's token log-probs (positions 1..) under transformers' own Qwen3-MoE in BF16 on the GPU:
+    an independent reference that needs no SGLang kernel built."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).cuda().eval()
+    out = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            ids = torch.tensor([prompt], device="cuda")
+            logp = torch.log_softmax(model(ids).logits[0, :-1].float(), dim=-1)
+            out.append(logp.gather(-1, ids[0, 1:, None])[:, 0].cpu())
+    del model
+    torch.cuda.empty_cache()
+    return out
 
 
 def compare(a: list[torch.Tensor], b: list[torch.Tensor]) -> dict:
@@ -132,7 +175,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--checks", default=",".join(CHECKS), help=f"a comma list of {', '.join(CHECKS)}")
+    ap.add_argument("--engine-timeout", type=float, default=600, help="seconds one engine may take")
+    ap.add_argument("--log-level", default="error", help="SGLang's log level in each engine")
     args = ap.parse_args()
+    global ENGINE_TIMEOUT_S, LOG_DIR, ENGINE_LOG_LEVEL
+    ENGINE_TIMEOUT_S, LOG_DIR, ENGINE_LOG_LEVEL = args.engine_timeout, args.out.parent, args.log_level
     checks = args.checks.split(",")
     if unknown := set(checks) - set(CHECKS):
         ap.error(f"unknown checks {sorted(unknown)}; choose from {', '.join(CHECKS)}")
@@ -166,15 +213,22 @@ def main() -> None:
                    "bf16")
     deq = attempt("sglang bf16, dequantized FP4 weights",
                   lambda: prompt_logprobs(work / "dequantized", attention_backend="triton"), "dequantized")
+    hf_deq = attempt("transformers bf16, dequantized FP4 weights", lambda: hf_prompt_logprobs(work / "dequantized"),
+                     "hf-dequantized")
+    if hf_deq is not None and deq is not None:
+        result["SGLang BF16 vs transformers BF16, dequantized weights"] = compare(deq, hf_deq)
     marlin = dict(quantization="modelopt_fp4", fp4_gemm_runner_backend="marlin", moe_runner_backend="marlin",
                   attention_backend="triton")
     # as exported for TRACE's engines (kv_cache_quant_algo NVFP4), then without the KV-cache field
-    attempt("sglang modelopt_fp4 (Marlin W4A16), kv_cache_quant_algo NVFP4",
-            lambda: prompt_logprobs(work / "modelopt-kv-fp4", **marlin), "marlin-kv")
+    w4a16_kv = attempt("sglang modelopt_fp4 (Marlin W4A16), kv_cache_quant_algo NVFP4",
+                       lambda: prompt_logprobs(work / "modelopt-kv-fp4", **marlin), "marlin-kv")
     w4a16 = attempt("sglang modelopt_fp4 (Marlin W4A16), no KV-cache field",
                     lambda: prompt_logprobs(work / "modelopt-kv-none", **marlin), "marlin")
-    if w4a16 is not None and deq is not None:
-        result["modelopt W4A16 vs BF16 dequantized"] = compare(w4a16, deq)
+    for name, ref in (("SGLang BF16", deq), ("transformers BF16", hf_deq)):
+        if ref is not None and w4a16 is not None:
+            result[f"modelopt W4A16 vs {name} dequantized"] = compare(w4a16, ref)
+        if ref is not None and w4a16_kv is not None:
+            result[f"modelopt W4A16 (kv_cache_quant_algo NVFP4) vs {name} dequantized"] = compare(w4a16_kv, ref)
     if bf16 is not None and deq is not None:
         result["BF16 dequantized vs BF16 original"] = compare(deq, bf16)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
