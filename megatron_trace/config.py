@@ -25,7 +25,6 @@ from typing import ClassVar, Literal
 from .guidance import Coding, LayerPolicy
 from .model_config import PRESETS
 from .modes import RunMode
-from .rl.architecture import PLAN_ONLY
 from .rl.losses import Correction, KLKind
 
 # keys that were renamed: an old config file gets an error that names the new key
@@ -62,16 +61,15 @@ class ModelSection(Section):
     NAME: ClassVar[str] = "model"
 
     preset: str = "demo"
-    """A key of `model_config.PRESETS` (random initialisation, then SFT); the plan-only
-    architectures (`deepseek-v3`) are for `trace-rl plan` alone."""
+    """A key of `model_config.PRESETS` (random initialisation, then SFT); one whose architecture
+    TRACE does not build yet (`deepseek-v3`: `ModelConfig.unbuilt`) is for `trace-rl plan` alone."""
     hf: str = ""
     """An HF Qwen3-MoE checkpoint directory: its config.json and safetensors weights."""
     megatron: str = ""
     """A Megatron checkpoint directory written by TRACE (e.g. a run's `checkpoints/rl-000040/model`)."""
 
     def check(self) -> None:
-        require(self.preset in PRESETS or self.preset in PLAN_ONLY, "model.preset",
-                f"one of {sorted(PRESETS)} (or, for trace-rl plan only, {sorted(PLAN_ONLY)})")
+        require(self.preset in PRESETS, "model.preset", f"one of {sorted(PRESETS)}")
         require(not (self.hf and self.megatron), "model.hf / model.megatron", "set one at most")
         require(not self.hf or Path(self.hf, "config.json").exists(), "model.hf",
                 "an HF checkpoint directory with a config.json")

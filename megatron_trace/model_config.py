@@ -1,8 +1,14 @@
-"""Architecture of a Qwen3-MoE-style model, shared by the trainer and the engine.
+"""Architecture of a MoE model, shared by the trainer, the engines and `trace-rl plan`.
+
+One config for the three HF families TRACE knows (`model_type`): Qwen3-MoE (GQA with q/k norm,
+softmax top-k), and the DeepSeek-V3 family's pieces (multi-head latent attention, shared experts,
+dense leading layers, sigmoid routing with an expert-bias correction and group-limited top-k) that
+DeepSeek-V3 and GLM-4.5 use. Field names follow the HF config's meaning; `from_hf` reads one.
+Trainer and engines build Qwen3-MoE today: `ModelConfig.unbuilt` names what a config asks for that
+they lack, and training refuses such a config with it (`trace-rl plan` sizes it all the same).
 
 Presets: `tiny` (tests), `demo` (the embedded default), `small` (CPU memory checks), `moe-0.4b` (the
-one-GPU RL experiment), `qwen3-30b-a3b`, `qwen3-235b-a22b`. Field names follow the HF config's meaning;
-`checkpoint.qwen3_moe.config_from_hf` reads one.
+one-GPU RL experiment), `qwen3-30b-a3b`, `qwen3-235b-a22b`, `deepseek-v3` (plan only).
 """
 
 from __future__ import annotations
@@ -24,9 +30,14 @@ def fp4_site_of(name: str) -> tuple[int, str] | None:
     return None
 
 
+MODEL_TYPES = ("qwen3_moe", "deepseek_v3", "glm4_moe")  # HF config model_type
+SCORING = ("softmax", "sigmoid")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """Architecture of a Qwen3-MoE-style model (field names follow the HF config's meaning)."""
+    """Architecture of a MoE model (field names follow the HF config's meaning; the defaults are
+    Qwen3-MoE's). `head_dim` is the query/key head width (MLA: qk_nope_head_dim + qk_rope_head_dim)."""
 
     vocab_size: int
     hidden_size: int
@@ -41,6 +52,28 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 40960
     tie_word_embeddings: bool = False
+    model_type: str = "qwen3_moe"
+    # attention: GQA unless kv_lora_rank > 0 (multi-head latent attention, DeepSeek-V2/V3)
+    attention_bias: bool = False  # q/k/v biases (GLM-4.5)
+    use_qk_norm: bool = True  # RMSNorm over each q and k head (Qwen3)
+    partial_rotary_factor: float = 1.0  # the share of each head that RoPE turns (GLM-4.5: 0.5)
+    q_lora_rank: int = 0  # MLA's query down-projection rank; 0: queries projected directly (HF: null)
+    kv_lora_rank: int = 0  # MLA's compressed KV latent, what its KV cache holds; 0: GQA
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0  # MLA's decoupled RoPE part of each q/k head, one shared key part
+    v_head_dim: int = 0
+    # FFN: the first first_k_dense_replace layers dense (intermediate_size), the rest MoE
+    first_k_dense_replace: int = 0
+    intermediate_size: int = 0
+    n_shared_experts: int = 0  # shared experts beside the routed ones, moe_intermediate_size wide each
+    # router: softmax over all experts then top-k (Qwen3), or sigmoid scores + a bias that only picks
+    # (aux-loss-free balancing) with top-k within the best topk_group of n_group expert groups
+    scoring_func: str = "softmax"
+    norm_topk_prob: bool = True
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    rope_type: str = "default"  # HF rope_scaling's type (DeepSeek-V3: yarn)
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "head_dim", "moe_intermediate_size"):
@@ -50,23 +83,151 @@ class ModelConfig:
             raise ValueError("ModelConfig.num_attention_heads must be a multiple of num_key_value_heads")
         if not 0 < self.top_k <= self.num_experts:
             raise ValueError(f"ModelConfig.top_k={self.top_k} must be in 1..num_experts={self.num_experts}")
+        if self.model_type not in MODEL_TYPES:
+            raise ValueError(f"ModelConfig.model_type={self.model_type!r}: one of {MODEL_TYPES}")
+        if self.scoring_func not in SCORING:
+            raise ValueError(f"ModelConfig.scoring_func={self.scoring_func!r}: one of {SCORING}")
+        if self.mla:
+            parts = (self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim)
+            if min(parts) <= 0 or self.head_dim != self.qk_nope_head_dim + self.qk_rope_head_dim:
+                raise ValueError(f"ModelConfig: MLA (kv_lora_rank={self.kv_lora_rank}) needs qk_nope_head_dim, "
+                                 f"qk_rope_head_dim and v_head_dim > 0 and head_dim = qk_nope + qk_rope, got "
+                                 f"{parts} and head_dim={self.head_dim}")
+        if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
+            raise ValueError(f"ModelConfig: n_group={self.n_group} must divide num_experts={self.num_experts} and "
+                             f"topk_group={self.topk_group} be in 1..n_group")
+        if not 0 <= self.first_k_dense_replace <= self.num_layers:
+            raise ValueError(f"ModelConfig.first_k_dense_replace={self.first_k_dense_replace} must be in "
+                             f"0..num_layers={self.num_layers}")
+        if self.first_k_dense_replace and (self.intermediate_size <= 0 or self.intermediate_size % 16):
+            raise ValueError(f"ModelConfig.intermediate_size={self.intermediate_size}: the dense layers' FFN "
+                             "width must be a positive multiple of 16")
 
     def replace(self, **changes) -> ModelConfig:
         """A copy with `changes` applied (checked like a new one)."""
         return dataclasses.replace(self, **changes)
 
     @property
+    def mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V2/V3) rather than GQA."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def unbuilt(self) -> str:
+        """What this architecture asks for that TRACE's trainer and engines do not build yet
+        (empty: everything is built); training refuses the config with it."""
+        missing = [what for what, asked in (
+            ("multi-head latent attention", self.mla), ("shared experts", self.n_shared_experts > 0),
+            ("dense leading layers", self.first_k_dense_replace > 0),
+            ("sigmoid routing with an expert-bias correction", self.scoring_func == "sigmoid"),
+            ("group-limited top-k", self.n_group > 1), ("scaled routed gates", self.routed_scaling_factor != 1.0),
+            ("unnormalised top-k gates", not self.norm_topk_prob), ("attention biases", self.attention_bias),
+            ("attention without q/k norm", not self.use_qk_norm and not self.mla),
+            ("partial rotary embeddings", self.partial_rotary_factor != 1.0),
+            (f"{self.rope_type} RoPE scaling", self.rope_type != "default")) if asked]
+        return ", ".join(missing) + (" are" if len(missing) > 1 else " is") + " not built yet" if missing else ""
+
+    def require_built(self, what: str) -> None:
+        """ValueError naming `what` (a trainer, an engine) and `unbuilt`, if this architecture has unbuilt parts."""
+        if self.unbuilt:
+            raise ValueError(f"{what} cannot build this {self.model_type} model: {self.unbuilt} "
+                             "(`trace-rl plan` sizes it)")
+
+    @property
+    def attention_linear_params(self) -> int:
+        """Weights of one layer's attention linears (all FP4 sites)."""
+        h, d, nq, ng = self.hidden_size, self.head_dim, self.num_attention_heads, self.num_key_value_heads
+        if not self.mla:
+            return h * d * (nq + 2 * ng) + nq * d * h
+        q = h * self.q_lora_rank + self.q_lora_rank * nq * d if self.q_lora_rank else h * nq * d
+        kv = h * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank * nq * (
+            self.qk_nope_head_dim + self.v_head_dim)
+        return q + kv + nq * self.v_head_dim * h
+
+    @property
+    def attention_other_params(self) -> int:
+        """One layer's attention parameters outside the linears' weights: norms and biases (BF16)."""
+        if self.mla:
+            return self.q_lora_rank + self.kv_lora_rank  # q_a and kv_a layernorms
+        d = self.head_dim
+        return (2 * d if self.use_qk_norm else 0) + (
+            (self.num_attention_heads + 2 * self.num_key_value_heads) * d if self.attention_bias else 0)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether `layer` has experts (the first first_k_dense_replace layers have a dense FFN)."""
+        return layer >= self.first_k_dense_replace
+
+    @property
+    def shared_expert_size(self) -> int:
+        """The shared experts' intermediate width, all of them as one FFN (0: none)."""
+        return self.n_shared_experts * self.moe_intermediate_size
+
+    @property
     def num_params(self) -> int:
-        """Parameters of the whole model."""
-        h, a = self.hidden_size, self.head_dim
-        attn = h * a * (self.num_attention_heads + 2 * self.num_key_value_heads) + self.num_attention_heads * a * h
-        experts = self.num_experts * 3 * h * self.moe_intermediate_size
-        per_layer = attn + experts + self.num_experts * h + 2 * h + 2 * a
-        return self.num_layers * per_layer + self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
+        """Parameters of the whole model (the expert-bias correction, a buffer that a rule updates,
+        and DeepSeek-V3's multi-token-prediction module are not counted)."""
+        h = self.hidden_size
+        per_layer = self.attention_linear_params + self.attention_other_params + 2 * h
+        moe = self.num_experts * (3 * h * self.moe_intermediate_size + h) + 3 * h * self.shared_expert_size
+        layers = sum(per_layer + (moe if self.is_moe_layer(L) else 3 * h * self.intermediate_size)
+                     for L in range(self.num_layers))
+        return layers + self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
+
+
+# ModelConfig field -> HF config key, where they differ (per model_type: DeepSeek's expert count)
+_HF_KEYS = {"num_layers": "num_hidden_layers", "top_k": "num_experts_per_tok", "num_experts": "num_experts"}
+_HF_EXPERTS = {"qwen3_moe": "num_experts", "deepseek_v3": "n_routed_experts", "glm4_moe": "n_routed_experts"}
+_HF_SCORING = {"qwen3_moe": "softmax", "deepseek_v3": "sigmoid", "glm4_moe": "sigmoid"}  # fixed by the model code
+_REQUIRED = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "moe_intermediate_size",
+             "num_experts", "top_k")
+
+
+def from_hf(hf: dict) -> ModelConfig:
+    """The ModelConfig of an HF config.json dict (model_type qwen3_moe, deepseek_v3 or glm4_moe).
+
+    Raises:
+        ValueError: naming a missing field or a value no TRACE model has (another activation, a
+            sliding window, Qwen3's dense `mlp_only_layers` or `decoder_sparse_step`).
+    """
+    kind = hf.get("model_type", "qwen3_moe")
+    if kind not in MODEL_TYPES:
+        raise ValueError(f"HF config model_type={kind!r}; TRACE knows {MODEL_TYPES}")
+    hf = dict(hf)
+    # transformers 5 writes rope_parameters and num_local_experts; the Hub's config.json the older names
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    hf.setdefault("rope_theta", rope.get("rope_theta"))
+    hf.setdefault("partial_rotary_factor", rope.get("partial_rotary_factor"))
+    hf.setdefault(_HF_EXPERTS[kind], hf.get("num_local_experts"))
+    keys = _HF_KEYS | {"num_experts": _HF_EXPERTS[kind]}
+    if missing := [keys.get(f, f) for f in _REQUIRED if hf.get(keys.get(f, f)) is None]:
+        raise ValueError(f"HF config ({kind}) lacks {missing}")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"HF config has hidden_act={hf['hidden_act']!r}; TRACE's experts are SwiGLU (silu)")
+    if hf.get("use_sliding_window"):
+        raise ValueError("HF config has use_sliding_window=true; TRACE attends over the whole context")
+    if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
+        raise ValueError("HF config has Qwen3 dense layers (mlp_only_layers / decoder_sparse_step); TRACE's "
+                         "dense layers are the leading ones (first_k_dense_replace)")
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    out = {f: hf[keys.get(f, f)] for f in fields if hf.get(keys.get(f, f)) is not None}
+    out |= {"model_type": kind, "scoring_func": _HF_SCORING[kind], "rope_type": rope.get("rope_type", rope.get(
+        "type", "default")), "tie_word_embeddings":
+            bool(hf.get("tie_word_embeddings", False)), "q_lora_rank": hf.get("q_lora_rank") or 0}
+    if kind == "deepseek_v3":
+        out |= {"head_dim": hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"], "use_qk_norm": False}
+    elif kind == "glm4_moe":
+        out.setdefault("use_qk_norm", False)
+    out.setdefault("head_dim", hf["hidden_size"] // hf["num_attention_heads"])  # as transformers defaults it
+    out.setdefault("num_key_value_heads", hf["num_attention_heads"])
+    if not out.get("first_k_dense_replace"):
+        out.pop("intermediate_size", None)  # Qwen3 writes a dense width no layer of its MoE uses
+    return ModelConfig(**out)
 
 
 def full_weight_shapes(model_cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every weight's full Megatron name (megatron/weights.py) and shape, in a fixed order."""
+    if model_cfg.unbuilt:
+        raise ValueError(f"no Megatron weights for this {model_cfg.model_type} model: {model_cfg.unbuilt}")
     h, d, nq, ng, f = (model_cfg.hidden_size, model_cfg.head_dim, model_cfg.num_attention_heads,
                        model_cfg.num_key_value_heads, model_cfg.moe_intermediate_size)
     shapes = {"embedding.word_embeddings.weight": (model_cfg.vocab_size, h), "decoder.final_layernorm.weight": (h,),
@@ -105,6 +266,16 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen3-30b-a3b": ModelConfig(vocab_size=151936, hidden_size=2048, num_layers=48, num_attention_heads=32,
                                  num_key_value_heads=4, head_dim=128, moe_intermediate_size=768, num_experts=128,
                                  top_k=8),
+    # DeepSeek-V3 (deepseek-ai/DeepSeek-V3's config.json; transformers' DeepseekV3Config defaults agree): 671 B,
+    # MLA, 3 dense layers then 256 routed experts + 1 shared, sigmoid top-8 within 4 of 8 groups. Plan only.
+    "deepseek-v3": from_hf(dict(
+        model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+        moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
+        n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536,
+        qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4, num_experts_per_tok=8,
+        first_k_dense_replace=3, norm_topk_prob=True, max_position_embeddings=163840, rms_norm_eps=1e-6,
+        rope_theta=10000, rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                                        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})),
     "qwen3-235b-a22b": ModelConfig(vocab_size=151936, hidden_size=4096, num_layers=94, num_attention_heads=64,
                                    num_key_value_heads=4, head_dim=128, moe_intermediate_size=1536, num_experts=128,
                                    top_k=8),

@@ -163,10 +163,10 @@ def _check_config(model_cfg: ModelConfig, model: torch.nn.Module, what: str) -> 
                 top_k=c.moe_router_topk, rope_theta=model.rotary_base, rms_norm_eps=c.layernorm_epsilon,
                 max_position_embeddings=model.max_sequence_length,
                 tie_word_embeddings=model.share_embeddings_and_output_weights)
-    for field in dataclasses.fields(ModelConfig):
-        if getattr(model_cfg, field.name) != seen[field.name]:
-            raise ValueError(f"{what} has {field.name}={getattr(model_cfg, field.name)!r}, "
-                             f"the model {seen[field.name]!r}")
+    model_cfg.require_built(what)  # the rest of its fields are then Qwen3-MoE's, as the model's
+    for name, value in seen.items():
+        if getattr(model_cfg, name) != value:
+            raise ValueError(f"{what} has {name}={getattr(model_cfg, name)!r}, the model {value!r}")
 
 
 # ---- full tensors in one process ---------------------------------------------------------------

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..model_config import ModelConfig, full_weight_shapes
+from ..model_config import ModelConfig, from_hf, full_weight_shapes
 
 _HF_FIELDS = {  # ModelConfig field -> HF config key
     "vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_layers": "num_hidden_layers",
@@ -21,37 +21,22 @@ _HF_FIELDS = {  # ModelConfig field -> HF config key
     "top_k": "num_experts_per_tok", "rope_theta": "rope_theta", "rms_norm_eps": "rms_norm_eps",
     "max_position_embeddings": "max_position_embeddings", "tie_word_embeddings": "tie_word_embeddings",
 }
-_REQUIRED_VALUES = {"hidden_act": "silu", "attention_bias": False, "norm_topk_prob": True, "decoder_sparse_step": 1}
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
-    """ModelConfig from an HF Qwen3-MoE config.json dict.
+    """ModelConfig from an HF Qwen3-MoE config.json dict (`model_config.from_hf`), for conversion.
 
     Raises:
-        ValueError: naming a missing field or one whose value TRACE does not implement (dense
-            layers, unnormalised top-k, attention bias, another activation, sliding window).
+        ValueError: naming what TRACE does not implement (another family, unnormalised top-k,
+            attention bias, RoPE scaling, dense layers, another activation, sliding window).
     """
-    hf = dict(hf)
-    # transformers 5 writes rope_parameters and num_local_experts; Qwen's config.json the older names
-    if "rope_theta" not in hf and isinstance(hf.get("rope_parameters"), dict):
-        hf["rope_theta"] = hf["rope_parameters"].get("rope_theta")
-    hf.setdefault("num_experts", hf.get("num_local_experts"))
-    if hf.get("model_type", "qwen3_moe") != "qwen3_moe":
-        raise ValueError(f"HF config model_type={hf['model_type']!r}; only qwen3_moe is implemented")
-    missing = [k for k in _HF_FIELDS.values() if hf.get(k) is None and k != "tie_word_embeddings"]
-    if missing:
-        raise ValueError(f"HF config lacks {missing}")
-    for key, want in _REQUIRED_VALUES.items():
-        if key in hf and hf[key] != want:
-            raise ValueError(f"HF config has {key}={hf[key]!r}; TRACE's Qwen3-MoE needs {want!r}")
-    if hf.get("mlp_only_layers"):
-        raise ValueError("HF config has dense layers (mlp_only_layers); TRACE models are all-MoE")
-    if hf.get("use_sliding_window"):
-        raise ValueError("HF config has use_sliding_window=true; TRACE attends over the whole context")
-    if (rope := hf.get("rope_parameters") or hf.get("rope_scaling")) and rope.get("rope_type", "default") != "default":
-        raise ValueError(f"HF config has rope_type={rope['rope_type']!r}; only plain RoPE is implemented")
-    return ModelConfig(**{f: bool(hf.get(k, False)) if f == "tie_word_embeddings" else hf[k]
-                          for f, k in _HF_FIELDS.items()})
+    cfg = from_hf(hf)
+    if cfg.model_type != "qwen3_moe":
+        raise ValueError(f"HF config model_type={cfg.model_type!r}: TRACE converts only qwen3_moe checkpoints "
+                         f"today ({cfg.unbuilt})")
+    if cfg.unbuilt:
+        raise ValueError(f"HF config of this Qwen3-MoE model: {cfg.unbuilt}")
+    return cfg
 
 
 def hf_config(model_cfg: ModelConfig) -> dict:

@@ -34,6 +34,7 @@ def transformer_config(model_cfg: ModelConfig, *, dispatcher: str = "alltoall", 
     dispatcher: "alltoall" or "allgather". recompute: None, "full" (every layer) or "selective"
     (the MoE layers). Sequence parallelism is on whenever tensor parallelism is.
     """
+    model_cfg.require_built("the Megatron trainer")
     tp = ps.get_tensor_model_parallel_world_size()
     if model_cfg.num_key_value_heads % tp:
         raise ValueError(f"tensor parallel size {tp} must divide num_key_value_heads={model_cfg.num_key_value_heads}")

@@ -1,5 +1,6 @@
 """What `trace-rl plan` needs to know of a model: parameter, FP4-site and KV-cache counts per
-layer, for Qwen3-MoE (from its ModelConfig) and for the plan-only architectures (DeepSeek-V3)."""
+layer, from its ModelConfig (Qwen3-MoE, and the DeepSeek-V3 family that the plan sizes before
+the trainer builds it)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from ..model_config import ModelConfig
 
 @dataclass(frozen=True, kw_only=True)
 class Architecture:
-    """What the plan needs of a model: Qwen3-MoE from its ModelConfig, or a plan-only one."""
+    """What the plan needs of a model (`from_model_config`)."""
 
     name: str
     vocab: int
@@ -20,8 +21,8 @@ class Architecture:
     attn_out_width: int  # the attention output projection's input width (its FP4 site)
     q_heads: int
     kv_heads: int  # KV heads per token (rows of the k and v sites), TP shards them
-    kv_width: int  # KV-cache elements per token per layer, K and V together
-    norm_params: int  # per layer, norms (BF16)
+    kv_width: int  # KV-cache elements per token per layer, K and V together (MLA: the latent + rope key)
+    norm_params: int  # per layer, norms and biases (BF16)
     experts: int
     moe_ffn: int
     top_k: int
@@ -29,17 +30,22 @@ class Architecture:
     dense_layers: int = 0  # leading layers with a dense FFN instead of experts
     dense_ffn: int = 0
     tie_embeddings: bool = False
-    implemented: str = ""  # empty: trainable here; else why it is plan-only
+    implemented: str = ""  # empty: trainable here; else what TRACE does not build yet (ModelConfig.unbuilt)
 
     @classmethod
     def from_model_config(cls, name: str, c: ModelConfig) -> Architecture:
-        """The plan's view of a Qwen3-MoE model: `name` and its ModelConfig."""
-        d, nq, ng = c.head_dim, c.num_attention_heads, c.num_key_value_heads
-        return cls(name=name, vocab=c.vocab_size, hidden=c.hidden_size, layers=c.num_layers,
-                   attn_params=c.hidden_size * d * (nq + 2 * ng) + nq * d * c.hidden_size, attn_out_width=nq * d,
-                   q_heads=nq, kv_heads=ng, kv_width=2 * ng * d, norm_params=2 * c.hidden_size + 2 * d,
-                   experts=c.num_experts, moe_ffn=c.moe_intermediate_size, top_k=c.top_k,
-                   tie_embeddings=c.tie_word_embeddings)
+        """The plan's view of model `name` with ModelConfig `c`."""
+        h, d, nq, ng = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
+        if c.mla:  # one latent (+ the shared rope key) per token serves every head
+            kv = dict(attn_out_width=nq * c.v_head_dim, kv_heads=1, kv_width=c.kv_lora_rank + c.qk_rope_head_dim)
+        else:
+            kv = dict(attn_out_width=nq * d, kv_heads=ng, kv_width=2 * ng * d)
+        return cls(name=name, vocab=c.vocab_size, hidden=h, layers=c.num_layers,
+                   attn_params=c.attention_linear_params, q_heads=nq, **kv,
+                   norm_params=2 * h + c.attention_other_params, experts=c.num_experts,
+                   moe_ffn=c.moe_intermediate_size, top_k=c.top_k, shared_ffn=c.shared_expert_size,
+                   dense_layers=c.first_k_dense_replace, dense_ffn=c.intermediate_size,
+                   tie_embeddings=c.tie_word_embeddings, implemented=c.unbuilt)
 
     @property
     def moe_layers(self) -> int:
@@ -58,26 +64,7 @@ class Architecture:
 
     @property
     def num_params(self) -> int:
-        """Parameters of the whole model (MTP modules left out)."""
+        """Parameters of the whole model (as ModelConfig.num_params counts them)."""
         per_layer = sum(self.attn_params + self.norm_params + sum(self.ffn_params(L)) for L in range(self.layers))
         router = self.moe_layers * self.experts * self.hidden
         return per_layer + router + self.vocab * self.hidden * (1 if self.tie_embeddings else 2) + self.hidden
-
-
-def _mla(vocab, hidden, layers, heads, q_lora, kv_lora, nope, rope, v_dim) -> dict:
-    """Multi-head latent attention's parameter and cache counts (DeepSeek-V2/V3)."""
-    attn = (hidden * q_lora + q_lora * heads * (nope + rope) + hidden * (kv_lora + rope)
-            + kv_lora * heads * (nope + v_dim) + heads * v_dim * hidden)
-    return dict(vocab=vocab, hidden=hidden, layers=layers, attn_params=attn, attn_out_width=heads * v_dim,
-                q_heads=heads, kv_heads=1, kv_width=kv_lora + rope, norm_params=2 * hidden + q_lora + kv_lora)
-
-
-# Plan-only architectures. DeepSeek-V3 (HF config.json of deepseek-ai/DeepSeek-V3): 61 layers, the
-# first 3 dense (FFN 18432), 256 routed experts of 2048 plus 1 shared, top-8, MLA (128 heads,
-# q_lora 1536, kv_lora 512, qk 128 + rope 64, v 128), vocab 129280; the MTP module is left out.
-PLAN_ONLY = {
-    "deepseek-v3": Architecture(
-        name="deepseek-v3", **_mla(129280, 7168, 61, 128, 1536, 512, 128, 64, 128), experts=256, moe_ffn=2048,
-        top_k=8, shared_ffn=2048, dense_layers=3, dense_ffn=18432,
-        implemented="multi-head latent attention, shared experts and dense leading layers are not built yet"),
-}

@@ -9,20 +9,19 @@ from ..config import ModelSection, RLSection, TaskSection
 from ..guidance import Coding
 from ..model_config import PRESETS, ModelConfig
 from ..modes import RunMode
-from .architecture import PLAN_ONLY
 from .rewards import load_reward
 from .tasks import ArithmeticTask, ChainTask, CharTokenizer, HFTokenizer, JsonlTask
 
 
 def resolve_model_config(model: ModelSection) -> ModelConfig:
     """The model's architecture: from model.hf's config.json, model.megatron's checkpoint, else
-    the preset (ValueError for a plan-only one)."""
+    the preset (ValueError for one that TRACE does not build yet)."""
     if model.hf:
         return HFCheckpoint(model.hf).model_cfg
     if model.megatron:
         return read_config(model.megatron)
-    if model.preset not in PRESETS:
-        raise ValueError(f"model.preset {model.preset} is plan-only: {PLAN_ONLY[model.preset].implemented}")
+    if PRESETS[model.preset].unbuilt:
+        raise ValueError(f"model.preset {model.preset} is for trace-rl plan only: {PRESETS[model.preset].unbuilt}")
     return PRESETS[model.preset]
 
 

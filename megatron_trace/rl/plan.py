@@ -40,13 +40,16 @@ GPUs for the one that fits with the least model parallelism.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..guidance import LayerPolicy
 from ..guidance.record import Coding
+from ..model_config import PRESETS, from_hf
 from ..modes import EnginePrecision, RunMode
-from .architecture import PLAN_ONLY, Architecture
+from .architecture import Architecture
 from .factories import resolve_model_config
 from .job_layout import engine_instances, job_shape
 from .plan_sglang import SGLangEngineGPU, sglang_engine_gpu
@@ -370,7 +373,7 @@ def make_plan(cfg, arch: Architecture, layout: Layout | None = None) -> Plan:
             f" ({_fitting_engine_tp(cfg, arch, fp4_engine, limits['gpu'])})"
         problems += sglang.problems + [p + fit for p in sglang.shortfalls]
     if arch.implemented:
-        problems.append(f"{arch.name} is plan-only: {arch.implemented}")
+        problems.append(f"{arch.name} is for trace-rl plan only: {arch.implemented}")
     how = ("distributed" if optim.distributed else "replicated") + (
         ", offloaded to the host" if optim.cpu_offload else "")
     if cfg.trainer.backend == "deepspeed":
@@ -546,11 +549,15 @@ def choose_layout(cfg, arch: Architecture) -> list[Plan]:
 
 
 def architecture(cfg) -> Architecture:
-    """The run's model for planning: a plan-only preset, or the one training would build."""
-    if cfg.model.preset in PLAN_ONLY and not (cfg.model.hf or cfg.model.megatron):
-        return PLAN_ONLY[cfg.model.preset]
-    return Architecture.from_model_config(cfg.model.hf or cfg.model.megatron or cfg.model.preset,
-                                          resolve_model_config(cfg.model))
+    """The run's model for planning: the one training would build, or would refuse to build yet
+    (a preset or an HF config.json of the DeepSeek-V3 family)."""
+    if cfg.model.hf:
+        model_cfg = from_hf(json.loads(Path(cfg.model.hf, "config.json").read_text()))
+    elif cfg.model.megatron:
+        model_cfg = resolve_model_config(cfg.model)
+    else:
+        model_cfg = PRESETS[cfg.model.preset]
+    return Architecture.from_model_config(cfg.model.hf or cfg.model.megatron or cfg.model.preset, model_cfg)
 
 
 def format_plan(plan: Plan) -> str:

@@ -73,6 +73,7 @@ class TraceEngine:
     """The built-in rollout backend (megatron_trace.rollout.RolloutBackend)."""
 
     def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig = EngineConfig(), share_prompts: bool = True):
+        model_cfg.require_built("the built-in engine")
         self.model_cfg, self.engine_cfg = model_cfg, engine_cfg
         fp4 = engine_cfg.precision is EnginePrecision.FP4
         self.weights = EngineWeights(model_cfg, fp4, engine_cfg.device)

@@ -17,13 +17,13 @@ from megatron_trace.config import load_config
 from megatron_trace.megatron.spawn import spawn
 from megatron_trace.model_config import PRESETS
 from megatron_trace.rl.plan import (
-    PLAN_ONLY,
     SPARSE_BITS_PER_KEPT,
     SPARSE_KEPT,
     Architecture,
     GiB,
     Layout,
     MiB,
+    architecture,
     choose_layout,
     engine_kv_blocks,
     expert_id_bytes,
@@ -130,9 +130,9 @@ def test_large_layouts_fit_or_are_refused_with_the_shortfall():
     best = choose_layout(cfg, arch)[0]
     assert best.fits and best.trainer_peak <= best.limits["gpu"]
     ds = load_config(ROOT / "launch" / "configs" / "deepseek-v3.yaml")
-    plan = make_plan(ds, PLAN_ONLY["deepseek-v3"])
-    assert 660e9 < PLAN_ONLY["deepseek-v3"].num_params < 690e9  # 671 B without the MTP module
-    assert plan.problems and "plan-only" in plan.problems[-1]
+    plan = make_plan(ds, architecture(ds))
+    assert plan.arch.num_params == PRESETS["deepseek-v3"].num_params
+    assert plan.problems and "for trace-rl plan only: multi-head latent attention" in plan.problems[-1]
 
 
 def test_plan_command_and_a_config_that_cannot_train(tmp_path):
@@ -149,7 +149,7 @@ def test_plan_command_and_a_config_that_cannot_train(tmp_path):
     assert bad.returncode == 1 and "DOES NOT FIT" in bad.stdout and "GiB more than the" in bad.stdout
     train = subprocess.run([sys.executable, "-m", "megatron_trace.cli", "train", "--set", "model.preset=deepseek-v3"],
                            env=env, capture_output=True, text=True, cwd=ROOT)
-    assert train.returncode != 0 and "plan-only" in train.stderr
+    assert train.returncode != 0 and "for trace-rl plan only: multi-head latent attention" in train.stderr
 
 
 def test_plan_agrees_with_a_measured_runs_peak_memory(tmp_path):

@@ -1,0 +1,103 @@
+"""ModelConfig for the three HF families (Qwen3-MoE, DeepSeek-V3, GLM-4.5) against transformers' own
+configs and models: the fields read from a config.json, and the parameter count against the model
+transformers builds from it (on the meta device: no memory, DeepSeek-V3's 671 B included)."""
+
+import pytest
+import torch
+from transformers import (
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    Glm4MoeConfig,
+    Glm4MoeForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
+
+from megatron_trace.checkpoint.qwen3_moe import config_from_hf
+from megatron_trace.model_config import PRESETS, ModelConfig, from_hf
+from megatron_trace.rl.architecture import Architecture
+
+
+def hf_param_count(model_cls, config) -> int:
+    with torch.device("meta"):
+        return sum(p.numel() for p in model_cls(config).parameters())
+
+
+def tiny_deepseek(**changes) -> DeepseekV3Config:
+    return DeepseekV3Config(**{**dict(
+        vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, routed_scaling_factor=2.5,
+        kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16, v_head_dim=32, qk_nope_head_dim=16, n_group=4,
+        topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1), **changes})
+
+
+def tiny_glm(**changes) -> Glm4MoeConfig:
+    return Glm4MoeConfig(**{**dict(
+        vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, n_shared_experts=1, n_routed_experts=8,
+        num_experts_per_tok=2, first_k_dense_replace=1, attention_bias=True, use_qk_norm=True,
+        partial_rotary_factor=0.5), **changes})
+
+
+@pytest.mark.parametrize("name, model_cls, config", [
+    ("qwen3-moe", Qwen3MoeForCausalLM, Qwen3MoeConfig(
+        vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)),
+    ("deepseek-v3", DeepseekV3ForCausalLM, tiny_deepseek()),
+    ("deepseek-v2-lite-style (no q_lora)", DeepseekV3ForCausalLM, tiny_deepseek(q_lora_rank=None)),
+    ("glm-4.5", Glm4MoeForCausalLM, tiny_glm()),
+    ("glm-4.5 without qk norm and bias", Glm4MoeForCausalLM, tiny_glm(use_qk_norm=False, attention_bias=False)),
+])
+def test_fields_and_parameter_count_against_transformers(name, model_cls, config):
+    cfg = from_hf(config.to_dict())
+    assert cfg.num_params == hf_param_count(model_cls, config), name
+    assert Architecture.from_model_config(name, cfg).num_params == cfg.num_params
+    assert (cfg.num_layers, cfg.top_k, cfg.moe_intermediate_size) == (
+        config.num_hidden_layers, config.num_experts_per_tok, config.moe_intermediate_size)
+
+
+def test_each_familys_pieces_are_read_and_named_as_unbuilt():
+    ds = from_hf(tiny_deepseek().to_dict())
+    assert ds.mla and ds.head_dim == 32 and ds.kv_lora_rank == 32 and ds.q_lora_rank == 48
+    assert (ds.scoring_func, ds.n_group, ds.topk_group, ds.routed_scaling_factor) == ("sigmoid", 4, 2, 2.5)
+    assert (ds.first_k_dense_replace, ds.intermediate_size, ds.n_shared_experts) == (1, 96, 1)
+    assert not ds.is_moe_layer(0) and ds.is_moe_layer(1)
+    for piece in ("multi-head latent attention", "shared experts", "dense leading layers", "sigmoid routing",
+                  "group-limited top-k", "scaled routed gates"):
+        assert piece in ds.unbuilt
+    glm = from_hf(tiny_glm().to_dict())
+    assert not glm.mla and glm.use_qk_norm and glm.attention_bias and glm.partial_rotary_factor == 0.5
+    assert "attention biases" in glm.unbuilt and "partial rotary embeddings" in glm.unbuilt
+    assert "attention without q/k norm" in from_hf(tiny_glm(use_qk_norm=False).to_dict()).unbuilt
+    with pytest.raises(ValueError, match="the Megatron trainer cannot build this deepseek_v3 model: multi-head"):
+        ds.require_built("the Megatron trainer")
+    with pytest.raises(ValueError, match="converts only qwen3_moe checkpoints today"):
+        config_from_hf(tiny_deepseek().to_dict())
+    for name in ("tiny", "demo", "small", "moe-0.4b", "qwen3-30b-a3b", "qwen3-235b-a22b"):
+        assert PRESETS[name].unbuilt == "" and PRESETS[name].model_type == "qwen3_moe"
+
+
+def test_deepseek_v3_preset_is_the_released_config():
+    """transformers' DeepseekV3Config defaults are DeepSeek-V3's config.json (but for context length
+    and YaRN): the preset must agree on the architecture and count transformers' 671 B parameters."""
+    preset, reference = PRESETS["deepseek-v3"], from_hf(DeepseekV3Config().to_dict())
+    assert preset.replace(max_position_embeddings=reference.max_position_embeddings, rope_type="default") == reference
+    assert preset.num_params == hf_param_count(DeepseekV3ForCausalLM, DeepseekV3Config())  # 671.0 B
+    assert "yarn RoPE scaling" in preset.unbuilt
+    arch = Architecture.from_model_config("deepseek-v3", preset)
+    assert (arch.kv_heads, arch.kv_width, arch.attn_out_width) == (1, 512 + 64, 128 * 128)  # the MLA latent cache
+
+
+def test_bad_configs_name_the_field():
+    base = dict(vocab_size=32, hidden_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                moe_intermediate_size=32, num_experts=8, top_k=2)
+    with pytest.raises(ValueError, match="head_dim = qk_nope \\+ qk_rope"):
+        ModelConfig(**base, head_dim=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=32, v_head_dim=16)
+    with pytest.raises(ValueError, match="n_group=3 must divide num_experts=8"):
+        ModelConfig(**base, head_dim=16, n_group=3)
+    with pytest.raises(ValueError, match="intermediate_size=0"):
+        ModelConfig(**base, head_dim=16, first_k_dense_replace=1)
+    with pytest.raises(ValueError, match="model_type='llama'"):
+        from_hf({"model_type": "llama"})
+    with pytest.raises(ValueError, match="lacks \\['n_routed_experts'\\]"):
+        from_hf({k: v for k, v in tiny_deepseek().to_dict().items() if k != "n_routed_experts"})
