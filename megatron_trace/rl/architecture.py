@@ -22,6 +22,9 @@ class Architecture:
     q_heads: int
     kv_heads: int  # KV heads per token (rows of the k and v sites), TP shards them
     kv_width: int  # KV-cache elements per token per layer, K and V together (MLA: the latent + rope key)
+    kv_bf16_width: int = 0  # of those, kept BF16 in an FP4 cache (MLA's rope key, docs/design.md 3.1)
+    kv_rows: int = 0  # FP4 cache rows per token per layer, a float32 global scale each (GQA: 2 x KV heads)
+    sites: tuple[tuple[int, int], ...] = ()  # a MoE layer's FP4 activation sites: (rows per token, columns)
     norm_params: int  # per layer, norms and biases (BF16)
     experts: int
     moe_ffn: int
@@ -36,16 +39,29 @@ class Architecture:
     def from_model_config(cls, name: str, c: ModelConfig) -> Architecture:
         """The plan's view of model `name` with ModelConfig `c`."""
         h, d, nq, ng = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
+        experts = (c.top_k + c.n_shared_experts, c.moe_intermediate_size)  # fc2: a row per (token, expert)
         if c.mla:  # one latent (+ the shared rope key) per token serves every head
-            kv = dict(attn_out_width=nq * c.v_head_dim, kv_heads=1, kv_width=c.kv_lora_rank + c.qk_rope_head_dim)
+            kv = dict(attn_out_width=nq * c.v_head_dim, kv_heads=1, kv_width=c.kv_lora_rank + c.qk_rope_head_dim,
+                      kv_bf16_width=c.qk_rope_head_dim, kv_rows=1)
+            q_up = ((1, c.q_lora_rank),) if c.q_lora_rank else ()
+            sites = ((1, h), *q_up, (1, c.kv_lora_rank), (1, nq * c.v_head_dim), (1, h), experts)
         else:
-            kv = dict(attn_out_width=nq * d, kv_heads=ng, kv_width=2 * ng * d)
+            kv = dict(attn_out_width=nq * d, kv_heads=ng, kv_width=2 * ng * d, kv_rows=2 * ng)
+            sites = ((1, h), (1, nq * d), (1, h), experts, (ng, d), (ng, d))  # qkv, proj, fc1, fc2, k, v
         return cls(name=name, vocab=c.vocab_size, hidden=h, layers=c.num_layers,
-                   attn_params=c.attention_linear_params, q_heads=nq, **kv,
+                   attn_params=c.attention_linear_params, q_heads=nq, **kv, sites=sites,
                    norm_params=2 * h + c.attention_other_params, experts=c.num_experts,
                    moe_ffn=c.moe_intermediate_size, top_k=c.top_k, shared_ffn=c.shared_expert_size,
                    dense_layers=c.first_k_dense_replace, dense_ffn=c.intermediate_size,
                    tie_embeddings=c.tie_word_embeddings, implemented=c.unbuilt)
+
+    def kv_bytes_per_token(self, fp4: bool) -> float:
+        """KV-cache bytes per token and layer: FP4 codes + E4M3 block scales + a float32 global scale
+        per row (the BF16 part as BF16), or all BF16."""
+        if not fp4:
+            return 2 * self.kv_width
+        quantized = self.kv_width - self.kv_bf16_width
+        return quantized * (0.5 + 1 / 16) + 2 * self.kv_bf16_width + 4 * self.kv_rows
 
     @property
     def moe_layers(self) -> int:

@@ -144,14 +144,6 @@ def _peak(items: dict[str, float]) -> float:
     return static + max(sync_only, fwd_only)
 
 
-def _site_shapes(arch: Architecture) -> list[tuple[int, int]]:
-    """(rows per token, columns) of one layer's FP4 sites: qkv, proj, fc1, fc2 (a row per routed
-    expert), k and v (a row per KV head)."""
-    head = arch.kv_width // (2 * arch.kv_heads)
-    return [(1, arch.hidden), (1, arch.attn_out_width), (1, arch.hidden), (arch.top_k, arch.moe_ffn),
-            (arch.kv_heads, head), (arch.kv_heads, head)]
-
-
 def guidance_bytes_per_token(arch: Architecture, layer_count: int, coding: Coding | str = Coding.DENSE,
                              decoded: bool = False) -> float:
     """Guidance bytes per token for `layer_count` guided layers (guidance/record.py). Dense: per
@@ -166,7 +158,7 @@ def guidance_bytes_per_token(arch: Architecture, layer_count: int, coding: Codin
         per_row = lambda c: 4 + 2 * (c // 16) + 2 * (c // 8)
     else:
         per_row = lambda c: 4 + c / 128 + c * SPARSE_KEPT * SPARSE_BITS_PER_KEPT / 8
-    return layer_count * sum(rows * per_row(cols) for rows, cols in _site_shapes(arch))
+    return layer_count * sum(rows * per_row(cols) for rows, cols in arch.sites)
 
 
 def expert_id_bytes(arch: Architecture) -> int:
@@ -507,7 +499,7 @@ def _engine_bytes(arch: Architecture, fp4: bool, engine_tp: int, kv_tokens: int)
     fp4_all = arch.fp4_params
     norms = L * arch.norm_params + arch.hidden + arch.moe_layers * arch.experts * arch.hidden  # held in float32
     other = arch.num_params - fp4_all
-    kv_per_token = L * (arch.kv_width * (0.5 + 1 / 16) + 2 * arch.kv_heads * 4 if fp4 else arch.kv_width * 2)
+    kv_per_token = L * arch.kv_bytes_per_token(fp4)
     return {"weights (FP4 codes + scales)" if fp4 else "weights (BF16)":
             ((fp4_all * (0.5 + 1 / 16) if fp4 else 2 * fp4_all) + 2 * other + 2 * norms) / engine_tp,
             "KV cache": kv_tokens * kv_per_token / engine_tp}

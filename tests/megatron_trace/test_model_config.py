@@ -86,6 +86,11 @@ def test_deepseek_v3_preset_is_the_released_config():
     assert "yarn RoPE scaling" in preset.unbuilt
     arch = Architecture.from_model_config("deepseek-v3", preset)
     assert (arch.kv_heads, arch.kv_width, arch.attn_out_width) == (1, 512 + 64, 128 * 128)  # the MLA latent cache
+    # docs/design.md 3.1: the latent in NVFP4 (codes, E4M3 per 16, one float32 g), the rope key BF16
+    assert arch.kv_bytes_per_token(fp4=True) == 512 / 2 + 512 / 16 + 4 + 64 * 2 == 420
+    assert arch.kv_bytes_per_token(fp4=False) == 576 * 2
+    # guided rows per token: qkv_a input, q_up, the latent, proj, fc1, fc2 of 8 routed + 1 shared experts
+    assert arch.sites == ((1, 7168), (1, 1536), (1, 512), (1, 128 * 128), (1, 7168), (9, 2048))
 
 
 def test_bad_configs_name_the_field():
