@@ -23,10 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from sglang_rollout.sglang import cpu_patches  # noqa: E402 - SGLang imports torchvision/sgl_kernel at once
 
 cpu_patches.install()
-# the link step wants libcudart.so; a CUDA toolkit without a driver keeps it beside nvcc, not in /usr/local/lib64
-_cuda = Path(shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc").resolve().parents[1]
-os.environ["LIBRARY_PATH"] = os.pathsep.join(
-    [str(_cuda / "lib"), str(_cuda / "lib64"), *filter(None, [os.environ.get("LIBRARY_PATH")])])
+# the link step wants libcudart.so; a CUDA toolkit without a driver keeps it in the toolkit, not in /usr/local/lib64
+_roots = [os.environ.get("CUDA_HOME"), "/usr/local/cuda", str(Path(shutil.which("nvcc") or "/").resolve().parents[1])]
+_libs = [str(Path(r, sub)) for r in filter(None, _roots) for sub in ("lib", "lib64", "targets/x86_64-linux/lib")
+         if Path(r, sub, "libcudart.so").exists()]
+os.environ["LIBRARY_PATH"] = os.pathsep.join([*_libs, *filter(None, [os.environ.get("LIBRARY_PATH")])])
 torch.cuda.current_device = lambda: 0
 torch.cuda.get_device_capability = lambda device=None: (9, 0)
 
@@ -45,7 +46,7 @@ for name in sys.argv[1:] or BUILDS:
         BUILDS[name]()
         print(f"{name}: built and loaded")
     except Exception as e:  # noqa: BLE001 - a load failure without a GPU is expected; the build is what counts
-        print(f"{name}: {type(e).__name__}: {str(e)[:300]}")
+        print(f"{name}: {type(e).__name__}: {str(e)[-600:]}")
 
 # only the built modules travel: the object files double the carry
 for path in Path(os.environ.get("TVM_FFI_CACHE_DIR", "~/.cache/tvm-ffi")).expanduser().glob("*/*"):
