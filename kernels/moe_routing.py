@@ -88,6 +88,36 @@ def top_k_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     return top, torch.softmax(top_logits, -1)
 
 
+def top_k_sigmoid_grouped(logits: torch.Tensor, k: int, bias: torch.Tensor, *, n_group: int = 1, topk_group: int = 1,
+                          scaling: float = 1.0, normalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's router (also GLM-4.5's): (top int64 [n, k], gate float32 [n, k]).
+
+    Scores are sigmoid(logits) (float32 [n, E]). The expert bias (float32 [E], the aux-loss-free
+    balancing correction) only picks: experts are chosen by score + bias, first the topk_group of
+    n_group equal groups with the largest sum of their two best biased scores, then the top k of
+    those groups' experts, by descending biased score. Gates are the chosen experts' unbiased
+    scores, divided by their sum (+1e-20) when `normalize`, times `scaling`. The reference is
+    DeepSeek-V3's inference code (and transformers' DeepseekV3TopkRouter, which the tests use).
+    """
+    n, e = logits.shape
+    if bias.shape != (e,) or e % n_group or not 1 <= topk_group <= n_group or not 1 <= k <= e * topk_group // n_group:
+        raise ValueError(f"top_k_sigmoid_grouped: {e} experts, bias {tuple(bias.shape)}, {n_group} groups keeping "
+                         f"{topk_group} and top-{k} do not fit")
+    scores = logits.float().sigmoid()
+    choice = scores + bias.float()
+    if n_group > 1:
+        grouped = choice.view(n, n_group, e // n_group)
+        group_score = grouped.topk(min(2, e // n_group), dim=-1).values.sum(-1)
+        keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, group_score.topk(topk_group, -1).indices,
+                                                                        True)
+        choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(n, e)
+    top = choice.topk(k, dim=-1).indices
+    gate = scores.gather(1, top)
+    if normalize:
+        gate = gate / (gate.sum(-1, keepdim=True) + 1e-20)
+    return top, gate * scaling
+
+
 def expert_order(top: torch.Tensor, num_experts: int, *, backend: str = "auto"):
     """(tok, slot, pos, counts) of the routing top [n, k]: row i of the expert-sorted order is
     token tok[i]'s slot slot[i]; pos inverts it; counts[e] rows go to expert e."""

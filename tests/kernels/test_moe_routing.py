@@ -111,3 +111,44 @@ def test_combine_experts_refuses_a_residual_that_does_not_fit():
 def test_combine_experts_refuses_rows_that_do_not_fit():
     with pytest.raises(ValueError, match=r"bfloat16 \[6, H\]"):
         combine_experts(torch.zeros(5, 8).bfloat16(), torch.ones(3, 2), *(torch.zeros(6, dtype=torch.long),) * 3)
+
+
+@pytest.mark.parametrize("family, n_group, topk_group, k, scaling, normalize", [
+    ("deepseek_v3", 8, 4, 8, 2.5, True),  # DeepSeek-V3's own numbers, 64 experts instead of 256
+    ("deepseek_v3", 4, 1, 3, 1.0, False),
+    ("glm4_moe", 1, 1, 8, 1.0, True),  # GLM-4.5: no groups
+])
+def test_sigmoid_grouped_router_is_transformers(family, n_group, topk_group, k, scaling, normalize):
+    """top_k_sigmoid_grouped on the router's FP32 logits chooses the experts that transformers'
+    DeepseekV3TopkRouter / Glm4MoeTopkRouter choose, with an expert bias large enough to change the
+    choice, and their gates to FP32 rounding (the normalising sum adds the k scores in another order)."""
+    from transformers import DeepseekV3Config, Glm4MoeConfig
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
+
+    from trace_kernels.moe_routing import top_k_sigmoid_grouped
+
+    e, hidden, n = 64, 96, 200
+    config_cls, router_cls = {"deepseek_v3": (DeepseekV3Config, DeepseekV3TopkRouter),
+                              "glm4_moe": (Glm4MoeConfig, Glm4MoeTopkRouter)}[family]
+    config = config_cls(hidden_size=hidden, n_routed_experts=e, num_experts_per_tok=k, n_group=n_group,
+                        topk_group=topk_group, routed_scaling_factor=scaling, norm_topk_prob=normalize)
+    router = router_cls(config)
+    g = torch.Generator().manual_seed(k)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(e, hidden, generator=g) / hidden**0.5)
+        router.e_score_correction_bias.copy_(torch.randn(e, generator=g) * 0.1)
+    h = torch.randn(n, hidden, generator=g).bfloat16()
+    with torch.no_grad():
+        logits, want_gate, want_top = router(h)
+    top, gate = top_k_sigmoid_grouped(logits, k, router.e_score_correction_bias, n_group=n_group,
+                                      topk_group=topk_group, scaling=scaling, normalize=normalize)
+    order, want_order = top.argsort(-1), want_top.argsort(-1)  # transformers' top k is unsorted
+    assert torch.equal(top.gather(1, order), want_top.gather(1, want_order))
+    torch.testing.assert_close(gate.gather(1, order), want_gate.gather(1, want_order), rtol=1e-6, atol=0)
+    unbiased = top_k_sigmoid_grouped(logits, k, torch.zeros(e), n_group=n_group, topk_group=topk_group)[0]
+    assert not torch.equal(unbiased.sort(-1).values, top.sort(-1).values)  # the bias did pick
+    by_score = (logits.sigmoid() + router.e_score_correction_bias).gather(1, top)
+    assert (by_score[:, :-1] >= by_score[:, 1:]).all()  # descending biased score
+    with pytest.raises(ValueError, match="do not fit"):
+        top_k_sigmoid_grouped(logits, k, torch.zeros(e + 1), n_group=n_group, topk_group=topk_group)
