@@ -4,6 +4,8 @@
   cast, an FP32 GEMM and its split-K reduction, a two-kernel top-k and a softmax: six launches
   at decode sizes, against two here (logits in split-H partial sums; then their sum in a fixed
   order, top k and softmax per token).
+- `top_k_sigmoid_grouped`: the DeepSeek-V3 family's selection (sigmoid scores, an expert bias
+  that only picks, group-limited top-k, scaled gates), on FP32 logits (torch).
 - `expert_order`: the stable order of the (token, slot) rows by expert (rows of one expert keep
   their token order), with the per-expert row counts and each row's position. torch needs a
   radix sort, two integer divisions and a scatter-add for it: at decode sizes, five launches.
