@@ -116,15 +116,20 @@ class ModelConfig:
     def unbuilt(self) -> str:
         """What this architecture asks for that TRACE's trainer and engines do not build yet
         (empty: everything is built); training refuses the config with it."""
+        c = self
         missing = [what for what, asked in (
-            ("multi-head latent attention", self.mla), ("shared experts", self.n_shared_experts > 0),
-            ("dense leading layers", self.first_k_dense_replace > 0),
-            ("sigmoid routing with an expert-bias correction", self.scoring_func == "sigmoid"),
-            ("group-limited top-k", self.n_group > 1), ("scaled routed gates", self.routed_scaling_factor != 1.0),
-            ("unnormalised top-k gates", not self.norm_topk_prob), ("attention biases", self.attention_bias),
-            ("attention without q/k norm", not self.use_qk_norm and not self.mla),
-            ("partial rotary embeddings", self.partial_rotary_factor != 1.0),
-            (f"{self.rope_type} RoPE scaling", self.rope_type != "default")) if asked]
+            (f"multi-head latent attention (kv_lora_rank={c.kv_lora_rank})", c.mla),
+            (f"shared experts (n_shared_experts={c.n_shared_experts})", c.n_shared_experts > 0),
+            (f"dense leading layers (first_k_dense_replace={c.first_k_dense_replace})", c.first_k_dense_replace > 0),
+            ("sigmoid routing with an expert-bias correction (scoring_func='sigmoid')", c.scoring_func == "sigmoid"),
+            (f"group-limited top-k (n_group={c.n_group})", c.n_group > 1),
+            (f"scaled routed gates (routed_scaling_factor={c.routed_scaling_factor})", c.routed_scaling_factor != 1),
+            ("unnormalised top-k gates (norm_topk_prob=False)", not c.norm_topk_prob),
+            ("attention biases (attention_bias=True)", c.attention_bias),
+            ("attention without q/k norm (use_qk_norm=False)", not c.use_qk_norm and not c.mla),
+            (f"partial rotary embeddings (partial_rotary_factor={c.partial_rotary_factor})",
+             c.partial_rotary_factor != 1.0),
+            (f"{c.rope_type} RoPE scaling (rope_scaling)", c.rope_type != "default")) if asked]
         return ", ".join(missing) + (" are" if len(missing) > 1 else " is") + " not built yet" if missing else ""
 
     def require_built(self, what: str) -> None:
