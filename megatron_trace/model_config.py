@@ -180,7 +180,7 @@ class ModelConfig:
 
 
 # ModelConfig field -> HF config key, where they differ (per model_type: DeepSeek's expert count)
-_HF_KEYS = {"num_layers": "num_hidden_layers", "top_k": "num_experts_per_tok", "num_experts": "num_experts"}
+_HF_KEYS = {"num_layers": "num_hidden_layers", "top_k": "num_experts_per_tok"}
 _HF_EXPERTS = {"qwen3_moe": "num_experts", "deepseek_v3": "n_routed_experts", "glm4_moe": "n_routed_experts"}
 _HF_SCORING = {"qwen3_moe": "softmax", "deepseek_v3": "sigmoid", "glm4_moe": "sigmoid"}  # fixed by the model code
 _REQUIRED = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "moe_intermediate_size",
@@ -215,9 +215,9 @@ def from_hf(hf: dict) -> ModelConfig:
                          "dense layers are the leading ones (first_k_dense_replace)")
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     out = {f: hf[keys.get(f, f)] for f in fields if hf.get(keys.get(f, f)) is not None}
-    out |= {"model_type": kind, "scoring_func": _HF_SCORING[kind], "rope_type": rope.get("rope_type", rope.get(
-        "type", "default")), "tie_word_embeddings":
-            bool(hf.get("tie_word_embeddings", False)), "q_lora_rank": hf.get("q_lora_rank") or 0}
+    out |= {"model_type": kind, "scoring_func": _HF_SCORING[kind], "q_lora_rank": hf.get("q_lora_rank") or 0,
+            "rope_type": rope.get("rope_type", rope.get("type", "default")),
+            "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False))}
     if kind == "deepseek_v3":
         out |= {"head_dim": hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"], "use_qk_norm": False}
     elif kind == "glm4_moe":

@@ -33,6 +33,7 @@ class Architecture:
     dense_layers: int = 0  # leading layers with a dense FFN instead of experts
     dense_ffn: int = 0
     tie_embeddings: bool = False
+    num_params: int  # the whole model's (ModelConfig.num_params)
     implemented: str = ""  # empty: trainable here; else what TRACE does not build yet (ModelConfig.unbuilt)
 
     @classmethod
@@ -53,7 +54,7 @@ class Architecture:
                    norm_params=2 * h + c.attention_other_params, experts=c.num_experts,
                    moe_ffn=c.moe_intermediate_size, top_k=c.top_k, shared_ffn=c.shared_expert_size,
                    dense_layers=c.first_k_dense_replace, dense_ffn=c.intermediate_size,
-                   tie_embeddings=c.tie_word_embeddings, implemented=c.unbuilt)
+                   tie_embeddings=c.tie_word_embeddings, num_params=c.num_params, implemented=c.unbuilt)
 
     def kv_bytes_per_token(self, fp4: bool) -> float:
         """KV-cache bytes per token and layer: FP4 codes + E4M3 block scales + a float32 global scale
@@ -77,10 +78,3 @@ class Architecture:
     def fp4_params(self) -> int:
         """Parameters at FP4 sites: every attention and FFN linear."""
         return sum(self.attn_params + sum(self.ffn_params(L)) for L in range(self.layers))
-
-    @property
-    def num_params(self) -> int:
-        """Parameters of the whole model (as ModelConfig.num_params counts them)."""
-        per_layer = sum(self.attn_params + self.norm_params + sum(self.ffn_params(L)) for L in range(self.layers))
-        router = self.moe_layers * self.experts * self.hidden
-        return per_layer + router + self.vocab * self.hidden * (1 if self.tie_embeddings else 2) + self.hidden

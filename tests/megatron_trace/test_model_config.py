@@ -51,7 +51,6 @@ def tiny_glm(**changes) -> Glm4MoeConfig:
 def test_fields_and_parameter_count_against_transformers(name, model_cls, config):
     cfg = from_hf(config.to_dict())
     assert cfg.num_params == hf_param_count(model_cls, config), name
-    assert Architecture.from_model_config(name, cfg).num_params == cfg.num_params
     assert (cfg.num_layers, cfg.top_k, cfg.moe_intermediate_size) == (
         config.num_hidden_layers, config.num_experts_per_tok, config.moe_intermediate_size)
 

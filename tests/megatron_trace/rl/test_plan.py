@@ -131,7 +131,7 @@ def test_large_layouts_fit_or_are_refused_with_the_shortfall():
     assert best.fits and best.trainer_peak <= best.limits["gpu"]
     ds = load_config(ROOT / "launch" / "configs" / "deepseek-v3.yaml")
     plan = make_plan(ds, architecture(ds))
-    assert plan.arch.num_params == PRESETS["deepseek-v3"].num_params
+    assert 671.0e9 < plan.arch.num_params < 671.1e9  # DeepSeek-V3 as released: 671 B without its MTP module
     assert plan.problems and "for trace-rl plan only: multi-head latent attention" in plan.problems[-1]
 
 
