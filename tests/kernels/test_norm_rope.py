@@ -96,33 +96,39 @@ def _empty_cache(slots, groups, d, fp4):
 @pytest.mark.parametrize("fp4", [True, False])
 @pytest.mark.parametrize("splits, d", [(0, 128), (2, 128), (2, 16)])
 def test_qk_norm_rope_into_cache_stores_keys_and_values(fp4, splits, d):
-    """Queries as qk_norm_rope; the cache afterwards holds, at the slots and nowhere else, the
-    keys qk_norm_rope returns and qkv's values: as quantize_rows_into (torch reference) stores
-    them in FP4, as they are in BF16. (Head dim 16: an FP4 block spans both rotary halves, so
-    the Triton path composes the separate kernels.)"""
+    """Queries as qk_norm_rope of the same backend; the cache afterwards holds, at the slots and
+    nowhere else, the keys that qk_norm_rope returns and qkv's values: as quantize_rows_into
+    (torch reference) stores them in FP4, as they are in BF16. (Head dim 16: an FP4 block spans
+    both rotary halves, so the Triton path composes the separate kernels.) Triton's keys may
+    differ from torch's by a BF16 ulp (the sum of squares' order), so each backend is held to
+    its own qk_norm_rope, and Triton's queries to torch's rounding."""
     n, groups, g, num_slots = 6, 2, 2, 20
     parts, qkv = _split_products(n, groups, g, d, max(splits, 1), seed=7 + splits)
     for t in (qkv, parts):
         t[..., 0, 1, -1, :] = 0.0  # an all-zero value row: scale 1, g 1
         t[..., 1, 0, -1, :16] = 0.0  # an all-zero block
-    wq, wk = torch.rand(d) + 0.5, torch.rand(d) + 0.5
+    gen = torch.Generator().manual_seed(d + splits)
+    wq, wk = torch.rand(d, generator=gen) + 0.5, torch.rand(d, generator=gen) + 0.5
     cos, sin = _rope_tables(n, d)
     slots = torch.tensor([3, 17, 0, 9, 12, 5])
     src = parts if splits else qkv
-    want_q, want_k = qk_norm_rope(qkv, wq, wk, 1e-6, cos, sin, backend="torch")
-    want_k_cache, want_v_cache = _empty_cache(num_slots, groups, d, fp4), _empty_cache(num_slots, groups, d, fp4)
-    for cache, rows in ((want_k_cache, want_k), (want_v_cache, qkv[:, :, -1])):
-        if fp4:
-            quantize_rows_into(rows, slots, cache["codes"], cache["scales"], cache["g"], backend="torch")
-        else:
-            cache["rows"][slots] = rows
+    torch_q, _ = qk_norm_rope(qkv, wq, wk, 1e-6, cos, sin, backend="torch")
     dev = triton_device()
     for backend, on in (("triton", dev), ("torch", "cpu")):
+        args = (wq.to(on), wk.to(on), 1e-6, cos.to(on), sin.to(on))
+        want_q, want_k = (t.cpu() for t in qk_norm_rope(src.to(on), *args, backend=backend))
+        want_k_cache = _empty_cache(num_slots, groups, d, fp4)
+        want_v_cache = _empty_cache(num_slots, groups, d, fp4)
+        for cache, rows in ((want_k_cache, want_k), (want_v_cache, qkv[:, :, -1])):
+            if fp4:
+                quantize_rows_into(rows, slots, cache["codes"], cache["scales"], cache["g"], backend="torch")
+            else:
+                cache["rows"][slots] = rows
         k_cache = {t: v.to(on) for t, v in _empty_cache(num_slots, groups, d, fp4).items()}
         v_cache = {t: v.to(on) for t, v in _empty_cache(num_slots, groups, d, fp4).items()}
-        q = qk_norm_rope_into_cache(src.to(on), wq.to(on), wk.to(on), 1e-6, cos.to(on), sin.to(on), k_cache, v_cache,
-                                    slots.to(on), backend=backend)
-        assert torch.equal(q.cpu(), want_q)
+        q = qk_norm_rope_into_cache(src.to(on), *args, k_cache, v_cache, slots.to(on), backend=backend)
+        assert torch.equal(q.cpu(), want_q), backend
+        _assert_torch_rounding(q, torch_q)
         for got, want in ((k_cache, want_k_cache), (v_cache, want_v_cache)):
             for name in want:
                 assert torch.equal(got[name].cpu(), want[name]), (backend, name)
