@@ -41,7 +41,7 @@ def write_checkpoint(path: Path, layers: int, experts: int, hidden: int, shard_b
     """A random BF16 HF checkpoint; returns (bytes of tensors, input-amax dict)."""
     import torch
 
-    from megatron_trace.checkpoint.qwen3_moe import hf_config, hf_shapes
+    from megatron_trace.checkpoint.hf_layout import hf_config, hf_shapes
     from megatron_trace.checkpoint.safetensors_io import ShardedWriter
     from megatron_trace.model_config import ModelConfig
 

@@ -69,7 +69,7 @@ def main() -> None:
     import sglang
     import torch
 
-    from megatron_trace.checkpoint.qwen3_moe import hf_config
+    from megatron_trace.checkpoint.hf_layout import hf_config
     from megatron_trace.model_config import PRESETS
 
     cfg = PRESETS["qwen3-30b-a3b"].replace(num_layers=args.layers)

@@ -4,8 +4,9 @@ One config for the three HF families TRACE knows (`model_type`): Qwen3-MoE (GQA 
 softmax top-k), and the DeepSeek-V3 family's pieces (multi-head latent attention, shared experts,
 dense leading layers, sigmoid routing with an expert-bias correction and group-limited top-k) that
 DeepSeek-V3 and GLM-4.5 use. Field names follow the HF config's meaning; `from_hf` reads one.
-Trainer and engines build Qwen3-MoE today: `ModelConfig.unbuilt` names what a config asks for that
-they lack, and training refuses such a config with it (`trace-rl plan` sizes it all the same).
+The Megatron trainer builds the family; the engines and the DeepSpeed trainer build Qwen3-MoE alone:
+`ModelConfig.unbuilt_in` names what a config asks for that a part lacks, and that part refuses the
+config with it (`trace-rl plan` sizes it all the same).
 
 Presets: `tiny` (tests), `demo` (the embedded default), `small` (CPU memory checks), `moe-0.4b` (the
 one-GPU RL experiment), `qwen3-30b-a3b`, `qwen3-235b-a22b`, `deepseek-v3` (plan only).
@@ -16,9 +17,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-# Full-state-dict names of the weights at FP4 sites (docs/design.md section 3); the rest stay BF16.
-FP4_WEIGHT_SITES = {"linear_qkv.weight": "qkv", "linear_proj.weight": "proj", "linear_fc1.weight": "fc1",
-                    "linear_fc2.weight": "fc2"}  # suffix -> guidance site (guidance.record.SITES)
+# Full-state-dict names of the weights at FP4 sites (docs/design.md sections 3 and 3.1), most
+# specific suffix first; the rest stay BF16. suffix -> guidance site (guidance.record.SITES)
+FP4_WEIGHT_SITES = {"shared_experts.linear_fc1.weight": "fc1", "shared_experts.linear_fc2.weight": "shared_fc2",
+                    "linear_qkv.weight": "qkv", "linear_q_down_proj.weight": "qkv", "linear_kv_down_proj.weight": "qkv",
+                    "linear_q_proj.weight": "qkv", "linear_q_up_proj.weight": "q_up",
+                    "linear_kv_up_proj.weight": "kv_up",
+                    "linear_proj.weight": "proj", "linear_fc1.weight": "fc1", "linear_fc2.weight": "fc2"}
 FP4_WEIGHT_SUFFIXES = tuple(FP4_WEIGHT_SITES)
 
 
@@ -112,30 +117,50 @@ class ModelConfig:
         """Multi-head latent attention (DeepSeek-V2/V3) rather than GQA."""
         return self.kv_lora_rank > 0
 
-    @property
-    def unbuilt(self) -> str:
-        """What this architecture asks for that TRACE's trainer and engines do not build yet
-        (empty: everything is built); training refuses the config with it."""
+    def _pieces(self) -> list[tuple[str, bool, bool]]:
+        """(what, asked for by this config, built by the Megatron trainer) for each piece beyond
+        Qwen3-MoE's. The engines and the DeepSpeed trainer build none of them yet."""
         c = self
-        missing = [what for what, asked in (
-            (f"multi-head latent attention (kv_lora_rank={c.kv_lora_rank})", c.mla),
-            (f"shared experts (n_shared_experts={c.n_shared_experts})", c.n_shared_experts > 0),
-            (f"dense leading layers (first_k_dense_replace={c.first_k_dense_replace})", c.first_k_dense_replace > 0),
-            ("sigmoid routing with an expert-bias correction (scoring_func='sigmoid')", c.scoring_func == "sigmoid"),
-            (f"group-limited top-k (n_group={c.n_group})", c.n_group > 1),
-            (f"scaled routed gates (routed_scaling_factor={c.routed_scaling_factor})", c.routed_scaling_factor != 1),
-            ("unnormalised top-k gates (norm_topk_prob=False)", not c.norm_topk_prob),
-            ("attention biases (attention_bias=True)", c.attention_bias),
-            ("attention without q/k norm (use_qk_norm=False)", not c.use_qk_norm and not c.mla),
+        # Megatron scores a group by the sum of its top (top_k / topk_group) biased scores, the
+        # reference by its top two: the same groups only when top_k == 2 * topk_group (DeepSeek-V3: 8, 4)
+        groups_as_reference = c.top_k == 2 * c.topk_group
+        return [
+            (f"multi-head latent attention (kv_lora_rank={c.kv_lora_rank})", c.mla, True),
+            (f"shared experts (n_shared_experts={c.n_shared_experts})", c.n_shared_experts > 0, True),
+            (f"dense leading layers (first_k_dense_replace={c.first_k_dense_replace})", c.first_k_dense_replace > 0,
+             True),
+            ("sigmoid routing with an expert-bias correction (scoring_func='sigmoid')", c.scoring_func == "sigmoid",
+             True),
+            (f"group-limited top-k (n_group={c.n_group}, topk_group={c.topk_group}, top_k={c.top_k})", c.n_group > 1,
+             groups_as_reference),
+            (f"scaled routed gates (routed_scaling_factor={c.routed_scaling_factor})", c.routed_scaling_factor != 1,
+             True),
+            ("unnormalised top-k gates (norm_topk_prob=False)", not c.norm_topk_prob, False),
+            ("attention biases (attention_bias=True)", c.attention_bias, True),
+            ("attention without q/k norm (use_qk_norm=False)", not c.use_qk_norm and not c.mla, True),
             (f"partial rotary embeddings (partial_rotary_factor={c.partial_rotary_factor})",
-             c.partial_rotary_factor != 1.0),
-            (f"{c.rope_type} RoPE scaling (rope_scaling)", c.rope_type != "default")) if asked]
+             c.partial_rotary_factor != 1.0, True),
+            (f"{c.rope_type} RoPE scaling (rope_scaling)", c.rope_type != "default", False)]
+
+    def unbuilt_in(self, part: str) -> str:
+        """What this architecture asks for that `part` of TRACE does not build yet (empty: it
+        builds everything asked). part: "megatron" (the Megatron trainer and its checkpoints) or
+        "all" (also the engines and the DeepSpeed trainer, which build Qwen3-MoE alone)."""
+        if part not in ("megatron", "all"):
+            raise ValueError(f"ModelConfig.unbuilt_in: part must be 'megatron' or 'all', got {part!r}")
+        missing = [what for what, asked, megatron in self._pieces() if asked and not (part == "megatron" and megatron)]
         return ", ".join(missing) + (" are" if len(missing) > 1 else " is") + " not built yet" if missing else ""
 
-    def require_built(self, what: str) -> None:
-        """ValueError naming `what` (a trainer, an engine) and `unbuilt`, if this architecture has unbuilt parts."""
-        if self.unbuilt:
-            raise ValueError(f"{what} cannot build this {self.model_type} model: {self.unbuilt} "
+    @property
+    def unbuilt(self) -> str:
+        """What some part of TRACE (trainers, engines) does not build of this architecture yet
+        (empty: everything is built); `trace-rl train` refuses the config with it."""
+        return self.unbuilt_in("all")
+
+    def require_built(self, what: str, part: str = "all") -> None:
+        """ValueError naming `what` (a trainer, an engine) and what `part` does not build, if anything."""
+        if missing := self.unbuilt_in(part):
+            raise ValueError(f"{what} cannot build this {self.model_type} model: {missing} "
                              "(`trace-rl plan` sizes it)")
 
     @property
@@ -230,23 +255,48 @@ def from_hf(hf: dict) -> ModelConfig:
 
 
 def full_weight_shapes(model_cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every weight's full Megatron name (megatron/weights.py) and shape, in a fixed order."""
-    if model_cfg.unbuilt:
-        raise ValueError(f"no Megatron weights for this {model_cfg.model_type} model: {model_cfg.unbuilt}")
-    h, d, nq, ng, f = (model_cfg.hidden_size, model_cfg.head_dim, model_cfg.num_attention_heads,
-                       model_cfg.num_key_value_heads, model_cfg.moe_intermediate_size)
-    shapes = {"embedding.word_embeddings.weight": (model_cfg.vocab_size, h), "decoder.final_layernorm.weight": (h,),
-              "output_layer.weight": (model_cfg.vocab_size, h)}
-    for L in range(model_cfg.num_layers):
+    """Every weight's (and the routers' expert-bias buffers') full Megatron name
+    (megatron/weights.py) and shape, in a fixed order."""
+    c = model_cfg
+    c.require_built("Megatron's weights", "megatron")
+    h, d, nq, ng, f = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads, c.moe_intermediate_size
+    shapes = {"embedding.word_embeddings.weight": (c.vocab_size, h), "decoder.final_layernorm.weight": (h,),
+              "output_layer.weight": (c.vocab_size, h)}
+    for L in range(c.num_layers):
         p = f"decoder.layers.{L}."
-        shapes |= {p + "input_layernorm.weight": (h,), p + "pre_mlp_layernorm.weight": (h,),
-                   p + "self_attention.linear_qkv.weight": ((nq + 2 * ng) * d, h),
-                   p + "self_attention.q_layernorm.weight": (d,), p + "self_attention.k_layernorm.weight": (d,),
-                   p + "self_attention.linear_proj.weight": (h, nq * d),
-                   p + "mlp.router.weight": (model_cfg.num_experts, h)}
-        for e in range(model_cfg.num_experts):
+        a = p + "self_attention."
+        shapes |= {p + "input_layernorm.weight": (h,), p + "pre_mlp_layernorm.weight": (h,)}
+        if c.mla:
+            if c.q_lora_rank:
+                shapes |= {a + "linear_q_down_proj.weight": (c.q_lora_rank, h),
+                           a + "q_layernorm.weight": (c.q_lora_rank,),
+                           a + "linear_q_up_proj.weight": (nq * d, c.q_lora_rank)}
+            else:
+                shapes[a + "linear_q_proj.weight"] = (nq * d, h)
+            shapes |= {a + "linear_kv_down_proj.weight": (c.kv_lora_rank + c.qk_rope_head_dim, h),
+                       a + "kv_layernorm.weight": (c.kv_lora_rank,),
+                       a + "linear_kv_up_proj.weight": (nq * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
+                       a + "linear_proj.weight": (h, nq * c.v_head_dim)}
+        else:
+            shapes[a + "linear_qkv.weight"] = ((nq + 2 * ng) * d, h)
+            if c.attention_bias:
+                shapes[a + "linear_qkv.bias"] = ((nq + 2 * ng) * d,)
+            if c.use_qk_norm:
+                shapes |= {a + "q_layernorm.weight": (d,), a + "k_layernorm.weight": (d,)}
+            shapes[a + "linear_proj.weight"] = (h, nq * d)
+        if not c.is_moe_layer(L):
+            shapes |= {p + "mlp.linear_fc1.weight": (2 * c.intermediate_size, h),
+                       p + "mlp.linear_fc2.weight": (h, c.intermediate_size)}
+            continue
+        shapes[p + "mlp.router.weight"] = (c.num_experts, h)
+        if c.scoring_func == "sigmoid":
+            shapes[p + "mlp.router.expert_bias"] = (c.num_experts,)
+        for e in range(c.num_experts):
             shapes[p + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = (2 * f, h)
             shapes[p + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = (h, f)
+        if c.n_shared_experts:
+            shapes |= {p + "mlp.shared_experts.linear_fc1.weight": (2 * c.shared_expert_size, h),
+                       p + "mlp.shared_experts.linear_fc2.weight": (h, c.shared_expert_size)}
     return shapes
 
 

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 
 def packed_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: list[int],
                             scale: float | None) -> torch.Tensor:
-    """query [T, heads, d], key / value [T, kv_heads, d] (GQA), `cu` the sequences' boundaries
-    (cu[0] = 0, cu[-1] <= T); returns [T, heads * d] in query's dtype, each sequence attending
-    causally to itself only (rows after cu[-1] are zero).
+    """query / key [T, heads, d] / [T, kv_heads, d] (GQA), value [T, kv_heads, dv] (MLA: dv != d),
+    `cu` the sequences' boundaries (cu[0] = 0, cu[-1] <= T); returns [T, heads * dv] in query's
+    dtype, each sequence attending causally to itself only (rows after cu[-1] are zero).
 
     THD attention in a few batched calls: RL and SFT packs hold hundreds of short
     sequences of many lengths, and a call per sequence (or per distinct length: ~35 per
@@ -26,13 +26,13 @@ def packed_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     (their gradients are zero)."""
     groups, keep, dest = attention_groups(tuple(cu), query.device)
     if not groups:
-        return query.new_zeros(query.shape[0], query.shape[1] * query.shape[2])
+        return query.new_zeros(query.shape[0], query.shape[1] * value.shape[2])
     outs = []
     for idx in groups:  # [sequences, width]
         q, k, v = (t[idx.reshape(-1)].unflatten(0, idx.shape).transpose(1, 2) for t in (query, key, value))
         outs.append(causal_sdpa(q, k, v, scale).transpose(1, 2).flatten(0, 1))  # [n * width, heads, d]
     # tokens after the last sequence (padding) attend to nothing: zeros
-    out = query.new_zeros(query.shape).index_copy(0, dest, torch.cat(outs).index_select(0, keep))
+    out = query.new_zeros(*query.shape[:2], value.shape[2]).index_copy(0, dest, torch.cat(outs).index_select(0, keep))
     return out.reshape(query.shape[0], -1)
 
 

@@ -19,7 +19,7 @@ import re
 from collections.abc import Callable
 
 from ..model_config import ModelConfig, full_weight_shapes
-from .qwen3_moe import hf_parts
+from .hf_layout import hf_parts
 from .safetensors_io import SafetensorsDir
 
 Table = dict[str, str]

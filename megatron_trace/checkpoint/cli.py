@@ -232,7 +232,7 @@ def audit_main(args: argparse.Namespace) -> list[str]:
         from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
         from ..deepspeed.model import attach_fp4_sites, fp4_sites
-        from .qwen3_moe import hf_config
+        from .hf_layout import hf_config
 
         with torch.device("meta"):  # the sites alone: no weights are allocated, whatever the model's size
             hf_model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**hf_config(cfg)))

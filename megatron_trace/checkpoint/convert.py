@@ -24,7 +24,7 @@ from tqdm import tqdm
 from ..model_config import ModelConfig, full_weight_shapes
 from . import dist
 from .hf import HFCheckpoint
-from .qwen3_moe import config_from_hf, hf_config, hf_dtype, to_hf
+from .hf_layout import config_from_hf, hf_config, hf_dtype, to_hf
 from .safetensors_io import ShardedWriter
 
 HF_CONFIG = "hf_config.json"

@@ -51,8 +51,12 @@ from ..model_config import ModelConfig
 
 CONFIG_FILE = "trace_model.json"
 
+# Megatron stacks identical layers along a leading axis (no layer number in the key); a model
+# whose layers differ (dense leading layers) keeps one key per layer, its experts still stacked
 _EXPERTS = re.compile(r"^decoder\.layers\.mlp\.experts\.experts\.(linear_fc[12]\.weight)$")
-_LAYERS = re.compile(r"^decoder\.layers\.([A-Za-z_][\w.]*)$")  # a layer number here: not our layout
+_LAYERS = re.compile(r"^decoder\.layers\.([A-Za-z_][\w.]*)$")
+_LAYER_EXPERTS = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.experts\.(linear_fc[12]\.weight)$")
+_LAYER = re.compile(r"^decoder\.layers\.\d+\.[A-Za-z_][\w.]*$")
 _TOP = re.compile(r"^(embedding|output_layer|decoder\.final_layernorm)\.[\w.]+$")
 _SKIPPED_BYTES = re.compile(r"(^common_state|\._extra_state)/shard_[\d._]+$")
 
@@ -155,18 +159,13 @@ def _require(directory: str | os.PathLike, name: str) -> Path:
 
 
 def _check_config(model_cfg: ModelConfig, model: torch.nn.Module, what: str) -> None:
-    """ValueError naming the first ModelConfig field in which `cfg` differs from the model."""
-    c = model.config
-    seen = dict(vocab_size=model.vocab_size, hidden_size=c.hidden_size, num_layers=c.num_layers,
-                num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_query_groups,
-                head_dim=c.kv_channels, moe_intermediate_size=c.moe_ffn_hidden_size, num_experts=c.num_moe_experts,
-                top_k=c.moe_router_topk, rope_theta=model.rotary_base, rms_norm_eps=c.layernorm_epsilon,
-                max_position_embeddings=model.max_sequence_length,
-                tie_word_embeddings=model.share_embeddings_and_output_weights)
-    model_cfg.require_built(what)  # the rest of its fields are then Qwen3-MoE's, as the model's
-    for name, value in seen.items():
-        if getattr(model_cfg, name) != value:
-            raise ValueError(f"{what} has {name}={getattr(model_cfg, name)!r}, the model {value!r}")
+    """ValueError naming the first ModelConfig field in which `model_cfg` differs from the one the
+    model was built from (`build_model` keeps it as `model.model_cfg`)."""
+    built = model.model_cfg
+    for field in dataclasses.fields(ModelConfig):
+        if getattr(model_cfg, field.name) != getattr(built, field.name):
+            raise ValueError(f"{what} has {field.name}={getattr(model_cfg, field.name)!r}, "
+                             f"the model {getattr(built, field.name)!r}")
 
 
 # ---- full tensors in one process ---------------------------------------------------------------
@@ -208,7 +207,12 @@ def _entries(md: Metadata) -> dict[str, _Entry]:
         elif (m := _LAYERS.match(key)) and ".experts." not in key:
             for layer in range(shape[0]):
                 out[f"decoder.layers.{layer}.{m.group(1)}"] = _Entry(key, (layer,), shape[1:], dtype)
-        elif _TOP.match(key):
+        elif m := _LAYER_EXPERTS.match(key):
+            experts, *rest = shape
+            for e in range(experts):
+                name = f"decoder.layers.{m.group(1)}.mlp.experts.local_experts.{e}.{m.group(2)}"
+                out[name] = _Entry(key, (e,), tuple(rest), dtype)
+        elif _LAYER.match(key) and ".experts." not in key or _TOP.match(key):
             out[key] = _Entry(key, (), shape, dtype)
         else:
             raise ValueError(f"checkpoint tensor {key!r} {list(shape)} is not in a layout this reader knows")

@@ -34,7 +34,7 @@ from tqdm import tqdm
 from trace_kernels.fp4 import quantize
 
 from ..model_config import ModelConfig, fp4_site_of, full_weight_shapes
-from .qwen3_moe import hf_dtype, hf_parts, to_hf
+from .hf_layout import hf_dtype, hf_parts, to_hf
 from .safetensors_io import ShardedWriter
 
 FORMATS = ("modelopt", "compressed-tensors")
@@ -196,7 +196,7 @@ def load_fp4_export(directory: str | os.PathLike) -> tuple[ModelConfig, dict]:
     linears of one weight disagree on the global scale, or an unknown format."""
     from trace_kernels.fp4 import Format, QTensor
 
-    from .qwen3_moe import config_from_hf, to_megatron
+    from .hf_layout import config_from_hf, to_megatron
     from .safetensors_io import SafetensorsDir
 
     ckpt = SafetensorsDir(directory)

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from ..model_config import full_weight_shapes
-from .qwen3_moe import config_from_hf, hf_parts, hf_shapes, to_megatron
+from .hf_layout import config_from_hf, hf_parts, hf_shapes, to_megatron
 from .safetensors_io import SafetensorsDir
 
 # which config.json fields decide each HF tensor's shape (named in shape errors)
@@ -49,7 +49,8 @@ class HFCheckpoint(Mapping):
         if missing:
             raise ValueError(f"{path}: {len(missing)} tensors that config.json implies are missing, e.g. {missing[0]}")
         if unknown:
-            raise ValueError(f"{path}: {len(unknown)} tensors that a Qwen3-MoE with this config.json does not have, "
+            raise ValueError(f"{path}: {len(unknown)} tensors that a {self.model_cfg.model_type} model with this "
+                             f"config.json does not have, "
                              f"e.g. {unknown[0]} (not converted: nothing is dropped silently)")
         for name, shape in want.items():
             if self.dir.shapes[name] != shape:

@@ -19,7 +19,7 @@ from itertools import groupby
 import torch
 import torch.distributed as dist
 
-from ..checkpoint.qwen3_moe import full_weight_shapes, hf_parts, to_megatron
+from ..checkpoint.hf_layout import full_weight_shapes, hf_parts, to_megatron
 from ..model_config import FP4_WEIGHT_SUFFIXES, ModelConfig
 from ..weight_buckets import NVFP4, Buckets, Piece, Source, amax_of
 
@@ -130,7 +130,7 @@ def save_hf(model: torch.nn.Module, model_cfg: ModelConfig, out, max_shard_bytes
     """The model's weights as an HF checkpoint at `out` (sharded safetensors, index, config.json;
     BF16), written by rank 0 as they are gathered, a layer at a time; the directory appears
     complete or not at all. Collective under ZeRO-3 (the gathers): call on every rank."""
-    from ..checkpoint.qwen3_moe import hf_config, to_hf
+    from ..checkpoint.hf_layout import hf_config, to_hf
     from ..checkpoint.safetensors_io import ShardedWriter
 
     rank0 = not dist.is_initialized() or dist.get_rank() == 0

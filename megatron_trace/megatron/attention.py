@@ -39,8 +39,11 @@ class FP4CoreAttention(DotProductAttention):
 
     k_site: FP4Site | None = None
     v_site: FP4Site | None = None
+    caches_kv: bool = True  # False under MLA: the engine caches the latent (its own site), not K and V
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None, **kwargs):
+        # MLA passes its head widths (as to Transformer Engine's attention); they are the inputs'
+        # last dimensions here, and MLA passes its softmax scale with them
         super().__init__(*args, **kwargs)
         self.rope: torch.nn.Module | None = None  # Megatron's RotaryEmbedding (build_model sets it); None: no RoPE
 

@@ -1,4 +1,4 @@
-"""Qwen3-MoE-style GPT models in Megatron-core with TRACE's FP4 sites.
+"""TRACE's MoE GPT models (Qwen3-MoE, DeepSeek-V3, GLM-4.5) in Megatron-core with TRACE's FP4 sites.
 
 `ModelConfig` (model_config.py) holds the architecture; `build_model` builds this rank's pipeline stage under
 the current Megatron parallel state; `set_precision` switches every FP4 site between the trainer precisions
@@ -14,7 +14,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.enums import AttnBackend
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from ..model_config import ModelConfig
 from ..modes import TrainerPrecision
@@ -22,22 +22,28 @@ from . import context
 from .attention import FP4CoreAttention
 from .experts import TraceGroupedMLP
 from .linear import _FP4LinearMixin
+from .mla import TraceMLASelfAttention
 from .moe import TraceMoELayer
+from .norm import LatentNorm
 from .qat import FP4Site, Shard
 from .spec import trace_block_spec
 
 
 def transformer_config(model_cfg: ModelConfig, *, dispatcher: str = "alltoall", recompute: str | None = None,
                        params_dtype: torch.dtype = torch.bfloat16, **overrides) -> TransformerConfig:
-    """Megatron TransformerConfig for `cfg` under the current parallel state.
+    """Megatron TransformerConfig for `model_cfg` under the current parallel state (an
+    MLATransformerConfig for multi-head latent attention).
 
     dispatcher: "alltoall" or "allgather". recompute: None, "full" (every layer) or "selective"
     (the MoE layers). Sequence parallelism is on whenever tensor parallelism is.
     """
-    model_cfg.require_built("the Megatron trainer")
+    c = model_cfg
+    c.require_built("the Megatron trainer", "megatron")
     tp = ps.get_tensor_model_parallel_world_size()
-    if model_cfg.num_key_value_heads % tp:
-        raise ValueError(f"tensor parallel size {tp} must divide num_key_value_heads={model_cfg.num_key_value_heads}")
+    heads = c.num_attention_heads if c.mla else c.num_key_value_heads
+    if heads % tp:
+        raise ValueError(f"tensor parallel size {tp} must divide the {'attention' if c.mla else 'key/value'} "
+                         f"heads ({heads})")
     rc = {}
     if recompute == "full":
         rc = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
@@ -45,16 +51,24 @@ def transformer_config(model_cfg: ModelConfig, *, dispatcher: str = "alltoall", 
         rc = {"recompute_granularity": "selective", "recompute_modules": ["moe"]}
     elif recompute is not None:
         raise ValueError(f"recompute must be None, 'full' or 'selective', got {recompute!r}")
+    sigmoid = c.scoring_func == "sigmoid"
     kw = dict(
-        num_layers=model_cfg.num_layers, hidden_size=model_cfg.hidden_size,
-        num_attention_heads=model_cfg.num_attention_heads,
-        num_query_groups=model_cfg.num_key_value_heads, kv_channels=model_cfg.head_dim,
-        ffn_hidden_size=model_cfg.moe_intermediate_size, moe_ffn_hidden_size=model_cfg.moe_intermediate_size,
-        num_moe_experts=model_cfg.num_experts, moe_router_topk=model_cfg.top_k, moe_router_pre_softmax=False,
+        num_layers=c.num_layers, hidden_size=c.hidden_size,
+        num_attention_heads=c.num_attention_heads, num_query_groups=heads, kv_channels=c.head_dim,
+        ffn_hidden_size=c.intermediate_size or c.moe_intermediate_size, moe_ffn_hidden_size=c.moe_intermediate_size,
+        moe_layer_freq=[int(c.is_moe_layer(L)) for L in range(c.num_layers)],
+        num_moe_experts=c.num_experts, moe_router_topk=c.top_k, moe_router_pre_softmax=False,
+        moe_router_score_function=c.scoring_func, moe_router_enable_expert_bias=sigmoid,
+        # DeepSeek-V3's bias update speed (its paper's gamma); Megatron applies it at each optimizer step
+        moe_router_bias_update_rate=1e-3,
+        moe_router_num_groups=c.n_group if c.n_group > 1 else None,
+        moe_router_group_topk=c.topk_group if c.n_group > 1 else None,
+        moe_router_topk_scaling_factor=c.routed_scaling_factor if c.routed_scaling_factor != 1 else None,
+        moe_shared_expert_intermediate_size=c.shared_expert_size or None,
         moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_token_dispatcher_type=dispatcher,
         moe_enable_routing_replay=True, moe_router_dtype="fp32",
-        normalization="RMSNorm", layernorm_epsilon=model_cfg.rms_norm_eps, qk_layernorm=True,
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=False,
+        normalization="RMSNorm", layernorm_epsilon=c.rms_norm_eps, qk_layernorm=c.use_qk_norm or c.mla,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=c.attention_bias,
         hidden_dropout=0.0, attention_dropout=0.0, bf16=params_dtype == torch.bfloat16, params_dtype=params_dtype,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
         expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
@@ -66,7 +80,12 @@ def transformer_config(model_cfg: ModelConfig, *, dispatcher: str = "alltoall", 
         variable_seq_lengths=ps.get_pipeline_model_parallel_world_size() > 1 and dispatcher == "alltoall",
     )
     kw.update(overrides)
-    return TransformerConfig(**kw)
+    if not c.mla:
+        return TransformerConfig(**kw)
+    return MLATransformerConfig(
+        **kw, multi_latent_attention=True, q_lora_rank=c.q_lora_rank or None, kv_lora_rank=c.kv_lora_rank,
+        qk_head_dim=c.qk_nope_head_dim, qk_pos_emb_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim,
+        rope_type="rope", rotary_base=c.rope_theta, rotary_scaling_factor=1.0)  # 1.0: no YaRN softmax mscale
 
 
 class TraceGPTModel(GPTModel):
@@ -103,11 +122,13 @@ def build_model(model_cfg: ModelConfig, precision: TrainerPrecision | str = Trai
         position_embedding_type="none", parallel_output=True,  # RoPE: in FP4CoreAttention (attention.py says why)
         rotary_base=int(model_cfg.rope_theta),  # unused by GPTModel here, but what checkpoints read back
     )
-    model.rope = RotaryEmbedding(kv_channels=tcfg.kv_channels, rotary_percent=1.0,
-                                 rotary_interleaved=tcfg.rotary_interleaved, rotary_base=int(model_cfg.rope_theta),
-                                 use_cpu_initialization=tcfg.use_cpu_initialization)
-    for layer in model.decoder.layers:
-        layer.self_attention.core_attention.rope = model.rope
+    model.model_cfg = model_cfg
+    if not model_cfg.mla:  # MLA applies its decoupled RoPE itself
+        model.rope = RotaryEmbedding(kv_channels=tcfg.kv_channels, rotary_percent=model_cfg.partial_rotary_factor,
+                                     rotary_interleaved=tcfg.rotary_interleaved, rotary_base=int(model_cfg.rope_theta),
+                                     use_cpu_initialization=tcfg.use_cpu_initialization)
+        for layer in model.decoder.layers:
+            layer.self_attention.core_attention.rope = model.rope
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     attach_sites(model)
@@ -127,37 +148,66 @@ def attach_sites(model: torch.nn.Module) -> None:
     seq = tp if model.config.sequence_parallel else None
     for layer in model.decoder.layers:
         li = layer.layer_number - 1
-        attn, moe = layer.self_attention, layer.mlp
-        attn.linear_qkv.fp4_site = FP4Site(name="qkv", layer=li, weight_group=tp_group, tokens=seq)
+        attn, mlp = layer.self_attention, layer.mlp
+        if isinstance(attn, TraceMLASelfAttention):
+            _attach_mla_sites(attn, li, tp_group, seq)
+        else:
+            attn.linear_qkv.fp4_site = FP4Site(name="qkv", layer=li, weight_group=tp_group, tokens=seq)
+            attn.core_attention.k_site = FP4Site(name="k", layer=li, heads=tp)
+            attn.core_attention.v_site = FP4Site(name="v", layer=li, heads=tp)
         attn.linear_proj.fp4_site = FP4Site(name="proj", layer=li, weight_group=tp_group, row_group=tp_group, cols=tp)
-        attn.core_attention.k_site = FP4Site(name="k", layer=li, heads=tp)
-        attn.core_attention.v_site = FP4Site(name="v", layer=li, heads=tp)
-        moe.tokens = seq
-        moe.fc1_input = FP4Site(name="fc1", layer=li, tokens=seq)
-        for e, expert in enumerate(moe.experts.local_experts):
+        if not isinstance(mlp, TraceMoELayer):  # a dense leading layer: token rows, tensor-parallel
+            mlp.linear_fc1.fp4_site = FP4Site(name="fc1", layer=li, weight_group=tp_group, tokens=seq)
+            mlp.linear_fc2.fp4_site = FP4Site(name="fc2", layer=li, weight_group=tp_group, row_group=tp_group, cols=tp)
+            continue
+        mlp.tokens = seq
+        mlp.fc1_input = FP4Site(name="fc1", layer=li, tokens=seq)
+        for e, expert in enumerate(mlp.experts.local_experts):
             expert.linear_fc1.fp4_site = FP4Site(name="fc1", layer=li, weight_group=etp_group, expert=e,
                                                  quantizes_input=False)
             expert.linear_fc2.fp4_site = FP4Site(name="fc2", layer=li, weight_group=etp_group, row_group=etp_group,
                                                  cols=etp, expert=e)
-        if isinstance(moe.experts, TraceGroupedMLP):
-            moe.experts.fc1_site = FP4Site(name="fc1", layer=li, weight_group=etp_group, all_experts=True,
+        if isinstance(mlp.experts, TraceGroupedMLP):
+            mlp.experts.fc1_site = FP4Site(name="fc1", layer=li, weight_group=etp_group, all_experts=True,
                                            quantizes_input=False)
-            moe.experts.fc2_site = FP4Site(name="fc2", layer=li, weight_group=etp_group, row_group=etp_group, cols=etp,
+            mlp.experts.fc2_site = FP4Site(name="fc2", layer=li, weight_group=etp_group, row_group=etp_group, cols=etp,
                                            all_experts=True)
+        if mlp.shared_experts is not None:  # fc1 reads the routed experts' input row, with its guidance
+            shared = mlp.shared_experts
+            shared.linear_fc1.fp4_site = FP4Site(name="fc1", layer=li, weight_group=tp_group, tokens=seq)
+            shared.linear_fc2.fp4_site = FP4Site(name="shared_fc2", layer=li, weight_group=tp_group,
+                                                 row_group=tp_group, cols=tp)
     missing = [name for name, m in model.named_modules()
                if (isinstance(m, _FP4LinearMixin) and m.fp4_site is None)
-               or (isinstance(m, FP4CoreAttention) and m.k_site is None)]
+               or (isinstance(m, FP4CoreAttention) and m.caches_kv and m.k_site is None)
+               or (isinstance(m, LatentNorm) and m.fp4_site is None)]
     if missing:
         raise RuntimeError(f"FP4 modules without a site (they would stay in BF16): {missing}")
+
+
+def _attach_mla_sites(attn: TraceMLASelfAttention, li: int, tp_group, seq: Shard | None) -> None:
+    """MLA's sites (mla.py): q/kv down projections one `qkv` site with a shared weight scale,
+    `q_up`, the latent `kv`, the KV up projection's weight."""
+    down = [m for m in (getattr(attn, "linear_q_down_proj", None), attn.linear_kv_down_proj) if m is not None]
+    for m in down:
+        m.fp4_site = FP4Site(name="qkv", layer=li, weight_group=tp_group, tokens=seq,
+                             weight_peers=tuple(o.weight for o in down if o is not m))
+    if hasattr(attn, "linear_q_up_proj"):
+        attn.linear_q_up_proj.fp4_site = FP4Site(name="q_up", layer=li, weight_group=tp_group, tokens=seq)
+    else:  # no query low-rank: the query projection reads the hidden state, as the KV down projection
+        attn.linear_q_proj.fp4_site = FP4Site(name="qkv", layer=li, weight_group=tp_group, tokens=seq)
+    attn.kv_layernorm.fp4_site = FP4Site(name="kv", layer=li, tokens=seq)
+    attn.linear_kv_up_proj.fp4_site = FP4Site(name="kv_up", layer=li, weight_group=tp_group, quantizes_input=False)
+    attn.core_attention.caches_kv = False  # the engine caches the latent, not K and V
 
 
 def fp4_sites(model: torch.nn.Module) -> list[FP4Site]:
     """Every FP4 site of the model (the audit's view of the trainer)."""
     sites = []
     for m in model.modules():
-        if isinstance(m, _FP4LinearMixin):
+        if isinstance(m, (_FP4LinearMixin, LatentNorm)):
             sites.append(m.fp4_site)
-        elif isinstance(m, FP4CoreAttention):
+        elif isinstance(m, FP4CoreAttention) and m.caches_kv:
             sites += [m.k_site, m.v_site]
         elif isinstance(m, TraceGroupedMLP):
             sites += [m.fc1_site, m.fc2_site]

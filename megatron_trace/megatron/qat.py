@@ -46,13 +46,6 @@ def all_reduce_max(t: torch.Tensor, group) -> torch.Tensor:
     return t
 
 
-def fake_quant_weight(w: torch.Tensor, group=None) -> torch.Tensor:
-    """NVFP4 fake quant of a weight shard [out, in] (blocks along `in`), with the global scale
-    of the whole logical tensor whose shards live on `group`. Returns w's shape and dtype."""
-    amax = all_reduce_max(w.detach().abs().amax().float(), group)
-    return fake_quantize(w, "nvfp4", scale="tensor", global_amax=amax, check_finite=False)
-
-
 def _expert_amax(w_ENK: torch.Tensor, group) -> torch.Tensor:
     return all_reduce_max(w_ENK.detach().abs().amax(dim=(1, 2)).float().reshape(-1, 1), group)
 
@@ -101,10 +94,11 @@ class _CachedSTE(torch.autograd.Function):
         return (None, None, *(g.unbind(0) if ctx.stacked else (g,)))
 
 
-def _cached(params: list[torch.Tensor], compute):
-    """compute() -> QTensor of the weight(s); cached as (dequantized weight, STE mask)."""
-    key = tuple(id(p) for p in params)
-    version = tuple(p._version for p in params)
+def _cached(params: list[torch.Tensor], compute, peers: tuple = ()):
+    """compute() -> QTensor of the weight(s); cached as (dequantized weight, STE mask). `peers`:
+    other tensors the result depends on (a shared global scale's)."""
+    key = tuple(id(p) for p in (*params, *peers))
+    version = tuple(p._version for p in (*params, *peers))
     hit = _weight_cache.get(key)
     if hit is None or hit[0] != version:
         with torch.no_grad():
@@ -174,6 +168,8 @@ class FP4Site:
     all_experts: for fc2 of grouped experts: the rows of every local expert at once.
     quantizes_input: False for the experts' fc1, whose input is quantized per token before
         dispatch (the MoE layer's `fc1_input` site).
+    weight_peers: weights quantized with this one as one logical tensor (MLA's query and KV down
+        projections): the global scale is taken over all of them.
     """
 
     name: str
@@ -187,6 +183,7 @@ class FP4Site:
     expert: int | None = None
     all_experts: bool = False
     quantizes_input: bool = True
+    weight_peers: tuple = ()
 
     @property
     def active(self) -> bool:
@@ -197,9 +194,16 @@ class FP4Site:
         if not self.active:
             return w
         if _weight_cache is None:
-            return fake_quant_weight(w, self.weight_group)
-        return _cached([w], lambda t: quantize(
-            t, "nvfp4", global_amax=all_reduce_max(t.abs().amax().float(), self.weight_group), check_finite=False))
+            return fake_quantize(w, "nvfp4", scale="tensor", global_amax=self._weight_amax(w), check_finite=False)
+        return _cached([w], lambda t: quantize(t, "nvfp4", global_amax=self._weight_amax(t), check_finite=False),
+                       self.weight_peers)
+
+    def _weight_amax(self, w: torch.Tensor) -> torch.Tensor:
+        """The amax of the whole logical tensor: over this shard, its peers' and the other shards."""
+        amax = w.detach().abs().amax().float()
+        for peer in self.weight_peers:
+            amax = torch.maximum(amax, peer.detach().abs().amax().float())
+        return all_reduce_max(amax, self.weight_group)
 
     def quantize_expert_weights(self, weights: list[torch.Tensor]) -> torch.Tensor:
         """Fake quant of the local experts' weights (each [N, K]) stacked to [E, N, K], one global

@@ -1,22 +1,27 @@
-"""The Megatron-core layer spec of a Qwen3-MoE-style GPT layer with TRACE's FP4 sites.
+"""The Megatron-core layer specs of TRACE's MoE models, with TRACE's FP4 sites.
 
-Local backend only (Transformer Engine is not required): GQA self-attention with QK RMSNorm
-and RoPE, a top-k softmax router, routed experts without shared experts. The QKV and output
-projections, each expert's fc1/fc2 and core attention's K/V are the FP4 sites of docs/design.md
-section 3; norms, router, embeddings and the output head stay in high precision.
+Local backend only (Transformer Engine is not required). Attention is GQA with optional QK RMSNorm
+and QKV biases (Qwen3-MoE, GLM-4.5) or multi-head latent attention (DeepSeek-V3, `mla.py`); the
+FFN is a MoE layer (top-k softmax or sigmoid router, routed experts, optional shared experts) or,
+in the leading `first_k_dense_replace` layers, a dense SwiGLU MLP. The linears, core attention's
+K/V and MLA's KV latent are the FP4 sites of docs/design.md sections 3 and 3.1; norms, router,
+embeddings and the output head stay in high precision.
 """
 
 from __future__ import annotations
 
 from functools import partial
 
-import torch
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.moe.moe_layer import MoESubmodules
+from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+from megatron.core.transformer.multi_latent_attention import MLASelfAttentionSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
@@ -26,27 +31,15 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import (
     TransformerLayer,
     TransformerLayerSubmodules,
+    get_transformer_layer_offset,
 )
 
 from .attention import FP4CoreAttention
 from .experts import TraceGroupedMLP, TraceSequentialMLP
 from .linear import FP4ColumnParallelLinear, FP4RowParallelLinear
+from .mla import TraceMLASelfAttention
 from .moe import TraceMoELayer
-
-
-class TraceRMSNorm(torch.nn.RMSNorm):
-    """torch RMSNorm (float32 weight) that also runs under sequence parallelism.
-
-    Megatron's local norm refuses sequence parallelism without Transformer Engine or Apex, yet
-    MoE layers need it with tensor parallelism. The norm is pointwise over tokens, so it only
-    has to mark its weight `sequence_parallel`: finalize_model_grads then all-reduces the
-    weight's gradient over the tensor-parallel group (each rank saw other tokens, or for QK
-    norms other heads).
-    """
-
-    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, **_):
-        super().__init__(hidden_size, eps=eps)
-        self.weight.sequence_parallel = config.sequence_parallel
+from .norm import LatentNorm, TraceRMSNorm
 
 
 class FP4SpecProvider(LocalSpecProvider):
@@ -63,36 +56,62 @@ class FP4SpecProvider(LocalSpecProvider):
 
     def grouped_mlp_modules(self, moe_use_grouped_gemm: bool):
         experts = TraceGroupedMLP if moe_use_grouped_gemm else TraceSequentialMLP
-        return partial(experts, submodules=MLPSubmodules(
-            linear_fc1=FP4ColumnParallelLinear, linear_fc2=FP4RowParallelLinear, activation_func=None))
+        return partial(experts, submodules=_fp4_mlp())
 
 
-def trace_layer_spec(grouped_gemm: bool = False) -> ModuleSpec:
-    """TransformerLayer spec: RMSNorm, QK-norm GQA attention, TRACE MoE layer whose experts run
-    one after another (`grouped_gemm=False`) or as grouped GEMMs."""
-    backend = FP4SpecProvider()
-    norm = qk_norm = TraceRMSNorm
+def _fp4_mlp() -> MLPSubmodules:
+    return MLPSubmodules(linear_fc1=FP4ColumnParallelLinear, linear_fc2=FP4RowParallelLinear, activation_func=None)
+
+
+def _gqa_attention(config: TransformerConfig) -> ModuleSpec:
+    qk_norm = TraceRMSNorm if config.qk_layernorm else IdentityOp
+    return ModuleSpec(module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+                      submodules=SelfAttentionSubmodules(
+                          linear_qkv=FP4ColumnParallelLinear, core_attention=FP4CoreAttention,
+                          linear_proj=FP4RowParallelLinear, q_layernorm=qk_norm, k_layernorm=qk_norm))
+
+
+def _mla_attention() -> ModuleSpec:
+    # Megatron accepts the down projections only as its own ColumnParallelLinear (an identity
+    # check); TraceMLASelfAttention makes them FP4 linears once built.
+    return ModuleSpec(module=TraceMLASelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+                      submodules=MLASelfAttentionSubmodules(
+                          linear_q_proj=FP4ColumnParallelLinear, linear_q_down_proj=ColumnParallelLinear,
+                          linear_q_up_proj=FP4ColumnParallelLinear, linear_kv_down_proj=ColumnParallelLinear,
+                          linear_kv_up_proj=FP4ColumnParallelLinear, core_attention=FP4CoreAttention,
+                          linear_proj=FP4RowParallelLinear, q_layernorm=TraceRMSNorm, kv_layernorm=LatentNorm))
+
+
+def _moe(grouped_gemm: bool, shared_experts: bool):
+    experts = FP4SpecProvider().grouped_mlp_modules(grouped_gemm)
+    shared = partial(SharedExpertMLP, submodules=_fp4_mlp()) if shared_experts else None
+    return partial(TraceMoELayer, submodules=MoESubmodules(experts=experts, shared_experts=shared))
+
+
+def trace_layer_spec(config: TransformerConfig, moe: bool = True, grouped_gemm: bool = False) -> ModuleSpec:
+    """TransformerLayer spec: RMSNorms, GQA or MLA attention (as `config` says), and a TRACE MoE
+    layer whose experts run one after another (`grouped_gemm=False`) or as grouped GEMMs, or
+    (`moe=False`) a dense SwiGLU MLP."""
+    attention = _mla_attention() if config.multi_latent_attention else _gqa_attention(config)
+    mlp = (_moe(grouped_gemm, bool(config.moe_shared_expert_intermediate_size)) if moe
+           else partial(MLP.as_mlp_submodule, submodules=_fp4_mlp()))
     return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
-        input_layernorm=norm,
-        self_attention=ModuleSpec(
-            module=SelfAttention,
-            params={"attn_mask_type": AttnMaskType.causal},
-            submodules=SelfAttentionSubmodules(
-                linear_qkv=backend.column_parallel_linear(),
-                core_attention=backend.core_attention(),
-                linear_proj=backend.row_parallel_linear(),
-                q_layernorm=qk_norm,
-                k_layernorm=qk_norm,
-            ),
-        ),
-        self_attn_bda=get_bias_dropout_add,
-        pre_mlp_layernorm=norm,
-        mlp=partial(TraceMoELayer, submodules=MoESubmodules(experts=backend.grouped_mlp_modules(grouped_gemm))),
-        mlp_bda=get_bias_dropout_add,
-    ))
+        input_layernorm=TraceRMSNorm, self_attention=attention, self_attn_bda=get_bias_dropout_add,
+        pre_mlp_layernorm=TraceRMSNorm, mlp=mlp, mlp_bda=get_bias_dropout_add))
+
+
+def moe_layer_pattern(config: TransformerConfig) -> list[bool]:
+    """Whether each layer of the whole model (not just this stage) has experts."""
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        return [i % freq == 0 for i in range(config.num_layers)]
+    return [bool(x) for x in freq]
 
 
 def trace_block_spec(config: TransformerConfig, grouped_gemm: bool = False) -> TransformerBlockSubmodules:
-    """The decoder of this pipeline stage: its layers and the final norm."""
-    layer = trace_layer_spec(grouped_gemm)
-    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=TraceRMSNorm)
+    """The decoder of this pipeline stage: its layers (dense or MoE, by `config.moe_layer_freq`)
+    and the final norm."""
+    offset, count = get_transformer_layer_offset(config), get_num_layers_to_build(config)
+    specs = {moe: trace_layer_spec(config, moe, grouped_gemm) for moe in (False, True)}
+    layers = [specs[moe] for moe in moe_layer_pattern(config)[offset: offset + count]]
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=TraceRMSNorm)

@@ -8,13 +8,17 @@ slices of the full tensors a rank holds and sends in a weight sync:
 | parameter | split over | dim |
 |---|---|---|
 | embedding.word_embeddings, output_layer | TP | 0 (vocabulary) |
-| self_attention.linear_qkv (query groups interleaved) | TP | 0 (whole query groups) |
+| self_attention.linear_qkv weight and bias (query groups interleaved) | TP | 0 (whole query groups) |
+| MLA's linear_q_down_proj, linear_kv_down_proj (column-parallel, gathered after) | TP | 0 |
+| MLA's linear_q_proj, linear_q_up_proj, linear_kv_up_proj | TP | 0 (whole heads) |
 | self_attention.linear_proj | TP | 1 |
+| dense and shared experts' linear_fc1 ([gate; up]) | TP | 0, gate and up split separately |
+| dense and shared experts' linear_fc2 | TP | 1 |
 | experts' linear_fc1 ([gate; up]) | expert TP | 0, gate and up split separately |
 | experts' linear_fc2 | expert TP | 1 |
 | experts | EP | whole experts |
 | layers | PP | whole layers |
-| norms, router | replicated | |
+| norms, router and its expert bias | replicated | |
 """
 
 from __future__ import annotations
@@ -29,16 +33,22 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 
 
+_TP_ROWS = ("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "linear_qkv.bias",
+            "linear_q_proj.weight", "linear_q_down_proj.weight", "linear_q_up_proj.weight",
+            "linear_kv_down_proj.weight", "linear_kv_up_proj.weight")
+
+
 def _split_rule(name: str) -> tuple[str | None, int, bool]:
     """(group "tp"/"etp"/None, dim, gated) for a parameter name."""
-    if name.endswith(("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight")):
+    if name.endswith(_TP_ROWS):
         return "tp", 0, False
     if name.endswith("linear_proj.weight"):
         return "tp", 1, False
-    if ".local_experts." in name and name.endswith("linear_fc1.weight"):
-        return "etp", 0, True
-    if ".local_experts." in name and name.endswith("linear_fc2.weight"):
-        return "etp", 1, False
+    group = "etp" if ".local_experts." in name else "tp"
+    if name.endswith("linear_fc1.weight"):
+        return group, 0, True
+    if name.endswith("linear_fc2.weight"):
+        return group, 1, False
     return None, 0, False
 
 

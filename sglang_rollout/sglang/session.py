@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megatron_trace.checkpoint.qwen3_moe import hf_config
+from megatron_trace.checkpoint.hf_layout import hf_config
 from megatron_trace.guidance import (
     GroupGuidance,
     GuidanceBatch,

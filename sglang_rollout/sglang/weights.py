@@ -17,7 +17,7 @@ import re
 
 import torch
 
-from megatron_trace.checkpoint.qwen3_moe import to_hf
+from megatron_trace.checkpoint.hf_layout import to_hf
 from megatron_trace.model_config import ModelConfig, fp4_site_of
 from megatron_trace.weight_buckets import NVFP4, new_value, read_bucket, write_piece
 from trace_kernels.fp4 import Format, QTensor, quantize

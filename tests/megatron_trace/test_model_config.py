@@ -7,36 +7,20 @@ import torch
 from transformers import (
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
-    Glm4MoeConfig,
     Glm4MoeForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
 
-from megatron_trace.checkpoint.qwen3_moe import config_from_hf
+from megatron_trace.checkpoint.hf_layout import config_from_hf
 from megatron_trace.model_config import PRESETS, ModelConfig, from_hf
 from megatron_trace.rl.architecture import Architecture
+from tests.support.hf_families import tiny_deepseek, tiny_glm
 
 
 def hf_param_count(model_cls, config) -> int:
     with torch.device("meta"):
         return sum(p.numel() for p in model_cls(config).parameters())
-
-
-def tiny_deepseek(**changes) -> DeepseekV3Config:
-    return DeepseekV3Config(**{**dict(
-        vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, routed_scaling_factor=2.5,
-        kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16, v_head_dim=32, qk_nope_head_dim=16, n_group=4,
-        topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1), **changes})
-
-
-def tiny_glm(**changes) -> Glm4MoeConfig:
-    return Glm4MoeConfig(**{**dict(
-        vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, n_shared_experts=1, n_routed_experts=8,
-        num_experts_per_tok=2, first_k_dense_replace=1, attention_bias=True, use_qk_norm=True,
-        partial_rotary_factor=0.5), **changes})
 
 
 @pytest.mark.parametrize("name, model_cls, config", [
@@ -63,15 +47,23 @@ def test_each_familys_pieces_are_read_and_named_as_unbuilt():
     assert not ds.is_moe_layer(0) and ds.is_moe_layer(1)
     for piece in ("multi-head latent attention", "shared experts", "dense leading layers", "sigmoid routing",
                   "group-limited top-k", "scaled routed gates"):
-        assert piece in ds.unbuilt
+        assert piece in ds.unbuilt  # by the engines
+    assert ds.unbuilt_in("megatron") == ""  # the Megatron trainer builds them all
     glm = from_hf(tiny_glm().to_dict())
     assert not glm.mla and glm.use_qk_norm and glm.attention_bias and glm.partial_rotary_factor == 0.5
     assert "attention biases" in glm.unbuilt and "partial rotary embeddings" in glm.unbuilt
+    assert glm.unbuilt_in("megatron") == ""
     assert "attention without q/k norm" in from_hf(tiny_glm(use_qk_norm=False).to_dict()).unbuilt
-    with pytest.raises(ValueError, match="the Megatron trainer cannot build this deepseek_v3 model: multi-head"):
-        ds.require_built("the Megatron trainer")
-    with pytest.raises(ValueError, match="converts only qwen3_moe checkpoints today"):
-        config_from_hf(tiny_deepseek().to_dict())
+    with pytest.raises(ValueError, match="the built-in engine cannot build this deepseek_v3 model: multi-head"):
+        ds.require_built("the built-in engine")
+    # what the Megatron trainer does not build either: named, and conversion refuses it
+    for changes, piece in ((dict(num_experts_per_tok=2), "group-limited top-k (n_group=4, topk_group=2, top_k=2)"),
+                           (dict(norm_topk_prob=False), "unnormalised top-k gates"),
+                           (dict(rope_scaling={"type": "yarn", "factor": 40}), "yarn RoPE scaling")):
+        cfg = from_hf(tiny_deepseek(**changes).to_dict())
+        assert piece in cfg.unbuilt_in("megatron")
+        with pytest.raises(ValueError, match="converting this HF deepseek_v3 checkpoint cannot build"):
+            config_from_hf(tiny_deepseek(**changes).to_dict())
     for name in ("tiny", "demo", "small", "moe-0.4b", "qwen3-30b-a3b", "qwen3-235b-a22b"):
         assert PRESETS[name].unbuilt == "" and PRESETS[name].model_type == "qwen3_moe"
 

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from megatron_trace.checkpoint.qwen3_moe import hf_config, megatron_to_hf
+from megatron_trace.checkpoint.hf_layout import hf_config, megatron_to_hf
 from megatron_trace.model_config import PRESETS
 
 CFG = PRESETS["tiny"]

@@ -23,7 +23,7 @@ from megatron_trace.checkpoint.convert import (
 )
 from megatron_trace.checkpoint.fp4_export import load_input_amax
 from megatron_trace.checkpoint.hf import HFCheckpoint
-from megatron_trace.checkpoint.qwen3_moe import hf_parts
+from megatron_trace.checkpoint.hf_layout import hf_parts
 from megatron_trace.megatron.spawn import spawn
 from megatron_trace.model_config import fp4_site_of
 from sglang_rollout.engine import EngineConfig, TraceEngine

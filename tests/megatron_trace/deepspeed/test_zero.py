@@ -20,7 +20,7 @@ import pytest
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from megatron_trace.checkpoint.qwen3_moe import config_from_hf
+from megatron_trace.checkpoint.hf_layout import config_from_hf
 from megatron_trace.deepspeed.model import attach_fp4_sites
 from megatron_trace.deepspeed.weights import megatron_weights
 from tests.support import deepspeed_cpu

@@ -77,7 +77,7 @@ def test_evaluate_counts_correct_greedy_responses_in_batches():
 @pytest.mark.parametrize("fmt", ["modelopt", "compressed-tensors"])
 def test_an_fp4_export_loads_back_as_the_engines_own_quantization(tmp_path, fmt):
     from megatron_trace.checkpoint.fp4_export import export_fp4
-    from megatron_trace.checkpoint.qwen3_moe import hf_config
+    from megatron_trace.checkpoint.hf_layout import hf_config
     from megatron_trace.model_config import PRESETS, fp4_site_of
     from megatron_trace.rollout import GroupRequest, SamplingParams
     from sglang_rollout.engine import EngineConfig, TraceEngine

@@ -454,7 +454,7 @@ def test_deepspeed_trainer_memory_follows_zero_partitioning(tmp_path, stage, off
     checkpoint's config has."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from megatron_trace.checkpoint.qwen3_moe import hf_config
+    from megatron_trace.checkpoint.hf_layout import hf_config
     from megatron_trace.rl.plan import architecture
 
     model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**hf_config(PRESETS["tiny"])))

@@ -7,7 +7,7 @@ import torch
 from safetensors import safe_open
 
 from megatron_trace.checkpoint.hf import HFCheckpoint
-from megatron_trace.checkpoint.qwen3_moe import (
+from megatron_trace.checkpoint.hf_layout import (
     config_from_hf,
     hf_to_megatron,
     megatron_to_hf,

@@ -1,0 +1,28 @@
+"""Megatron's multi-head latent attention (DeepSeek-V2/V3) with TRACE's FP4 sites.
+
+The sites (docs/design.md section 3.1): the query and KV down projections read the same normed
+hidden state and form one `qkv` site (one input quantization; their weights share one global
+scale, `FP4Site.weight_peers`, as the engine's fused `q_a` + `kv_a` GEMM has one); the query up
+projection is the `q_up` site; the compressed KV latent, after its norm, is the `kv` site
+(`norm.LatentNorm`), what the engine's cache stores; the KV up projection quantizes its weight
+only, reading the latent as the cache holds it; the output projection is `proj`. The decoupled
+RoPE key stays BF16. RoPE, the up projections and the attention are Megatron's own.
+"""
+
+from __future__ import annotations
+
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+from .linear import FP4ColumnParallelLinear
+
+
+class TraceMLASelfAttention(MLASelfAttention):
+    """MLASelfAttention whose down projections are FP4 linears (sites set by `attach_sites`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Megatron builds them only as its own ColumnParallelLinear (it checks the class by
+        # identity); the FP4 subclass adds no state, only its `_forward_impl` hook.
+        for name in ("linear_q_down_proj", "linear_kv_down_proj"):
+            if hasattr(self, name):
+                getattr(self, name).__class__ = FP4ColumnParallelLinear
