@@ -62,9 +62,11 @@ class ModelSection(Section):
 
     preset: str = "demo"
     """A key of `model_config.PRESETS` (random initialisation, then SFT); one whose architecture
-    TRACE does not build yet (`deepseek-v3`: `ModelConfig.unbuilt`) is for `trace-rl plan` alone."""
+    some part of TRACE does not build yet (`deepseek-v3`: `ModelConfig.unbuilt`) is for `trace-rl
+    plan` alone."""
     hf: str = ""
-    """An HF Qwen3-MoE checkpoint directory: its config.json and safetensors weights."""
+    """An HF checkpoint directory (Qwen3-MoE; DeepSeek-V3 or GLM-4.5 for `trace-rl plan` and the
+    conversion tools): its config.json and safetensors weights."""
     megatron: str = ""
     """A Megatron checkpoint directory written by TRACE (e.g. a run's `checkpoints/rl-000040/model`)."""
 

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from ..model_config import ModelConfig, full_weight_shapes
 from . import dist
 from .hf import HFCheckpoint
-from .hf_layout import config_from_hf, hf_config, hf_dtype, to_hf
+from .hf_layout import config_from_hf, hf_config, hf_dtype, stored_dtype, to_hf
 from .safetensors_io import ShardedWriter
 
 HF_CONFIG = "hf_config.json"
@@ -118,6 +118,6 @@ def megatron_to_hf(meg_dir: str | os.PathLike, out: str | os.PathLike, max_shard
                                  desc="megatron -> hf", unit="tensor"):
             if name == "output_layer.weight" and cfg.tie_word_embeddings:
                 continue
-            for hf_name, part in to_hf(name, tensor.to(dtype), cfg):
+            for hf_name, part in to_hf(name, tensor.to(stored_dtype(name, dtype)), cfg):
                 writer.add(hf_name, part)
         return writer.close({"config.json": hf})

@@ -79,6 +79,13 @@ _LAYER = {"input_layernorm.weight": "input_layernorm.weight",
           "mlp.router.expert_bias": "mlp.gate.e_score_correction_bias"}
 
 
+def stored_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype Megatron tensor `name` is written in to an HF checkpoint of `dtype`: the routers'
+    expert-bias correction stays FP32 (DeepSeek-V3's release stores it so, and transformers keeps
+    it in FP32: a 1e-3 update on a bias would round away in BF16)."""
+    return torch.float32 if name.endswith(".mlp.router.expert_bias") else dtype
+
+
 def hf_parts(name: str, model_cfg: ModelConfig) -> list[tuple[str, torch.Tensor | None]]:
     """The HF tensors that Megatron tensor `name` is made of, as (HF name, row indices into `name`
     as int64 [rows], or None for the whole tensor)."""
