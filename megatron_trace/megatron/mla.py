@@ -1,8 +1,8 @@
 """Megatron's multi-head latent attention (DeepSeek-V2/V3) with TRACE's FP4 sites.
 
 The sites (docs/design.md section 3.1): the query and KV down projections read the same normed
-hidden state and form one `qkv` site (one input quantization; their weights share one global
-scale, `FP4Site.weight_peers`, as the engine's fused `q_a` + `kv_a` GEMM has one); the query up
+hidden state and form one `qkv` site (`qkv_input` quantizes it once for both; their weights share
+one global scale, `FP4Site.weight_peers`, as the engine's fused `q_a` + `kv_a` GEMM has one); the query up
 projection is the `q_up` site; the compressed KV latent, after its norm, is the `kv` site
 (`norm.LatentNorm`), what the engine's cache stores; the KV up projection quantizes its weight
 only, reading the latent as the cache holds it; the output projection is `proj`. The decoupled
@@ -14,10 +14,14 @@ from __future__ import annotations
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
 from .linear import FP4ColumnParallelLinear
+from .qat import FP4Site
 
 
 class TraceMLASelfAttention(MLASelfAttention):
-    """MLASelfAttention whose down projections are FP4 linears (sites set by `attach_sites`)."""
+    """MLASelfAttention whose down projections are FP4 linears reading one quantized input (sites
+    set by `attach_sites`)."""
+
+    qkv_input: FP4Site | None = None
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -26,3 +30,9 @@ class TraceMLASelfAttention(MLASelfAttention):
         for name in ("linear_q_down_proj", "linear_kv_down_proj"):
             if hasattr(self, name):
                 getattr(self, name).__class__ = FP4ColumnParallelLinear
+
+    def _qkv_down_projection(self, hidden_states):
+        # both down projections (or, without a query latent, the query projection) read this row
+        if self.qkv_input is not None:
+            hidden_states = self.qkv_input.quantize_input(hidden_states)
+        return super()._qkv_down_projection(hidden_states)

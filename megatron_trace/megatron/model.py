@@ -180,22 +180,24 @@ def attach_sites(model: torch.nn.Module) -> None:
     missing = [name for name, m in model.named_modules()
                if (isinstance(m, _FP4LinearMixin) and m.fp4_site is None)
                or (isinstance(m, FP4CoreAttention) and m.caches_kv and m.k_site is None)
-               or (isinstance(m, LatentNorm) and m.fp4_site is None)]
+               or (isinstance(m, LatentNorm) and m.fp4_site is None)
+               or (isinstance(m, TraceMLASelfAttention) and m.qkv_input is None)]
     if missing:
         raise RuntimeError(f"FP4 modules without a site (they would stay in BF16): {missing}")
 
 
 def _attach_mla_sites(attn: TraceMLASelfAttention, li: int, tp_group, seq: Shard | None) -> None:
-    """MLA's sites (mla.py): q/kv down projections one `qkv` site with a shared weight scale,
-    `q_up`, the latent `kv`, the KV up projection's weight."""
+    """MLA's sites (mla.py): one `qkv` input quantization for the q/kv down projections, whose
+    weights share a global scale; `q_up`, the latent `kv`, the KV up projection's weight."""
+    attn.qkv_input = FP4Site(name="qkv", layer=li, tokens=seq)
     down = [m for m in (getattr(attn, "linear_q_down_proj", None), attn.linear_kv_down_proj) if m is not None]
     for m in down:
-        m.fp4_site = FP4Site(name="qkv", layer=li, weight_group=tp_group, tokens=seq,
+        m.fp4_site = FP4Site(name="qkv", layer=li, weight_group=tp_group, quantizes_input=False,
                              weight_peers=tuple(o.weight for o in down if o is not m))
     if hasattr(attn, "linear_q_up_proj"):
         attn.linear_q_up_proj.fp4_site = FP4Site(name="q_up", layer=li, weight_group=tp_group, tokens=seq)
-    else:  # no query low-rank: the query projection reads the hidden state, as the KV down projection
-        attn.linear_q_proj.fp4_site = FP4Site(name="qkv", layer=li, weight_group=tp_group, tokens=seq)
+    else:  # no query low-rank: the query projection reads the quantized hidden state
+        attn.linear_q_proj.fp4_site = FP4Site(name="qkv", layer=li, weight_group=tp_group, quantizes_input=False)
     attn.kv_layernorm.fp4_site = FP4Site(name="kv", layer=li, tokens=seq)
     attn.linear_kv_up_proj.fp4_site = FP4Site(name="kv_up", layer=li, weight_group=tp_group, quantizes_input=False)
     attn.core_attention.caches_kv = False  # the engine caches the latent, not K and V
@@ -207,6 +209,8 @@ def fp4_sites(model: torch.nn.Module) -> list[FP4Site]:
     for m in model.modules():
         if isinstance(m, (_FP4LinearMixin, LatentNorm)):
             sites.append(m.fp4_site)
+        elif isinstance(m, TraceMLASelfAttention):
+            sites.append(m.qkv_input)
         elif isinstance(m, FP4CoreAttention) and m.caches_kv:
             sites += [m.k_site, m.v_site]
         elif isinstance(m, TraceGroupedMLP):
