@@ -65,8 +65,8 @@ class ModelSection(Section):
     some part of TRACE does not build yet (`deepseek-v3`: `ModelConfig.unbuilt`) is for `trace-rl
     plan` alone."""
     hf: str = ""
-    """An HF checkpoint directory (Qwen3-MoE; DeepSeek-V3 or GLM-4.5 for `trace-rl plan` and the
-    conversion tools): its config.json and safetensors weights."""
+    """An HF checkpoint directory (Qwen3-MoE; DeepSeek-V3 or GLM-4.5 with the Megatron trainer and
+    the built-in engine): its config.json and safetensors weights."""
     megatron: str = ""
     """A Megatron checkpoint directory written by TRACE (e.g. a run's `checkpoints/rl-000040/model`)."""
 

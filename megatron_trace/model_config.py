@@ -4,9 +4,9 @@ One config for the three HF families TRACE knows (`model_type`): Qwen3-MoE (GQA 
 softmax top-k), and the DeepSeek-V3 family's pieces (multi-head latent attention, shared experts,
 dense leading layers, sigmoid routing with an expert-bias correction and group-limited top-k) that
 DeepSeek-V3 and GLM-4.5 use. Field names follow the HF config's meaning; `from_hf` reads one.
-The Megatron trainer builds the family; the engines and the DeepSpeed trainer build Qwen3-MoE alone:
-`ModelConfig.unbuilt_in` names what a config asks for that a part lacks, and that part refuses the
-config with it (`trace-rl plan` sizes it all the same).
+The Megatron trainer and the built-in engine build the family; the SGLang engine and the DeepSpeed
+trainer build Qwen3-MoE alone: `ModelConfig.unbuilt_in` names what a config asks for that a part
+lacks, and that part refuses the config with it (`trace-rl plan` sizes it all the same).
 
 Presets: `tiny` (tests), `demo` (the embedded default), `small` (CPU memory checks), `moe-0.4b` (the
 one-GPU RL experiment), `qwen3-30b-a3b`, `qwen3-235b-a22b`, `deepseek-v3` (plan only).
@@ -35,8 +35,24 @@ def fp4_site_of(name: str) -> tuple[int, str] | None:
     return None
 
 
+# weights quantized as one logical tensor (one global scale) though stored apart: MLA's query and KV
+# down projections, which the engine runs as one GEMM on one input (docs/design.md section 3.1)
+_PEER_SUFFIXES = ("self_attention.linear_q_down_proj.weight", "self_attention.linear_kv_down_proj.weight")
+
+
+def fp4_weight_peers(name: str) -> tuple[str, ...]:
+    """The full names of the weights that share `name`'s FP4 global scale, `name` included in
+    order; () for a weight quantized alone."""
+    for suffix in _PEER_SUFFIXES:
+        if name.endswith(suffix):
+            prefix = name[: -len(suffix)]
+            return tuple(prefix + s for s in _PEER_SUFFIXES)
+    return ()
+
+
 MODEL_TYPES = ("qwen3_moe", "deepseek_v3", "glm4_moe")  # HF config model_type
 SCORING = ("softmax", "sigmoid")
+PARTS = ("megatron", "engine", "all")  # ModelConfig.unbuilt_in
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,8 +134,9 @@ class ModelConfig:
         return self.kv_lora_rank > 0
 
     def _pieces(self) -> list[tuple[str, bool, bool]]:
-        """(what, asked for by this config, built by the Megatron trainer) for each piece beyond
-        Qwen3-MoE's. The engines and the DeepSpeed trainer build none of them yet."""
+        """(what, asked for by this config, built by the Megatron trainer and the built-in engine)
+        for each piece beyond Qwen3-MoE's. The SGLang engine and the DeepSpeed trainer build none
+        of them yet."""
         c = self
         # Megatron scores a group by the sum of its top (top_k / topk_group) biased scores, the
         # reference by its top two: the same groups only when top_k == 2 * topk_group (DeepSeek-V3: 8, 4)
@@ -144,11 +161,12 @@ class ModelConfig:
 
     def unbuilt_in(self, part: str) -> str:
         """What this architecture asks for that `part` of TRACE does not build yet (empty: it
-        builds everything asked). part: "megatron" (the Megatron trainer and its checkpoints) or
-        "all" (also the engines and the DeepSpeed trainer, which build Qwen3-MoE alone)."""
-        if part not in ("megatron", "all"):
-            raise ValueError(f"ModelConfig.unbuilt_in: part must be 'megatron' or 'all', got {part!r}")
-        missing = [what for what, asked, megatron in self._pieces() if asked and not (part == "megatron" and megatron)]
+        builds everything asked). part: "megatron" (the Megatron trainer and its checkpoints),
+        "engine" (the built-in engine: the same pieces) or "all" (also the SGLang engine and the
+        DeepSpeed trainer, which build Qwen3-MoE alone)."""
+        if part not in PARTS:
+            raise ValueError(f"ModelConfig.unbuilt_in: part must be one of {PARTS}, got {part!r}")
+        missing = [what for what, asked, built in self._pieces() if asked and not (part != "all" and built)]
         return ", ".join(missing) + (" are" if len(missing) > 1 else " is") + " not built yet" if missing else ""
 
     @property
@@ -186,6 +204,19 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         """Whether `layer` has experts (the first first_k_dense_replace layers have a dense FFN)."""
         return layer >= self.first_k_dense_replace
+
+    def rows_per_token(self, layer: int, site: str) -> int:
+        """Rows per token of an FP4 site's input (its guidance rows): KV heads for k and v, the
+        routed experts for a MoE layer's fc2, else one (the shared experts' fc2 is one FFN, as
+        Megatron builds them)."""
+        if site in ("k", "v"):
+            return self.num_key_value_heads
+        return self.top_k if site == "fc2" and self.is_moe_layer(layer) else 1
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """The layers with experts, ascending (routed experts are recorded for these)."""
+        return [L for L in range(self.num_layers) if self.is_moe_layer(L)]
 
     @property
     def shared_expert_size(self) -> int:

@@ -23,7 +23,7 @@ from .hf_layout import hf_parts
 from .safetensors_io import SafetensorsDir
 
 Table = dict[str, str]
-_LINEAR_SUFFIXES = ("proj.weight", "mlp.gate.weight", "lm_head.weight")
+_LINEAR_SUFFIXES = ("proj.weight", "proj_with_mqa.weight", "mlp.gate.weight", "lm_head.weight")
 
 
 def _kv(layer: int) -> str:
@@ -43,34 +43,40 @@ def table_from_weights(model_cfg: ModelConfig, is_fp4: Callable[[str], bool], kv
 
 
 def trainer_table(model, model_cfg: ModelConfig) -> Table:
-    """The table of a one-process trainer: a Megatron model (megatron.model.fp4_sites) or a list
-    of FP4Sites (e.g. the DeepSpeed trainer's, deepspeed.model.fp4_sites): a module is fp4 when
-    every site touching it (its weight's and its input's) runs an FP4 precision."""
+    """The table of a one-process trainer: a Megatron model (each FP4 site with the weights it
+    touches, megatron.model.fp4_site_weights) or a list of FP4Sites (the DeepSpeed trainer's
+    Qwen3-MoE sites, deepspeed.model.fp4_sites): a module is fp4 when every site touching it
+    (its weight's and its input's) runs an FP4 precision."""
     if isinstance(model, list):
-        sites = model
+        touched = [(site, _qwen3_site_weights(site, model_cfg)) for site in model]
     else:
-        from ..megatron.model import fp4_sites  # megatron-core only when auditing a trainer
+        from ..megatron.model import KV_CACHE, fp4_site_weights  # megatron-core only when auditing a trainer
 
-        sites = fp4_sites(model)
+        touched = [(site, [_kv(site.layer) if w == KV_CACHE else m for w in weights
+                           for m in ([w] if w == KV_CACHE else linear_modules(w, model_cfg))])
+                   for site, weights in fp4_site_weights(model)]
     table = table_from_weights(model_cfg, lambda name: False, False)
     votes: dict[str, set[bool]] = {}
-    for site in sites:
-        fp4 = site.precision.quantizes
-        L = site.layer
-        if site.name in ("k", "v"):
-            modules = [_kv(L)]
-        elif site.name in ("qkv", "proj"):
-            suffix = "linear_qkv.weight" if site.name == "qkv" else "linear_proj.weight"
-            modules = linear_modules(f"decoder.layers.{L}.self_attention.{suffix}", model_cfg)
-        else:  # fc1 / fc2 of one expert, of all experts (grouped), or the fc1 input of every expert
-            experts = range(model_cfg.num_experts) if site.expert is None else [site.expert]
-            modules = [m for e in experts for m in linear_modules(
-                f"decoder.layers.{L}.mlp.experts.local_experts.{e}.linear_{site.name}.weight", model_cfg)]
+    for site, modules in touched:
         for m in modules:
-            votes.setdefault(m, set()).add(fp4)
+            votes.setdefault(m, set()).add(site.precision.quantizes)
     for m, v in votes.items():
         table[m] = "mixed" if len(v) > 1 else "fp4" if v.pop() else "bf16"
     return table
+
+
+def _qwen3_site_weights(site, model_cfg: ModelConfig) -> list[str]:
+    """The HF modules a Qwen3-MoE site touches (from its name, layer and expert)."""
+    L = site.layer
+    if site.name in ("k", "v"):
+        return [_kv(L)]
+    if site.name in ("qkv", "proj"):
+        suffix = "linear_qkv.weight" if site.name == "qkv" else "linear_proj.weight"
+        return linear_modules(f"decoder.layers.{L}.self_attention.{suffix}", model_cfg)
+    # fc1 / fc2 of one expert, of all experts (grouped), or the fc1 input of every expert
+    experts = range(model_cfg.num_experts) if site.expert is None else [site.expert]
+    return [m for e in experts for m in linear_modules(
+        f"decoder.layers.{L}.mlp.experts.local_experts.{e}.linear_{site.name}.weight", model_cfg)]
 
 
 def _matches(pattern: str, module: str) -> list[str]:

@@ -33,23 +33,44 @@ from tqdm import tqdm
 
 from trace_kernels.fp4 import quantize
 
-from ..model_config import ModelConfig, fp4_site_of, full_weight_shapes
+from ..guidance.record import SITES
+from ..model_config import ModelConfig, fp4_site_of, fp4_weight_peers, full_weight_shapes
 from .hf_layout import hf_dtype, hf_parts, to_hf
 from .safetensors_io import ShardedWriter
 
 FORMATS = ("modelopt", "compressed-tensors")
 KV_CACHE = ("fp4", "none")  # fp4: the engine's NVFP4 cache (dynamic per-(token, head) global scales)
 E2M1_MAX, E4M3_MAX = 6.0, 448.0
-LINEAR_SITES = ("qkv", "proj", "fc1", "fc2")
+# the FP4 weight sites whose input is another site's rows: MLA's kv_b reads the cached latent (`kv`)
+_INPUT_SITE = {"kv_up": "kv"}
+
+
+def linear_sites(model_cfg: ModelConfig, layer: int) -> list[str]:
+    """The sites of `layer` whose inputs feed FP4 linears (each needs a calibrated input scale):
+    qkv, proj, fc1, fc2, and in the DeepSeek-V3 family q_up (a query latent), kv (the KV latent
+    that kv_b reads) and shared_fc2 (shared experts)."""
+    c = model_cfg
+    sites = ["qkv", "proj", "fc1", "fc2"]
+    if c.mla:
+        sites += ["q_up", "kv"] if c.q_lora_rank else ["kv"]
+    if c.n_shared_experts and c.is_moe_layer(layer):
+        sites.append("shared_fc2")
+    return sites
 
 
 def excluded_modules(model_cfg: ModelConfig) -> list[str]:
     """Exact names of the HF modules that stay in high precision."""
-    names = ["model.embed_tokens", "model.norm"] + ([] if model_cfg.tie_word_embeddings else ["lm_head"])
-    for L in range(model_cfg.num_layers):
+    c = model_cfg
+    names = ["model.embed_tokens", "model.norm"] + ([] if c.tie_word_embeddings else ["lm_head"])
+    for L in range(c.num_layers):
         h = f"model.layers.{L}."
-        names += [h + "input_layernorm", h + "post_attention_layernorm", h + "self_attn.q_norm",
-                  h + "self_attn.k_norm", h + "mlp.gate"]
+        names += [h + "input_layernorm", h + "post_attention_layernorm"]
+        if c.mla:
+            names += [h + "self_attn.kv_a_layernorm"] + ([h + "self_attn.q_a_layernorm"] if c.q_lora_rank else [])
+        elif c.use_qk_norm:
+            names += [h + "self_attn.q_norm", h + "self_attn.k_norm"]
+        if c.is_moe_layer(L):
+            names.append(h + "mlp.gate")
     return names
 
 
@@ -95,11 +116,11 @@ def fp4_linear_tensors(fmt: str, codes: torch.Tensor, block_scales: torch.Tensor
 
 
 def input_scales(input_amax: dict[tuple[int, str], float], model_cfg: ModelConfig) -> dict[tuple[int, str], float]:
-    """Static input scales amax / (6 * 448) per (layer, linear site). Raises ValueError naming the
-    first missing (layer, site)."""
+    """Static input scales amax / (6 * 448) per (layer, linear site: `linear_sites`). Raises
+    ValueError naming the first missing (layer, site)."""
     out = {}
     for L in range(model_cfg.num_layers):
-        for site in LINEAR_SITES:
+        for site in linear_sites(model_cfg, L):
             if (L, site) not in input_amax:
                 raise ValueError(f"no calibrated input amax for layer {L} site {site!r}")
             amax = float(input_amax[(L, site)])
@@ -117,7 +138,7 @@ def load_input_amax(path: str | os.PathLike) -> dict[tuple[int, str], float]:
     out = {}
     for key, value in json.loads(Path(path).read_text()).items():
         layer, _, site = key.partition(".")
-        if not layer.isdigit() or site not in ("qkv", "proj", "fc1", "fc2", "k", "v"):
+        if not layer.isdigit() or site not in SITES:
             raise ValueError(f"{path}: key {key!r} is not '<layer>.<site>'")
         if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise ValueError(f"{path}: {key} = {value!r} is not a finite amax >= 0")
@@ -131,7 +152,8 @@ def export_fp4(tensors: Iterable[tuple[str, torch.Tensor]], model_cfg: ModelConf
     """Write the FP4 checkpoint of a model streamed as full Megatron (name, tensor) pairs.
 
     tensors: every weight of `full_weight_shapes(cfg)` once, any order, in the dtype the model
-        holds (FP4 sites are quantized from it, as the engine does on load; the other weights
+        holds (FP4 sites are quantized from it, as the engine does on load: MLA's two down
+        projections, held until both arrived, with the global scale of both; the other weights
         are written in the HF config's dtype).
     hf_cfg: the model's HF config.json dict; written back with `quantization_config` added.
     input_amax: {(layer, site): amax} for the linear sites (see `input_scales`).
@@ -147,6 +169,7 @@ def export_fp4(tensors: Iterable[tuple[str, torch.Tensor]], model_cfg: ModelConf
     scales = input_scales(input_amax, model_cfg)
     shapes, dtype = full_weight_shapes(model_cfg), hf_dtype(hf_cfg)
     seen: set[str] = set()
+    waiting: dict[str, torch.Tensor] = {}  # FP4 weights whose global-scale peers have not arrived yet
     with ShardedWriter(out, max_shard_bytes, overwrite) as writer:
         for name, t in tqdm(tensors, total=len(shapes), desc=f"export {fmt}", unit="tensor"):
             if name not in shapes or name in seen or tuple(t.shape) != shapes[name]:
@@ -161,14 +184,22 @@ def export_fp4(tensors: Iterable[tuple[str, torch.Tensor]], model_cfg: ModelConf
                 for hf_name, part in to_hf(name, t.to(dtype), model_cfg):
                     writer.add(hf_name, part)
                 continue
-            q = quantize(t, "nvfp4")
-            for hf_name, rows in hf_parts(name, model_cfg):
-                module = hf_name.removesuffix(".weight")
-                codes, block_scales = ((q.codes, q.block_scales) if rows is None
-                                       else (q.codes[rows], q.block_scales[rows]))
-                for suffix, tensor in fp4_linear_tensors(fmt, codes, block_scales, q.global_scale,
-                                                         scales[site]).items():
-                    writer.add(f"{module}.{suffix}", tensor)
+            peers = fp4_weight_peers(name) or (name,)
+            waiting[name] = t
+            if not all(p in waiting for p in peers):
+                continue
+            group = [(p, waiting.pop(p)) for p in peers]
+            amax = torch.stack([w.abs().amax().float() for _, w in group]).amax()
+            for p, w in group:
+                layer, kind = fp4_site_of(p)
+                q = quantize(w, "nvfp4", global_amax=amax)
+                for hf_name, rows in hf_parts(p, model_cfg):
+                    module = hf_name.removesuffix(".weight")
+                    codes, block_scales = ((q.codes, q.block_scales) if rows is None
+                                           else (q.codes[rows], q.block_scales[rows]))
+                    for suffix, tensor in fp4_linear_tensors(fmt, codes, block_scales, q.global_scale,
+                                                             scales[(layer, _INPUT_SITE.get(kind, kind))]).items():
+                        writer.add(f"{module}.{suffix}", tensor)
         if missing := sorted(set(shapes) - seen):
             raise ValueError(f"the model stream lacks {len(missing)} tensors, e.g. {missing[0]}")
         extra: dict = {"config.json": hf_cfg | {"quantization_config": qcfg}, **(extra_files or {})}

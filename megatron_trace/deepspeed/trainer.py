@@ -103,7 +103,9 @@ class DeepSpeedTrainer:
     def build(cls, model_cfg: ModelConfig, hf_dir: str, user_config: dict, optim: OptimSection) -> DeepSpeedTrainer:
         """The HF checkpoint `hf_dir` in a DeepSpeed engine of `user_config` (DeepSpeed's own keys,
         see deepspeed_config), with torch's AdamW (optim.weight_decay) unless the config has its own
-        optimizer, and optim.clip_grad unless it sets gradient_clipping."""
+        optimizer, and optim.clip_grad unless it sets gradient_clipping. ValueError for an
+        architecture beyond Qwen3-MoE's (ModelConfig.unbuilt names it)."""
+        model_cfg.require_built("the DeepSpeed trainer")
         import deepspeed
 
         config = deepspeed_config({"gradient_clipping": optim.clip_grad, **copy.deepcopy(user_config)})

@@ -24,7 +24,9 @@ import torch
 from .codec import GuidanceFormatError
 
 FORMAT_VERSION = 1
-SITES = ("qkv", "proj", "fc1", "fc2", "k", "v")
+# the FP4 sites whose input rows guidance covers (docs/design.md sections 3 and 3.1): q_up, kv and
+# shared_fc2 exist in the DeepSeek-V3 family only
+SITES = ("qkv", "proj", "fc1", "fc2", "k", "v", "q_up", "kv", "shared_fc2")
 
 
 class Coding(str, enum.Enum):

@@ -220,6 +220,36 @@ def fp4_sites(model: torch.nn.Module) -> list[FP4Site]:
     return sites
 
 
+KV_CACHE = "kv_cache"  # fp4_site_weights: what the KV cache's sites (K, V, MLA's latent) feed
+
+
+def fp4_site_weights(model: torch.nn.Module) -> list[tuple[FP4Site, list[str]]]:
+    """Every FP4 site of a one-process model with the full names of the weights it quantizes or
+    whose input it is (KV_CACHE for K, V and MLA's latent): the audit's view, module by module."""
+    c = model.model_cfg
+
+    def experts(layer_prefix, fc):
+        return [f"{layer_prefix}.experts.local_experts.{e}.linear_{fc}.weight" for e in range(c.num_experts)]
+    out = []
+    for name, m in model.named_modules():
+        if isinstance(m, _FP4LinearMixin):
+            out.append((m.fp4_site, [name + ".weight"]))
+        elif isinstance(m, LatentNorm):
+            out.append((m.fp4_site, [KV_CACHE]))
+        elif isinstance(m, TraceMLASelfAttention):
+            down = ("linear_q_down_proj", "linear_kv_down_proj") if c.q_lora_rank else ("linear_q_proj",
+                                                                                      "linear_kv_down_proj")
+            out.append((m.qkv_input, [f"{name}.{d}.weight" for d in down]))
+        elif isinstance(m, FP4CoreAttention) and m.caches_kv:
+            out += [(m.k_site, [KV_CACHE]), (m.v_site, [KV_CACHE])]
+        elif isinstance(m, TraceGroupedMLP):
+            layer = name.removesuffix(".experts")
+            out += [(m.fc1_site, experts(layer, "fc1")), (m.fc2_site, experts(layer, "fc2"))]
+        elif isinstance(m, TraceMoELayer):
+            out.append((m.fc1_input, experts(name, "fc1")))
+    return out
+
+
 def set_precision(model: torch.nn.Module, precision: TrainerPrecision | str) -> None:
     """Switch every FP4 site (and the MoE layers' guidance dispatch) to `precision`."""
     precision = TrainerPrecision(precision)

@@ -6,7 +6,8 @@ No rank holds the whole model. Each trainer rank sends the weights it is the fir
 rank its own slice (replicated ones from tensor-parallel rank 0); experts from
 expert-data-parallel rank 0, every expert-TP rank its slice. For an FP4 engine the FP4 sites
 are packed on the way by the shared quantizer with the global scale of the whole logical
-tensor, as the trainer's forward quantizes them (`megatron.qat`): every rank's slice amaxes are
+tensor (MLA's down projections: of both, one global scale), as the trainer's forward quantizes
+them (`megatron.qat`): every rank's slice amaxes are
 reduced in ONE all-reduce over the trainer ranks before anything is sent, so no collective
 runs between the point-to-point sends, and the codes are those of quantizing the full tensor
 in one process. Buckets (`megatron_trace.weight_buckets`) are made one at a time as they are iterated.
@@ -14,17 +15,13 @@ in one process. Buckets (`megatron_trace.weight_buckets`) are made one at a time
 
 from __future__ import annotations
 
-import re
-
 import torch
 import torch.distributed as dist
 
-from ..model_config import FP4_WEIGHT_SUFFIXES, fp4_site_of
+from ..model_config import FP4_WEIGHT_SUFFIXES, fp4_weight_peers, full_weight_shapes
 from ..weight_buckets import Buckets, Piece, Source, amax_of
 from .qat import all_reduce_max
 from .weights import global_name, held_slices
-
-_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 
 
 def trainer_buckets(model: torch.nn.Module, fp4: bool, max_bytes: int) -> Buckets:
@@ -43,40 +40,26 @@ def trainer_buckets(model: torch.nn.Module, fp4: bool, max_bytes: int) -> Bucket
         held += [(Piece(name, kind, dim, start, tuple(part.shape), full), part) for dim, start, full, part in slices]
         if packed:
             amax[name] = amax_of(values)
-    amax = _whole_tensor_amax(amax, model.config)
+    amax = _whole_tensor_amax(amax, model.model_cfg)
     return Buckets([Source(piece, part, amax.get(piece.name)) for piece, part in held], max_bytes)
 
 
-def _whole_tensor_amax(amax: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
-    """{name: amax of the whole logical tensor} from this rank's slices' {name: amax}: one MAX
-    all-reduce over the trainer ranks of a vector with a slot per FP4 weight of the model (0
-    where a rank holds none of it; amaxes are >= 0)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return amax
-    experts = config.num_moe_experts or 0
-    per_layer = 2 + 2 * experts  # qkv, proj, then each expert's fc1 and fc2
-    dev = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces device tensors only
-    vec = torch.zeros(config.num_layers * per_layer, dtype=torch.float32, device=dev)
-    slots = {name: _slot(name, per_layer) for name in amax}
-    if amax:
-        vec[torch.tensor(list(slots.values()), device=dev)] = torch.stack(list(amax.values())).to(dev)
-    all_reduce_max(vec, dist.group.WORLD)  # a NaN or Inf anywhere is Inf here (amax_of), on every rank
-    bad = torch.nonzero(~torch.isfinite(vec)).flatten().tolist()
-    if bad:  # every rank stops here, before any send
-        raise ValueError(f"weight sync: {len(bad)} FP4 weights hold NaN or Inf, e.g. "
-                         f"{[_slot_name(i, per_layer) for i in bad[:5]]}")
-    return {name: vec[i] for name, i in slots.items()}
-
-
-def _slot(name: str, per_layer: int) -> int:
-    layer, site = fp4_site_of(name)
-    if site in ("qkv", "proj"):
-        return layer * per_layer + (site == "proj")
-    return layer * per_layer + 2 + 2 * int(_EXPERT.search(name)[1]) + (site == "fc2")
-
-
-def _slot_name(slot: int, per_layer: int) -> str:
-    layer, i = divmod(slot, per_layer)
-    if i < 2:
-        return f"decoder.layers.{layer}.self_attention.{('linear_qkv', 'linear_proj')[i]}.weight"
-    return f"decoder.layers.{layer}.mlp.experts.local_experts.{(i - 2) // 2}.linear_fc{1 + i % 2}.weight"
+def _whole_tensor_amax(amax: dict[str, torch.Tensor], model_cfg) -> dict[str, torch.Tensor]:
+    """{name: the global-scale amax of the logical tensor} from this rank's slices' {name: amax}:
+    one MAX all-reduce over the trainer ranks of a vector with a slot per FP4 weight of the model
+    (0 where a rank holds none of it; amaxes are >= 0), then the max over each weight's peers
+    (`fp4_weight_peers`: MLA's down projections share one global scale, as `FP4Site.weight_peers`)."""
+    whole = dict(amax)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        names = [n for n in full_weight_shapes(model_cfg) if n.endswith(FP4_WEIGHT_SUFFIXES)]
+        slot = {n: i for i, n in enumerate(names)}
+        dev = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces device tensors only
+        vec = torch.zeros(len(names), dtype=torch.float32, device=dev)
+        if amax:
+            vec[torch.tensor([slot[n] for n in amax], device=dev)] = torch.stack(list(amax.values())).to(dev)
+        all_reduce_max(vec, dist.group.WORLD)  # a NaN or Inf anywhere is Inf here (amax_of), on every rank
+        bad = torch.nonzero(~torch.isfinite(vec)).flatten().tolist()
+        if bad:  # every rank stops here, before any send
+            raise ValueError(f"weight sync: {len(bad)} FP4 weights hold NaN or Inf, e.g. {[names[i] for i in bad[:5]]}")
+        whole = dict(zip(names, vec, strict=True))
+    return {name: torch.stack([whole[p] for p in fp4_weight_peers(name) or (name,)]).amax() for name in amax}

@@ -17,7 +17,6 @@ from megatron_trace.model_config import ModelConfig
 from megatron_trace.rollout import GroupRequest, RolloutOutput, SampleResult
 
 from .config import EngineConfig
-from .model import rows_per_token
 from .row_store import RowStore
 from .sequence import Sequence
 
@@ -35,7 +34,7 @@ class RolloutCollector:
         self.on_group, self.streamed = on_group, set()
         # captured rows and routed experts ("experts": [tokens, layers, top_k]) of the running sequences
         slot = max((len(r.prompt_ids) for r in requests), default=1) + max_new_tokens
-        self.rows = RowStore(slot, lambda key: 1 if key == "experts" else rows_per_token(model_cfg, key[1]),
+        self.rows = RowStore(slot, lambda key: 1 if key == "experts" else model_cfg.rows_per_token(*key),
                              slots=min(64, sum(r.n + 1 for r in requests)))
 
     def sample_ids(self, req: GroupRequest) -> list[str]:
@@ -95,8 +94,8 @@ class RolloutCollector:
         return RolloutOutput([self.results[sid] for sid in self.order], self.guidance)
 
     def _experts(self, rows: dict) -> dict[int, torch.Tensor]:
-        routed = rows["experts"]  # [tokens, layers, top_k]
-        return {layer: routed[:, layer].contiguous() for layer in range(self.model_cfg.num_layers)}
+        routed = rows["experts"]  # [tokens, MoE layers, top_k]
+        return {layer: routed[:, i].contiguous() for i, layer in enumerate(self.model_cfg.moe_layers)}
 
     def _records(self, rows: dict, owner: str) -> dict:
         cfg, records = self.engine_cfg, {}

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import torch
 
-from .model import ModelRunner, Segment, map_rows, rows_per_token
+from .model import ModelRunner, Segment, map_rows
 
 # Batch sizes that get their own decode CUDA graph (a batch runs in the smallest that holds it).
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512)
@@ -122,7 +122,7 @@ class DecodeGraph:
                 raise ValueError(f"DecodeGraph.run: ids {tuple(ids.shape)} for {n} sequences")
             self.ids[:n].copy_(ids)
         self.graph.replay()
-        captured = {(layer, site): map_rows(lambda t, r=n * rows_per_token(cfg, site): t[:r], rows)
+        captured = {(layer, site): map_rows(lambda t, r=n * cfg.rows_per_token(layer, site): t[:r], rows)
                     for (layer, site), rows in self.captured.items()}
         return self.logits[:n], captured, {layer: t[:n] for layer, t in self.routed.items()}
 

@@ -73,15 +73,17 @@ class TraceEngine:
     """The built-in rollout backend (megatron_trace.rollout.RolloutBackend)."""
 
     def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig = EngineConfig(), share_prompts: bool = True):
-        model_cfg.require_built("the built-in engine")
+        model_cfg.require_built("the built-in engine", "engine")
         self.model_cfg, self.engine_cfg = model_cfg, engine_cfg
         fp4 = engine_cfg.precision is EnginePrecision.FP4
         self.weights = EngineWeights(model_cfg, fp4, engine_cfg.device)
         # CUDA graphs for decode steps; their padding rows write K/V into one more cache block,
         # beyond the num_blocks the sequences use
-        graphs = bool(engine_cfg.cuda_graph_max_batch) and torch.device(engine_cfg.device).type == "cuda"
-        self.cache = PagedKVCache(model_cfg.num_layers, engine_cfg.num_blocks + graphs, engine_cfg.block_size,
-                                  model_cfg.num_key_value_heads, model_cfg.head_dim, fp4, engine_cfg.device)
+        # (MLA's attention reads each sequence's cache on the host's schedule: no graphs)
+        graphs = (bool(engine_cfg.cuda_graph_max_batch) and torch.device(engine_cfg.device).type == "cuda"
+                  and not model_cfg.mla)
+        self.cache = PagedKVCache.for_model(model_cfg, engine_cfg.num_blocks + graphs, engine_cfg.block_size, fp4,
+                                            engine_cfg.device)
         self.runner = ModelRunner(model_cfg, self.weights, self.cache, fp4, engine_cfg.kernels)
         self.guided_layers = frozenset(LayerPolicy.parse(engine_cfg.guide).select(model_cfg.num_layers))
         # dense records come straight from the fused quantize kernel (bits, scales, g); sparse
@@ -253,7 +255,7 @@ class TraceEngine:
         # routed experts of every layer as one [tokens, layers, top_k] copy a step, and one slice
         # per sequence (per-layer slices cost 19 ms a step at 48 layers), in the smallest integer
         # type that holds the ids (as they travel to the trainer)
-        routed = _to_host(torch.stack([routed[layer] for layer in range(self.model_cfg.num_layers)], 1)
+        routed = _to_host(torch.stack([routed[layer] for layer in self.model_cfg.moe_layers], 1)
                           .to(self._expert_ids))
         if self._capture_sparse:
             captured = {key: self._sparse_parts(rows) for key, rows in captured.items()}

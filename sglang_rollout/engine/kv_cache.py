@@ -4,6 +4,10 @@ fp4: K and V of each (token, KV head) row are stored as packed E2M1 codes, E4M3 
 one FP32 global scale (docs/design.md section 3), in parallel tensors indexed by the same slot.
 bf16: plain BF16 rows. Shapes (per layer): codes [slots, kv_heads, d/2], scales [slots, kv_heads,
 d/16], g [slots, kv_heads, 1]; slot = block * block_size + offset.
+
+Multi-head latent attention (DeepSeek-V3, docs/design.md section 3.1) caches one row per token
+instead: `k` holds the compressed KV latent [slots, 1, kv_lora_rank] (FP4 in fp4, as above) and
+`v` the decoupled RoPE key [slots, 1, qk_rope_head_dim], always BF16.
 """
 
 from __future__ import annotations
@@ -51,21 +55,32 @@ class PagedKVCache:
     """K and V of every layer for `num_blocks * block_size` token slots."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 fp4: bool, device: str):
+                 fp4: bool, device: str, *, v_head_dim: int | None = None, v_fp4: bool | None = None):
         self.block_size, self.fp4 = block_size, fp4
         slots = num_blocks * block_size
         self.allocator = BlockAllocator(num_blocks)
         dev = torch.device(device)
-        if fp4:
-            def layer():
-                return {"codes": torch.zeros(slots, kv_heads, head_dim // 2, dtype=torch.uint8, device=dev),
-                        "scales": torch.zeros(slots, kv_heads, head_dim // 16, dtype=torch.uint8, device=dev),
+
+        def layer(d, packed):
+            if packed:
+                return {"codes": torch.zeros(slots, kv_heads, d // 2, dtype=torch.uint8, device=dev),
+                        "scales": torch.zeros(slots, kv_heads, d // 16, dtype=torch.uint8, device=dev),
                         "g": torch.ones(slots, kv_heads, 1, dtype=torch.float32, device=dev)}
-        else:
-            def layer():
-                return {"rows": torch.zeros(slots, kv_heads, head_dim, dtype=torch.bfloat16, device=dev)}
-        self.k = [layer() for _ in range(num_layers)]
-        self.v = [layer() for _ in range(num_layers)]
+            return {"rows": torch.zeros(slots, kv_heads, d, dtype=torch.bfloat16, device=dev)}
+        v_head_dim = head_dim if v_head_dim is None else v_head_dim
+        v_fp4 = fp4 if v_fp4 is None else v_fp4
+        self.k = [layer(head_dim, fp4) for _ in range(num_layers)]
+        self.v = [layer(v_head_dim, v_fp4) for _ in range(num_layers)]
+
+    @classmethod
+    def for_model(cls, model_cfg, num_blocks: int, block_size: int, fp4: bool, device: str) -> PagedKVCache:
+        """The cache of a model (megatron_trace.model_config.ModelConfig): K and V per KV head,
+        or under MLA the latent (`k`) and the RoPE key (`v`, BF16)."""
+        c = model_cfg
+        if c.mla:
+            return cls(c.num_layers, num_blocks, block_size, 1, c.kv_lora_rank, fp4, device,
+                       v_head_dim=c.qk_rope_head_dim, v_fp4=False)
+        return cls(c.num_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim, fp4, device)
 
     def slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         """Slot indices of token positions [start, end) of a sequence with this block table."""
@@ -77,7 +92,7 @@ class PagedKVCache:
         """Store rows [n, kv_heads, d] (QTensors row-scaled per (token, head) in fp4) at `slots`."""
         slots = slots.to(self.k[layer][next(iter(self.k[layer]))].device)
         for cache, t in ((self.k[layer], k_q), (self.v[layer], v_q)):
-            if self.fp4:
+            if "codes" in cache:
                 cache["codes"][slots] = t.codes
                 cache["scales"][slots] = t.block_scales.view(torch.uint8)
                 cache["g"][slots] = t.global_scale

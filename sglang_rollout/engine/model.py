@@ -41,8 +41,15 @@ from trace_kernels.fused_inputs import (
     silu_mul,
     silu_mul_fake_quantize_rows,
 )
-from trace_kernels.moe_routing import combine_experts, expert_order, route
-from trace_kernels.norm_rope import qk_norm_rope, qk_norm_rope_into_cache, rms_norm, rope_inv_freq, rope_tables
+from trace_kernels.moe_routing import combine_experts, expert_order, route, router_logits, top_k_sigmoid_grouped
+from trace_kernels.norm_rope import (
+    qk_norm_rope,
+    qk_norm_rope_into_cache,
+    rms_norm,
+    rope,
+    rope_inv_freq,
+    rope_tables,
+)
 
 from .kv_cache import PagedKVCache
 from .weights import EngineWeights
@@ -105,7 +112,12 @@ class ModelRunner:
         if kernels not in ("auto", "torch", "triton"):
             raise ValueError(f"kernels must be 'auto', 'torch' or 'triton', got {kernels!r}")
         self.backend = kernels
-        self.inv_freq = rope_inv_freq(model_cfg.rope_theta, model_cfg.head_dim, weights.device)
+        c = model_cfg
+        # the channels of each q/k head that RoPE turns: MLA's rope part, GLM-4.5's leading half
+        self.rot_dim = c.qk_rope_head_dim if c.mla else int(c.head_dim * c.partial_rotary_factor)
+        self.inv_freq = rope_inv_freq(c.rope_theta, self.rot_dim, weights.device)
+        # Qwen3's attention: q/k norm then RoPE over whole heads, no biases (the fused kernels)
+        self.fused_qk = not c.mla and c.use_qk_norm and not c.attention_bias and self.rot_dim == c.head_dim
 
     def _site(self, rows, layer, name, x, codes=False):
         """Fake-quantize an FP4 site's input rows (fp4) and, when the layer is captured, keep the
@@ -141,15 +153,16 @@ class ModelRunner:
         h = rms_norm(x, weight, eps, backend=self.backend)
         return self._site(rows, layer, name, h, codes), h, x
 
-    def _swiglu_site(self, rows, layer, gate_up, codes=False):
-        """fc2's input: silu(gate) * up of gate_up [R, 2I], fake-quantized in fp4 (one kernel on
-        the GPU, as `_norm_site`); its captured rows go to `rows` (in the rows' own order)."""
+    def _swiglu_site(self, rows, layer, gate_up, codes=False, site="fc2"):
+        """fc2's (or the shared experts' `shared_fc2`) input: silu(gate) * up of gate_up [R, 2I],
+        fake-quantized in fp4 (one kernel on the GPU, as `_norm_site`); its captured rows go to
+        `rows` (in the rows' own order)."""
         if self.fp4 and (rows is None or codes):
             xq, _, kept = silu_mul_fake_quantize_rows(gate_up, capture=rows is not None, backend=self.backend)
             if rows is not None:
-                rows[(layer, "fc2")] = kept
+                rows[(layer, site)] = kept
             return xq
-        return self._site(rows, layer, "fc2", silu_mul(gate_up, backend=self.backend), codes)
+        return self._site(rows, layer, site, silu_mul(gate_up, backend=self.backend), codes)
 
     def _linear(self, x, name):
         """x [n, K] @ W^T for an FP4-site weight (packed in fp4 precision), as `fp4_linear_parts`
@@ -182,44 +195,105 @@ class ModelRunner:
 
     def forward_batch(self, batch, capture_layers=frozenset(), all_logits: bool = False, codes: bool = False):
         """`forward` on prebuilt index tensors (`_Batch` or the static buffers of a `DecodeGraph`).
-        Decode-only batches run without host synchronisation, so they can be graph-captured."""
+        Decode-only batches run without host synchronisation (GQA), so they can be graph-captured."""
         cfg, w = self.model_cfg, self.w
-        nq, ng, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         ids, pos = batch.ids, batch.pos
-        n = ids.numel()
         captured, routed = {}, {}
         x_NH = w.dense("embedding.word_embeddings.weight")[ids]
         cos, sin = rope_tables(pos, self.inv_freq, x_NH.dtype)  # once per forward
         for L in range(cfg.num_layers):
             p = f"decoder.layers.{L}."
             rows = captured if L in capture_layers else None
-            qkv_in, _, _ = self._norm_site(rows, L, "qkv", x_NH, w.dense(p + "input_layernorm.weight"), codes)
-            qkv = self._linear(qkv_in, p + "self_attention.linear_qkv.weight")
-            qkv_NGCD = qkv.view(*qkv.shape[:-1], ng, nq // ng + 2, d)  # [S, ...] partials on the GPU
-            qk_norm = (w.dense(p + "self_attention.q_layernorm.weight"),
-                       w.dense(p + "self_attention.k_layernorm.weight"), cfg.rms_norm_eps, cos, sin)
-            if rows is not None:  # captured: with codes, the rounding the cache itself holds
-                qkv_NGCD = sum_parts(qkv_NGCD)
-                q_NQD, k_NGD = qk_norm_rope(qkv_NGCD, *qk_norm, backend=self.backend)
-                v_NGD = qkv_NGCD[:, :, -1]
-                if self.fp4:
-                    k_q, v_q = PagedKVCache.quantize_rows(k_NGD), PagedKVCache.quantize_rows(v_NGD)
-                else:
-                    k_q, v_q = k_NGD, v_NGD
-                rows[(L, "k")], rows[(L, "v")] = ((_dense_capture(k_q, d), _dense_capture(v_q, d)) if codes and self.fp4
-                                                  else (k_NGD.reshape(-1, d), v_NGD.reshape(-1, d)))
-                self.cache.write(L, batch.slots, k_q, v_q)
-            else:  # K and V go into the cache from the norm + RoPE kernel
-                q_NQD = qk_norm_rope_into_cache(qkv_NGCD, *qk_norm, self.cache.k[L], self.cache.v[L], batch.slots,
-                                                backend=self.backend)
-            ctx_NQD = self._attention(L, batch, q_NQD)
-            ctx = ctx_NQD.reshape(n, nq * d)
+            attend = self._mla if cfg.mla else self._gqa
+            ctx = attend(L, p + "self_attention.", batch, x_NH, w.dense(p + "input_layernorm.weight"), cos, sin, rows,
+                         codes)
             proj = self._linear(self._site(rows, L, "proj", ctx, codes), p + "self_attention.linear_proj.weight")
-            x_NH = self._moe(L, p, x_NH, proj, rows, routed, codes)
+            ffn = self._moe if cfg.is_moe_layer(L) else self._dense_ffn
+            x_NH = ffn(L, p, x_NH, proj, rows, routed, codes)
         x_NH = rms_norm(x_NH, w.dense("decoder.final_layernorm.weight"), cfg.rms_norm_eps, backend=self.backend)
         if not all_logits and batch.last is not None:
             x_NH = x_NH[batch.last]  # [B, H]: each segment's last token
         return (x_NH @ w.dense("output_layer.weight").T).float(), captured, routed
+
+    def _gqa(self, L, a, batch, x_NH, norm_weight, cos, sin, rows, codes):
+        """Grouped-query attention of the input_layernorm of x_NH: its K and V into the cache,
+        the context [N, Q * D] out. Qwen3's shape (q/k norm, whole-head RoPE, no biases) runs the
+        fused norm + RoPE kernels; the rest (GLM-4.5: QKV biases, partial RoPE) torch's ops."""
+        cfg, w = self.model_cfg, self.w
+        nq, ng, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        qkv_in, _, _ = self._norm_site(rows, L, "qkv", x_NH, norm_weight, codes)
+        qkv = self._linear(qkv_in, a + "linear_qkv.weight")
+        if not self.fused_qk:
+            qkv = sum_parts(qkv)
+            if cfg.attention_bias:
+                qkv = qkv + w.dense(a + "linear_qkv.bias").to(qkv.dtype)
+        qkv_NGCD = qkv.view(*qkv.shape[:-1], ng, nq // ng + 2, d)  # [S, ...] partials on the GPU
+        if self.fused_qk:
+            qk_norm = (w.dense(a + "q_layernorm.weight"), w.dense(a + "k_layernorm.weight"), cfg.rms_norm_eps, cos, sin)
+            if rows is None:  # K and V go into the cache from the norm + RoPE kernel
+                q_NQD = qk_norm_rope_into_cache(qkv_NGCD, *qk_norm, self.cache.k[L], self.cache.v[L], batch.slots,
+                                                backend=self.backend)
+                return self._attention(L, batch, q_NQD).flatten(1)
+            qkv_NGCD = sum_parts(qkv_NGCD)
+            q_NQD, k_NGD = qk_norm_rope(qkv_NGCD, *qk_norm, backend=self.backend)
+        else:
+            q_NQD, k_NGD = qkv_NGCD[:, :, :-2].flatten(1, 2), qkv_NGCD[:, :, -2]
+            if cfg.use_qk_norm:
+                q_NQD = rms_norm(q_NQD, w.dense(a + "q_layernorm.weight"), cfg.rms_norm_eps, backend=self.backend)
+                k_NGD = rms_norm(k_NGD, w.dense(a + "k_layernorm.weight"), cfg.rms_norm_eps, backend=self.backend)
+            q_NQD, k_NGD = self._rope(q_NQD, cos, sin), self._rope(k_NGD, cos, sin)
+        v_NGD = qkv_NGCD[:, :, -1]
+        # with codes (captured), the rounding the cache itself holds
+        k_q, v_q = k_NGD, v_NGD
+        if self.fp4:
+            k_q, v_q = PagedKVCache.quantize_rows(k_NGD), PagedKVCache.quantize_rows(v_NGD)
+        if rows is not None:
+            rows[(L, "k")], rows[(L, "v")] = ((_dense_capture(k_q, d), _dense_capture(v_q, d)) if codes and self.fp4
+                                              else (k_NGD.reshape(-1, d), v_NGD.reshape(-1, d)))
+        self.cache.write(L, batch.slots, k_q, v_q)
+        return self._attention(L, batch, q_NQD).flatten(1)
+
+    def _rope(self, x, cos, sin):
+        """RoPE over the first rot_dim channels of each head of x [n, heads, d] (all: Qwen3 and
+        DeepSeek's rope part; GLM-4.5 half), the rest passed through, as Megatron applies it."""
+        if self.rot_dim == x.shape[-1]:
+            return rope(x, cos, sin)
+        return torch.cat([rope(x[..., :self.rot_dim], cos, sin), x[..., self.rot_dim:]], -1)
+
+    def _mla(self, L, a, batch, x_NH, norm_weight, cos, sin, rows, codes):
+        """Multi-head latent attention (docs/design.md section 3.1) of the input_layernorm of x_NH:
+        the KV latent after its norm (the `kv` site: FP4 in fp4) and the RoPE'd key part (BF16)
+        into the cache, the context [N, Q * v_head_dim] out. Each sequence's cached latents are
+        up-projected to keys and values (`kv_b` reads them as the cache holds them)."""
+        cfg, w = self.model_cfg, self.w
+        n, nq, d = x_NH.shape[0], cfg.num_attention_heads, cfg.head_dim
+        nope, rot, vd, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        h_in, _, _ = self._norm_site(rows, L, "qkv", x_NH, norm_weight, codes)  # both down projections read it
+        latent_NR, k_pe = sum_parts(self._linear(h_in, a + "linear_kv_down_proj.weight")).split([r, rot], -1)
+        if cfg.q_lora_rank:
+            q_lat = sum_parts(self._linear(h_in, a + "linear_q_down_proj.weight"))
+            q_in, _, _ = self._norm_site(rows, L, "q_up", q_lat, w.dense(a + "q_layernorm.weight"), codes)
+            q = self._linear(q_in, a + "linear_q_up_proj.weight")
+        else:
+            q = self._linear(h_in, a + "linear_q_proj.weight")
+        q_nope, q_pe = sum_parts(q).view(n, nq, d).split([nope, rot], -1)
+        q_NQD = torch.cat([q_nope, rope(_deinterleave(q_pe), cos, sin)], -1)
+        latent_NR = rms_norm(latent_NR, w.dense(a + "kv_layernorm.weight"), cfg.rms_norm_eps, backend=self.backend)
+        lat_q = PagedKVCache.quantize_rows(latent_NR[:, None]) if self.fp4 else latent_NR[:, None]
+        if rows is not None:
+            rows[(L, "kv")] = _dense_capture(lat_q, r) if codes and self.fp4 else latent_NR
+        self.cache.write(L, batch.slots, lat_q, rope(_deinterleave(k_pe[:, None]), cos, sin))
+        ctx_NQV = torch.empty(n, nq, vd, dtype=x_NH.dtype, device=x_NH.device)
+        offset = 0
+        for seg in batch.segments:
+            m = len(seg.token_ids)
+            latent, k_pe_ctx = self.cache.read(L, self.cache.slots(seg.block_table, 0, seg.start + m))
+            kv = sum_parts(self._linear(latent[:, 0], a + "linear_kv_up_proj.weight")).view(-1, nq, nope + vd)
+            k_nope, values = kv.split([nope, vd], -1)
+            keys = torch.cat([k_nope, k_pe_ctx.expand(-1, nq, -1)], -1)
+            ctx_NQV[offset:offset + m] = cached_causal_attention(q_NQD[offset:offset + m], keys, values, seg.start)
+            offset += m
+        return ctx_NQV.flatten(1)
 
     def _attention(self, L, batch, q_NQD):
         """Attend over each sequence's cache (the segments' own K/V already written): [N, Q, D]."""
@@ -251,15 +325,41 @@ class ModelRunner:
             return torch._grouped_mm(x, w.transpose(1, 2), offs=counts.cumsum(0).to(torch.int32))
         return torch.cat([chunk @ w[e].T for e, chunk in enumerate(x.split(counts.tolist()))])
 
+    def _ffn(self, rows, L, h_in, fc1, fc2, codes, site="fc2"):
+        """A SwiGLU FFN's output (bf16 [N, H]) of its fake-quantized input h_in: the weights
+        `fc1` and `fc2`, fc2's input the FP4 site `site`."""
+        gate_up = sum_parts(self._linear(h_in, fc1))
+        return sum_parts(self._linear(self._swiglu_site(rows, L, gate_up, codes, site), fc2))
+
+    def _dense_ffn(self, L, p, x_NH, proj, rows, routed, codes=False):
+        """y + the dense FFN of y's norm, y = x + proj (a dense leading layer of the DeepSeek-V3
+        family): fc1 and fc2 sites of one row per token."""
+        h_in, _, x_NH = self._norm_site(rows, L, "fc1", x_NH, self.w.dense(p + "pre_mlp_layernorm.weight"), codes,
+                                        product=proj)
+        return x_NH + self._ffn(rows, L, h_in, p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight", codes)
+
+    def _route(self, p, h_NH):
+        """(experts int64 [N, top_k], gates float32 [N, top_k]) of the normed rows h_NH: softmax
+        over the top-k FP32 logits (Qwen3), or the DeepSeek-V3 family's sigmoid scores with the
+        expert bias picking, group-limited, gates normalised and scaled."""
+        cfg, w = self.model_cfg, self.w
+        if cfg.scoring_func == "softmax":
+            return route(h_NH, w.dense(p + "mlp.router.weight"), cfg.top_k, backend=self.backend)
+        return top_k_sigmoid_grouped(router_logits(h_NH, w.dense(p + "mlp.router.weight")), cfg.top_k,
+                                     w.dense(p + "mlp.router.expert_bias"), n_group=cfg.n_group,
+                                     topk_group=cfg.topk_group, scaling=cfg.routed_scaling_factor,
+                                     normalize=cfg.norm_topk_prob)
+
     def _moe(self, L, p, x_NH, proj, rows, routed, codes=False):
         """y + the MoE block of y's norm, y = x + proj (the attention block's output, `_linear`'s
         product): top-k routing, then every (token, slot) row through its expert as two grouped
-        GEMMs (rows sorted by expert, tokens ascending within an expert)."""
+        GEMMs (rows sorted by expert, tokens ascending within an expert); the shared experts, if
+        any, read the same input row and add to the routed output (as Megatron's MoE layer)."""
         cfg, w = self.model_cfg, self.w
         n, k = x_NH.shape[0], cfg.top_k
         h_in, h_NH, x_NH = self._norm_site(rows, L, "fc1", x_NH, w.dense(p + "pre_mlp_layernorm.weight"), codes,
                                            product=proj)
-        experts_NK, gate_NK = route(h_NH, w.dense(p + "mlp.router.weight"), k, backend=self.backend)
+        experts_NK, gate_NK = self._route(p, h_NH)
         routed[L] = experts_NK
         # each row R of the expert order: its token, its slot among the token's K, where it sits; rows per expert
         tok_R, slot_R, pos_R, counts_E = expert_order(experts_NK, cfg.num_experts, backend=self.backend)
@@ -274,10 +374,17 @@ class ModelRunner:
                 return out.reshape((n * k,) + t.shape[1:])
             rows[(L, "fc2")] = map_rows(token_order, fc2[(L, "fc2")])
         y_RH = self._experts(act_in, L, "fc2", counts_E, tiles)
-        return combine_experts(y_RH.to(h_NH.dtype), gate_NK, tok_R, slot_R, pos_R, residual=x_NH, backend=self.backend)
+        if not cfg.n_shared_experts:
+            return combine_experts(y_RH.to(h_NH.dtype), gate_NK, tok_R, slot_R, pos_R, residual=x_NH,
+                                   backend=self.backend)
+        out = combine_experts(y_RH.to(h_NH.dtype), gate_NK, tok_R, slot_R, pos_R, backend=self.backend)
+        shared = self._ffn(rows, L, h_in, p + "mlp.shared_experts.linear_fc1.weight",
+                           p + "mlp.shared_experts.linear_fc2.weight", codes, site="shared_fc2")
+        return x_NH + (out + shared)
 
 
-def rows_per_token(model_cfg: ModelConfig, site: str) -> int:
-    """Captured rows per token of an FP4 site: one per KV head for k / v, one per routed expert
-    for fc2, else one."""
-    return {"k": model_cfg.num_key_value_heads, "v": model_cfg.num_key_value_heads, "fc2": model_cfg.top_k}.get(site, 1)
+def _deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """MLA's rope part [..., r] with its pairs (2i, 2i+1) regrouped as halves (even channels,
+    then odd), where the non-interleaved RoPE turns them: DeepSeek's interleaved RoPE, as
+    Megatron's MLA (and transformers' rope_interleave) apply it."""
+    return torch.cat([x[..., 0::2], x[..., 1::2]], -1)

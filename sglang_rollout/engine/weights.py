@@ -18,6 +18,7 @@ import torch
 from megatron_trace.model_config import (
     FP4_WEIGHT_SUFFIXES,
     ModelConfig,
+    fp4_weight_peers,
     full_weight_shapes,
 )
 from megatron_trace.weight_buckets import NVFP4, Piece, parts_of_whole, write_piece
@@ -35,7 +36,9 @@ class EngineWeights:
         self.shapes = full_weight_shapes(model_cfg)
         self.tensors: dict[str, torch.Tensor | QTensor] = {}
         self.stacked: dict[tuple[int, str], torch.Tensor | StackedFP4] = {}  # (layer, "fc1"/"fc2") -> all experts
-        for L in range(model_cfg.num_layers):
+        # BF16 weights at FP4 sites that share a global scale with weights not yet arrived (fp4_weight_peers)
+        self._pending: dict[str, torch.Tensor] = {}
+        for L in model_cfg.moe_layers:
             for site, linear in (("fc1", "linear_fc1.weight"), ("fc2", "linear_fc2.weight")):
                 names = [f"decoder.layers.{L}.mlp.experts.local_experts.{e}.{linear}"
                          for e in range(model_cfg.num_experts)]
@@ -91,10 +94,20 @@ class EngineWeights:
     def write(self, piece: Piece, parts: list[torch.Tensor]) -> None:
         """Write one piece (a weight, or a slice of it; weight_buckets' format, checked by its
         `Coverage`) into the engine's storage in place. A whole BF16 weight at an FP4 site is
-        quantized here; plain values take BF16 (2-D weights; the router held in FP32 keeps
-        exactly those values) or FP32 (norms)."""
+        quantized here, with the global scale over its peers (`fp4_weight_peers`: held back
+        until they have all arrived); plain values take BF16 (2-D weights; the router held in
+        FP32 keeps exactly those values) or FP32 (norms, expert biases)."""
         held = self.tensors[piece.name]
         if isinstance(held, QTensor) and piece.kind != NVFP4:
+            if peers := fp4_weight_peers(piece.name):
+                self._pending[piece.name] = parts[0].to(self.device)
+                if all(p in self._pending for p in peers):
+                    whole = [self._pending.pop(p) for p in peers]
+                    amax = torch.stack([w.abs().amax().float() for w in whole]).amax()
+                    for p, w in zip(peers, whole, strict=True):
+                        q = quantize(w, "nvfp4", global_amax=amax)
+                        write_piece(self.tensors[p], Piece.whole(p, q), parts_of_whole(q))
+                return
             piece, parts = dataclasses.replace(piece, kind=NVFP4), parts_of_whole(quantize(parts[0].to(self.device),
                                                                                           "nvfp4"))
         elif not isinstance(held, QTensor):

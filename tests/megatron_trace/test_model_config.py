@@ -47,21 +47,24 @@ def test_each_familys_pieces_are_read_and_named_as_unbuilt():
     assert not ds.is_moe_layer(0) and ds.is_moe_layer(1)
     for piece in ("multi-head latent attention", "shared experts", "dense leading layers", "sigmoid routing",
                   "group-limited top-k", "scaled routed gates"):
-        assert piece in ds.unbuilt  # by the engines
-    assert ds.unbuilt_in("megatron") == ""  # the Megatron trainer builds them all
+        assert piece in ds.unbuilt  # by the SGLang engine and the DeepSpeed trainer
+    # the Megatron trainer and the built-in engine build them all
+    assert ds.unbuilt_in("megatron") == "" and ds.unbuilt_in("engine") == ""
     glm = from_hf(tiny_glm().to_dict())
     assert not glm.mla and glm.use_qk_norm and glm.attention_bias and glm.partial_rotary_factor == 0.5
     assert "attention biases" in glm.unbuilt and "partial rotary embeddings" in glm.unbuilt
-    assert glm.unbuilt_in("megatron") == ""
+    assert glm.unbuilt_in("megatron") == "" and glm.unbuilt_in("engine") == ""
     assert "attention without q/k norm" in from_hf(tiny_glm(use_qk_norm=False).to_dict()).unbuilt
-    with pytest.raises(ValueError, match="the built-in engine cannot build this deepseek_v3 model: multi-head"):
-        ds.require_built("the built-in engine")
+    with pytest.raises(ValueError, match="TRACE's SGLang engine cannot build this deepseek_v3 model: multi-head"):
+        ds.require_built("TRACE's SGLang engine")
+    with pytest.raises(ValueError, match="part must be one of"):
+        ds.unbuilt_in("sglang")
     # what the Megatron trainer does not build either: named, and conversion refuses it
     for changes, piece in ((dict(num_experts_per_tok=2), "group-limited top-k (n_group=4, topk_group=2, top_k=2)"),
                            (dict(norm_topk_prob=False), "unnormalised top-k gates"),
                            (dict(rope_scaling={"type": "yarn", "factor": 40}), "yarn RoPE scaling")):
         cfg = from_hf(tiny_deepseek(**changes).to_dict())
-        assert piece in cfg.unbuilt_in("megatron")
+        assert piece in cfg.unbuilt_in("megatron") and piece in cfg.unbuilt_in("engine")
         with pytest.raises(ValueError, match="converting this HF deepseek_v3 checkpoint cannot build"):
             config_from_hf(tiny_deepseek(**changes).to_dict())
     for name in ("tiny", "demo", "small", "moe-0.4b", "qwen3-30b-a3b", "qwen3-235b-a22b"):

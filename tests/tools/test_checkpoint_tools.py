@@ -159,6 +159,74 @@ def test_compressed_tensors_decompression_reproduces_our_weights(exports):
         assert torch.equal(ref, ours), m
 
 
+def test_deepseek_v3_export_decompresses_to_the_engines_weights(tmp_path):
+    """A DeepSeek-V3-shaped BF16 checkpoint exported to compressed-tensors NVFP4: every FP4 linear
+    (MLA's q_a / kv_a_proj_with_mqa / q_b / kv_b, the dense layer, shared and routed experts) holds
+    the built-in engine's codes, block scales and global scale, and compressed-tensors' own
+    decompression equals the engine's weights dequantized, but where the exact value (float64)
+    sits on a BF16 rounding midpoint to FP32 precision: the two round their FP32 products
+    differently there, one BF16 ulp apart (measured: 175 of 208,896 elements). q_a and kv_a share
+    one global scale; kv_b's input scale is the calibrated latent's; the export reads back as
+    the engine's own packed weights."""
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    from megatron_trace.checkpoint.fp4_export import load_fp4_export
+    from megatron_trace.model_config import full_weight_shapes
+    from tests.support.hf_families import hf_model
+    from trace_kernels.fp4 import dequantize
+
+    _, model = hf_model("deepseek-v3")
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "hf")
+    out = tmp_path / "ct"
+    export_main(["--hf", str(tmp_path / "hf"), "--out", str(out), "--format", "compressed-tensors",
+                 "--calib-random", "2", "--calib-len", "16"])
+    hf = HFCheckpoint(tmp_path / "hf")
+    cfg = hf.model_cfg
+    engine = TraceEngine(cfg, EngineConfig(precision="fp4", num_blocks=1))
+    engine.update_weights(dict(hf.items()), 0)
+    qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    scheme = QuantizationConfig.model_validate(qcfg).config_groups["group_0"]
+    ct = read_all(out)
+    checked, elements, midpoints = 0, 0, 0
+    for name in full_weight_shapes(cfg):
+        if fp4_site_of(name) is None:
+            continue
+        held = engine.weights.tensors[name]
+        ours_all = dequantize(held, torch.bfloat16)
+        for hf_name, rows in hf_parts(name, cfg):
+            m = hf_name.removesuffix(".weight")
+            state = {k: ct[f"{m}.{k}"] for k in ("weight_packed", "weight_scale", "weight_global_scale")}
+            index = slice(None) if rows is None else rows
+            assert torch.equal(state["weight_packed"], held.codes[index]), m
+            assert torch.equal(state["weight_scale"].view(torch.uint8), held.block_scales[index].view(torch.uint8)), m
+            # compressed-tensors stores 1 / g: in FP32 the reciprocal round trip can move g by an ulp
+            g_ct = 1 / state["weight_global_scale"].reshape(())
+            assert abs(float(g_ct) - float(held.global_scale)) <= 2**-23 * float(held.global_scale), m
+            theirs, ours = NVFP4PackedCompressor.decompress(state, scheme)["weight"], ours_all[index]
+            scales = state["weight_scale"].float().double().repeat_interleave(16, 1).numpy()
+            exact = torch.from_numpy(_e2m1(state["weight_packed"]) * scales * float(held.global_scale))
+            differ = theirs != ours
+            mid = (theirs.double() + ours.double()) / 2
+            assert ((exact - mid).abs() <= 2**-22 * exact.abs())[differ].all(), m
+            checked, elements, midpoints = checked + 1, elements + ours.numel(), midpoints + int(differ.sum())
+    assert checked == len([k for k in ct if k.endswith(".weight_packed")]) and checked > 8 * 3 * 2
+    assert midpoints < 1e-3 * elements, (midpoints, elements)
+    a = "model.layers.1.self_attn."
+    assert torch.equal(ct[a + "q_a_proj.weight_global_scale"], ct[a + "kv_a_proj_with_mqa.weight_global_scale"])
+    amax = load_input_amax(out / "trace_input_amax.json")
+    assert float(1 / ct[a + "kv_b_proj.input_global_scale"]) == pytest.approx(amax[(1, "kv")] / (6 * 448))
+    assert "model.layers.0.mlp.gate" not in qcfg["ignore"] and a + "kv_a_layernorm" in qcfg["ignore"]
+    back_cfg, back = load_fp4_export(out)
+    assert back_cfg == cfg
+    for name, t in back.items():
+        held = engine.weights.tensors[name]
+        if fp4_site_of(name) is not None:
+            assert torch.equal(t.codes, held.codes) and torch.equal(t.block_scales.view(torch.uint8),
+                                                                    held.block_scales.view(torch.uint8)), name
+            assert float(t.global_scale) == pytest.approx(float(held.global_scale), rel=2**-22), name
+
+
 def test_export_configs(exports):
     mo_cfg = json.loads((exports["modelopt"] / "config.json").read_text())["quantization_config"]
     hq = json.loads((exports["modelopt"] / "hf_quant_config.json").read_text())["quantization"]
@@ -175,17 +243,17 @@ def test_export_configs(exports):
     assert scale == torch.tensor(amax[(1, "fc2")], dtype=torch.float32) / (6 * 448)
 
 
-def _run_audit(rank, *, exports, trainer_precision="fp4-rne", engine_precision="fp4", bf16_site=None):
+def _run_audit(rank, *, exports, trainer_precision="fp4-rne", engine_precision="fp4", bf16_site=None, cfg=CFG):
     from megatron_trace.checkpoint.audit import audit
     from megatron_trace.megatron.model import build_model, fp4_sites
     from megatron_trace.modes import TrainerPrecision
 
-    model = build_model(CFG, trainer_precision)
+    model = build_model(cfg, trainer_precision)
     for site in fp4_sites(model):
         if bf16_site and (site.layer, site.name, site.expert) == bf16_site:
             site.precision = TrainerPrecision.BF16
-    engine = TraceEngine(CFG, EngineConfig(precision=engine_precision, num_blocks=1))
-    return audit(CFG, model, engine.quantization_table(), exports)
+    engine = TraceEngine(cfg, EngineConfig(precision=engine_precision, num_blocks=1))
+    return audit(cfg, model, engine.quantization_table(), exports)
 
 
 def test_audit(exports, tmp_path):
@@ -208,6 +276,32 @@ def test_audit(exports, tmp_path):
     assert "model.layers.1.self_attn.q_proj: trainer=fp4 engine=bf16" in text
     assert "model.layers.0.mlp.experts.1.down_proj: trainer=bf16 engine=bf16 export=fp4" in text
     assert "model.layers.0.self_attn.kv_cache: trainer=fp4 engine=bf16 export=fp4" in text
+
+
+def _run_audits(rank, *, cases):
+    return [_run_audit(rank, exports=[], **case) for case in cases]
+
+
+def test_audit_of_the_deepseek_v3_family():
+    """Trainer and engine agree on every site of DeepSeek-V3 (MLA's projections, the latent
+    cache, the dense layer, shared experts) and GLM-4.5; a site left in BF16 is named."""
+    from megatron_trace.model_config import from_hf
+    from tests.support.hf_families import tiny_deepseek, tiny_glm
+
+    ds, glm = from_hf(tiny_deepseek().to_dict()), from_hf(tiny_glm().to_dict())
+    sites = ((1, "q_up", None), "model.layers.1.self_attn.q_b_proj: trainer=bf16 engine=fp4"), \
+            ((2, "kv", None), "model.layers.2.self_attn.kv_cache: trainer=bf16 engine=fp4")
+    cases = [dict(cfg=ds), dict(cfg=glm)] + [dict(cfg=ds, bf16_site=site) for site, _ in sites]
+    (ds_run, glm_run, *bf16_runs), = spawn(_run_audits, {}, cases=cases)
+    tables, problems = ds_run
+    assert problems == [] and glm_run[1] == []
+    t = tables["trainer"]
+    for m in ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.q_b_proj", "self_attn.kv_b_proj",
+              "self_attn.o_proj", "self_attn.kv_cache", "mlp.shared_experts.down_proj", "mlp.experts.7.up_proj"):
+        assert t[f"model.layers.1.{m}"] == "fp4", m
+    assert t["model.layers.0.mlp.gate_proj"] == "fp4" and t["model.layers.1.mlp.gate"] == "bf16"
+    for (_, named), (_, problems) in zip(sites, bf16_runs, strict=True):
+        assert named in problems, problems
 
 
 # -- bad input -------------------------------------------------------------------------------

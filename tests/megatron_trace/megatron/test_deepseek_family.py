@@ -55,12 +55,12 @@ def _family(name, tmp):
     return dict(name=name, cfg=cfg, sd=sd, batches=batches, want=want, model=model, hf_dir=hf_dir)
 
 
-def test_config_reads_back_and_only_the_engines_lack_the_family(family):
+def test_config_reads_back_and_only_the_sglang_engine_lacks_the_family(family):
     cfg = family["cfg"]
     assert from_hf(hf_config(cfg)) == cfg and config_from_hf(hf_config(cfg)) == cfg
-    assert cfg.unbuilt_in("megatron") == "" and "not built yet" in cfg.unbuilt
-    with pytest.raises(ValueError, match="the built-in engine cannot build this"):
-        cfg.require_built("the built-in engine")
+    assert cfg.unbuilt_in("megatron") == "" and cfg.unbuilt_in("engine") == "" and "not built yet" in cfg.unbuilt
+    with pytest.raises(ValueError, match="TRACE's SGLang engine cannot build this"):
+        cfg.require_built("TRACE's SGLang engine")
 
 
 @pytest.mark.parametrize("name, layout", [

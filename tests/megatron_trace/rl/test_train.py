@@ -140,3 +140,30 @@ def test_the_embedded_default_learns(tmp_path):
     assert len(rewards) == 20
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last >= first + 0.07, (first, last, rewards)
+
+
+@pytest.fixture(scope="module")
+def deepseek_hf(tmp_path_factory):
+    """A tiny DeepSeek-V3-shaped HF checkpoint built by transformers (MLA, a dense first layer,
+    shared experts, sigmoid group-limited routing with an expert bias), 4 layers."""
+    from tests.support.hf_families import hf_model
+
+    path = tmp_path_factory.mktemp("deepseek-hf")
+    hf_model("deepseek-v3", num_hidden_layers=4)[1].save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp4-rollout", "fp4-qat", "trace"])
+def test_a_deepseek_v3_shaped_model_trains_in_each_mode(tmp_path, deepseek_hf, mode):
+    """`trace-rl train` from a DeepSeek-V3-shaped HF checkpoint, Megatron trainer and built-in
+    engine: in trace mode the trainer follows the engine (k3_kl at the Qwen3 run's level, no
+    residual flips) at every layer, the dense one included."""
+    spawn(run_train, {}, out_dir=str(tmp_path), mode=mode, extra=(f"model.hf={deepseek_hf}", "sft.steps=2"))
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1] and all(r["response_tokens"] > 0 for r in rows)
+    if mode == "trace":
+        assert all(r["k3_kl"] < 1e-9 and r["residual_flip_rate"] == 0 for r in rows), rows
+    if mode in ("fp4-qat", "trace"):
+        assert all(set(r["flip_rate_by_layer"]) == {"0", "1", "2", "3"} for r in rows)
+    if mode == "bf16":
+        assert all(r["k3_kl"] < 1e-2 for r in rows)

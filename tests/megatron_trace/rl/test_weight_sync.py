@@ -32,15 +32,20 @@ def engine_bytes(engine) -> dict[str, tuple[torch.Tensor, ...]]:
     return out
 
 
-def reference_bytes(sd: dict, precision: str) -> dict:
-    """The engine's weights after a whole-tensor update: each FP4 site quantized in one process."""
+def reference_bytes(sd: dict, precision: str, cfg=CFG) -> dict:
+    """The engine's weights after a whole-tensor update: each FP4 site quantized in one process
+    (MLA's two down projections with the amax of both: one global scale, docs/design.md 3.1)."""
     from sglang_rollout.engine import EngineConfig, TraceEngine
     from trace_kernels.fp4 import quantize
 
-    engine = TraceEngine(CFG, EngineConfig(precision=precision, device="cpu"))
+    def amax(name):
+        down = [n for n in sd if n.startswith(name.rsplit(".", 2)[0]) and n.endswith("_down_proj.weight")]
+        return max(sd[n].abs().max() for n in down) if name.endswith("_down_proj.weight") else sd[name].abs().max()
+
+    engine = TraceEngine(cfg, EngineConfig(precision=precision, device="cpu"))
     fp4 = precision == "fp4"
-    engine.update_weights({k: quantize(v, "nvfp4") if fp4 and k.endswith(FP4_WEIGHT_SUFFIXES) else v
-                           for k, v in sd.items()}, 0)
+    engine.update_weights({k: quantize(v, "nvfp4", global_amax=amax(k)) if fp4 and k.endswith(FP4_WEIGHT_SUFFIXES)
+                           else v for k, v in sd.items()}, 0)
     return engine_bytes(engine)
 
 
@@ -95,7 +100,7 @@ def _status_bytes(key: str) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
 
 
-def trainer_sync(rank, bridge, *, sd, precision, bucket_mb):
+def trainer_sync(rank, bridge, *, sd, precision, bucket_mb, cfg=CFG):
     """Sync version 0 (this rank's bytes sent), then generate through the engine: the dtypes
     routed experts arrive in, and those the trainer's micro-batch guidance widens them to."""
     from megatron_trace.megatron.context import MicroBatchGuidance
@@ -103,7 +108,7 @@ def trainer_sync(rank, bridge, *, sd, precision, bucket_mb):
     from megatron_trace.rl.weight_sync import sync_weights
     from megatron_trace.rollout import GroupRequest, SamplingParams
 
-    trainer = _trainer(CFG, sd)
+    trainer = _trainer(cfg, sd)
     remote = RemoteEngine(bridge, precision, "none", "dense")
     sent = sync_weights(trainer, remote, 0, bucket_mb)
     out = remote.generate([GroupRequest(g, p, n=2) for g, p in REQUESTS], SamplingParams(max_new_tokens=3, seed=1))
@@ -115,7 +120,7 @@ def trainer_sync(rank, bridge, *, sd, precision, bucket_mb):
             "versions": {s.weight_version for s in out.samples}}
 
 
-def engine_serve(rank, bridge, **_):
+def engine_serve(rank, bridge, cfg=CFG, **_):
     """serve_engine with the built-in engine; returns its weights' bytes once the trainers stop."""
     from megatron_trace.rl.disaggregated import serve_engine
     from sglang_rollout.engine import EngineConfig, TraceEngine
@@ -123,7 +128,7 @@ def engine_serve(rank, bridge, **_):
     made = []
 
     def make(precision, guide, coding):
-        made.append(TraceEngine(CFG, EngineConfig(precision=precision, guide=guide, coding=coding, device="cpu",
+        made.append(TraceEngine(cfg, EngineConfig(precision=precision, guide=guide, coding=coding, device="cpu",
                                                   block_size=4, num_blocks=64)))
         return made[-1]
     serve_engine(bridge, make)
@@ -164,6 +169,29 @@ def test_the_engine_holds_the_bytes_of_each_full_tensor_quantized_in_one_process
     for t in trainers:  # routed experts travel in the smallest type, the trainer widens them
         assert t["versions"] <= {0} and t["wire"] <= {torch.uint8} and t["used"] <= {torch.int64}
     assert any(t["wire"] == {torch.uint8} and t["used"] == {torch.int64} for t in trainers)
+
+
+def test_deepseek_v3_weights_arrive_as_quantized_in_one_process_under_tp2():
+    """The DeepSeek-V3 family's weights (MLA projections, the dense layer, shared experts, the
+    expert bias in FP32) synced from TP2 trainer ranks: the engine holds the one-process bytes,
+    the two MLA down projections with the one global scale of both."""
+    from megatron_trace.model_config import from_hf, full_weight_shapes
+    from tests.support.hf_families import tiny_deepseek
+
+    cfg = from_hf(tiny_deepseek(num_hidden_layers=2).to_dict())
+    g = torch.Generator().manual_seed(3)
+    sd = {n: (torch.randn(s, generator=g) * s[-1] ** -0.5) if len(s) == 2 else
+          (0.05 * torch.randn(s, generator=g) if n.endswith("expert_bias") else 1 + 0.1 * torch.randn(s, generator=g))
+          for n, s in full_weight_shapes(cfg).items()}
+    *_, engine = spawn_job(trainer_sync, engine_serve, {"tp": 2}, sd=sd, precision="fp4", bucket_mb=1 / 64, cfg=cfg)
+    want = reference_bytes(sd, "fp4", cfg)
+    assert engine["version"] == 0 and set(engine["weights"]) == set(want)
+    for name, parts in want.items():
+        got = engine["weights"][name]
+        assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, parts, strict=True)), name
+    a = "decoder.layers.1.self_attention."
+    q, kv = want[a + "linear_q_down_proj.weight"], want[a + "linear_kv_down_proj.weight"]
+    assert torch.equal(q[2], kv[2])
 
 
 def trainer_memory(rank, bridge, *, cfg, bucket_mb):
