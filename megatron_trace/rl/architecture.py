@@ -34,11 +34,12 @@ class Architecture:
     dense_ffn: int = 0
     tie_embeddings: bool = False
     num_params: int  # the whole model's (ModelConfig.num_params)
-    implemented: str = ""  # empty: trainable here; else what TRACE does not build yet (ModelConfig.unbuilt)
+    implemented: str = ""  # empty: trainable here; else what the run's backends do not build (ModelConfig.unbuilt_in)
 
     @classmethod
-    def from_model_config(cls, name: str, c: ModelConfig) -> Architecture:
-        """The plan's view of model `name` with ModelConfig `c`."""
+    def from_model_config(cls, name: str, c: ModelConfig, part: str = "all") -> Architecture:
+        """The plan's view of model `name` with ModelConfig `c`; `implemented` names what `part`
+        (ModelConfig.unbuilt_in: "engine" for the Megatron trainer with the built-in engine) lacks."""
         h, d, nq, ng = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
         experts = (c.top_k + c.n_shared_experts, c.moe_intermediate_size)  # fc2: a row per (token, expert)
         if c.mla:  # one latent (+ the shared rope key) per token serves every head
@@ -54,7 +55,8 @@ class Architecture:
                    norm_params=2 * h + c.attention_other_params, experts=c.num_experts,
                    moe_ffn=c.moe_intermediate_size, top_k=c.top_k, shared_ffn=c.shared_expert_size,
                    dense_layers=c.first_k_dense_replace, dense_ffn=c.intermediate_size,
-                   tie_embeddings=c.tie_word_embeddings, num_params=c.num_params, implemented=c.unbuilt)
+                   tie_embeddings=c.tie_word_embeddings, num_params=c.num_params,
+                   implemented=c.unbuilt_in(part))
 
     def kv_bytes_per_token(self, fp4: bool) -> float:
         """KV-cache bytes per token and layer: FP4 codes + E4M3 block scales + a float32 global scale

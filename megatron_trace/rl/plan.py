@@ -365,7 +365,10 @@ def make_plan(cfg, arch: Architecture, layout: Layout | None = None) -> Plan:
             f" ({_fitting_engine_tp(cfg, arch, fp4_engine, limits['gpu'])})"
         problems += sglang.problems + [p + fit for p in sglang.shortfalls]
     if arch.implemented:
-        problems.append(f"{arch.name} is for trace-rl plan only: {arch.implemented}")
+        problems.append(f"{arch.name} cannot train with these backends yet: {arch.implemented}")
+    if cfg.rollout.backend == "builtin" and dist.engine_tp > 1:
+        problems.append(f"dist.engine_tp={dist.engine_tp}: the built-in engine runs on one GPU (engine tensor "
+                        "parallelism runs on SGLang engines, rollout.backend=sglang)")
     how = ("distributed" if optim.distributed else "replicated") + (
         ", offloaded to the host" if optim.cpu_offload else "")
     if cfg.trainer.backend == "deepspeed":
@@ -477,7 +480,9 @@ def _fitting_engine_tp(cfg, arch: Architecture, fp4: bool, usable: float) -> str
     _, engine_gpus = gpu_counts(cfg)
     fitting = [t for t in (2, 4, 8, 16) if cfg.dist.engine_tp < t <= engine_gpus and engine_gpus % t == 0
                and _engine_fits(cfg, arch, fp4, t, usable)]
-    return f"dist.engine_tp={fitting[0]} fits" if fitting else "no engine_tp fits these engine GPUs"
+    if not fitting:
+        return "no engine_tp fits these engine GPUs"
+    return f"dist.engine_tp={fitting[0]} fits" + (" (SGLang engines)" if cfg.rollout.backend == "builtin" else "")
 
 
 def _engine_fits(cfg, arch: Architecture, fp4: bool, engine_tp: int, usable: float) -> bool:
@@ -549,7 +554,9 @@ def architecture(cfg) -> Architecture:
         model_cfg = resolve_model_config(cfg.model)
     else:
         model_cfg = PRESETS[cfg.model.preset]
-    return Architecture.from_model_config(cfg.model.hf or cfg.model.megatron or cfg.model.preset, model_cfg)
+    # the Megatron trainer with the built-in engine builds the DeepSeek-V3 family; SGLang and DeepSpeed do not yet
+    part = "engine" if cfg.rollout.backend == "builtin" and cfg.trainer.backend == "megatron" else "all"
+    return Architecture.from_model_config(cfg.model.hf or cfg.model.megatron or cfg.model.preset, model_cfg, part)
 
 
 def format_plan(plan: Plan) -> str:
