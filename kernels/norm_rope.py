@@ -23,6 +23,8 @@ query heads, then K, then V, Megatron's layout), cos / sin bf16 [n, 1, d].
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -69,12 +71,36 @@ def rope_inv_freq(theta: float, d: int, device=None) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
 
 
-def rope_tables(pos: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention scale for a context extended `factor` times: 0.1 * mscale * ln(factor) + 1
+    (1 for factor <= 1), as DeepSeek's reference, transformers and Megatron define it."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_inv_freq(theta: float, d: int, factor: float, original_max_position: int, beta_fast: float = 32.0,
+                  beta_slow: float = 1.0, device=None) -> torch.Tensor:
+    """YaRN's inverse frequencies float32 [d/2]: theta^(-2i/d) kept where a channel turns more
+    than beta_fast times over the pre-training context `original_max_position`, divided by
+    `factor` where it turns fewer than beta_slow times, a linear ramp between (the bounds
+    floored / ceiled), as transformers' and Megatron's YaRN compute them."""
+    def bound(rotations):
+        return d * math.log(original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = max(math.floor(bound(beta_fast)), 0), min(math.ceil(bound(beta_slow)), d - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(d // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d)
+    keep = 1 - ramp  # where the pre-training frequency stays (extrapolation)
+    return 1.0 / (factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep
+
+
+def rope_tables(pos: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
+                scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [n, 1, d] in `dtype` (the activations', as Megatron's bshd path casts them) at
-    positions pos (int [n]): the same for q and k and every layer."""
+    positions pos (int [n]): the same for q and k and every layer; times `scale` in FP32 first
+    (YaRN's attention factor, as Megatron applies its mscale)."""
     freqs = pos.float()[:, None] * inv_freq[None]
     emb = torch.cat([freqs, freqs], -1)[:, None]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -40,9 +40,12 @@ def fp4_site_of(name: str) -> tuple[int, str] | None:
 _PEER_SUFFIXES = ("self_attention.linear_q_down_proj.weight", "self_attention.linear_kv_down_proj.weight")
 
 
-def fp4_weight_peers(name: str) -> tuple[str, ...]:
+def fp4_weight_peers(name: str, cfg: ModelConfig) -> tuple[str, ...]:
     """The full names of the weights that share `name`'s FP4 global scale, `name` included in
-    order; () for a weight quantized alone."""
+    order; () for a weight quantized alone (MLA without a query latent: `linear_q_proj` and the KV
+    down projection keep their own)."""
+    if not cfg.q_lora_rank:
+        return ()
     for suffix in _PEER_SUFFIXES:
         if name.endswith(suffix):
             prefix = name[: -len(suffix)]
@@ -95,6 +98,15 @@ class ModelConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     rope_type: str = "default"  # HF rope_scaling's type (DeepSeek-V3: yarn)
+    # YaRN (rope_type "yarn", HF rope_scaling's keys): the context extension factor, the pre-training
+    # context, the ramp's rotation bounds, and the two mscales (cos/sin scaled by yarn_mscale(factor,
+    # mscale) / yarn_mscale(factor, mscale_all_dim), the softmax scale by yarn_mscale(factor, mscale_all_dim)^2)
+    rope_factor: float = 1.0
+    original_max_position_embeddings: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "head_dim", "moe_intermediate_size"):
@@ -117,6 +129,12 @@ class ModelConfig:
         if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
             raise ValueError(f"ModelConfig: n_group={self.n_group} must divide num_experts={self.num_experts} and "
                              f"topk_group={self.topk_group} be in 1..n_group")
+        if self.rope_type == "yarn" and (self.rope_factor <= 1 or self.original_max_position_embeddings <= 0):
+            raise ValueError(f"ModelConfig: YaRN needs rope_factor > 1 and original_max_position_embeddings > 0, got "
+                             f"{self.rope_factor} and {self.original_max_position_embeddings}")
+        if self.rope_type == "yarn" and not self.mscale_all_dim and self.mscale != 1:
+            # transformers then ignores mscale, Megatron does not: no one arithmetic to follow
+            raise ValueError(f"ModelConfig: YaRN with mscale={self.mscale} needs mscale_all_dim > 0")
         if not 0 <= self.first_k_dense_replace <= self.num_layers:
             raise ValueError(f"ModelConfig.first_k_dense_replace={self.first_k_dense_replace} must be in "
                              f"0..num_layers={self.num_layers}")
@@ -157,7 +175,8 @@ class ModelConfig:
             ("attention without q/k norm (use_qk_norm=False)", not c.use_qk_norm and not c.mla, True),
             (f"partial rotary embeddings (partial_rotary_factor={c.partial_rotary_factor})",
              c.partial_rotary_factor != 1.0, True),
-            (f"{c.rope_type} RoPE scaling (rope_scaling)", c.rope_type != "default", False)]
+            (f"{c.rope_type} RoPE scaling (rope_scaling)", c.rope_type != "default",
+             c.rope_type == "yarn" and c.mla)]  # YaRN on MLA's rope part (Megatron's MLA has it)
 
     def unbuilt_in(self, part: str) -> str:
         """What this architecture asks for that `part` of TRACE does not build yet (empty: it
@@ -239,6 +258,8 @@ class ModelConfig:
 _HF_KEYS = {"num_layers": "num_hidden_layers", "top_k": "num_experts_per_tok"}
 _HF_EXPERTS = {"qwen3_moe": "num_experts", "deepseek_v3": "n_routed_experts", "glm4_moe": "n_routed_experts"}
 _HF_SCORING = {"qwen3_moe": "softmax", "deepseek_v3": "sigmoid", "glm4_moe": "sigmoid"}  # fixed by the model code
+_HF_YARN = {"rope_factor": "factor", "original_max_position_embeddings": "original_max_position_embeddings",
+            "beta_fast": "beta_fast", "beta_slow": "beta_slow", "mscale": "mscale", "mscale_all_dim": "mscale_all_dim"}
 _REQUIRED = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "moe_intermediate_size",
              "num_experts", "top_k")
 
@@ -273,6 +294,7 @@ def from_hf(hf: dict) -> ModelConfig:
     out = {f: hf[keys.get(f, f)] for f in fields if hf.get(keys.get(f, f)) is not None}
     out |= {"model_type": kind, "scoring_func": _HF_SCORING[kind], "q_lora_rank": hf.get("q_lora_rank") or 0,
             "rope_type": rope.get("rope_type", rope.get("type", "default")),
+            **{f: rope[k] for f, k in _HF_YARN.items() if rope.get(k) is not None},
             "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False))}
     if kind == "deepseek_v3":
         out |= {"head_dim": hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"], "use_qk_norm": False}

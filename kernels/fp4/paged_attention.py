@@ -107,18 +107,20 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, block_si
     return out
 
 
-def cached_causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> torch.Tensor:
+def cached_causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
+                            scale: float | None = None) -> torch.Tensor:
     """One sequence's queries q [m, Hq, d] at positions start .. start + m - 1 over its cached
     keys and values [start + m, Hkv, d] (positions 0 .. start + m - 1, the new ones included),
     causal, GQA: [m, Hq, d] in q's dtype. torch's SDPA with an explicit mask and its default
-    scale: what the built-in engine runs for prefill (and on the CPU for decode) and SGLang's
-    trace_fp4 backend runs too, so that both give the same bits for the same rows."""
+    scale 1/sqrt(d) (or `scale`: MLA under YaRN): what the built-in engine runs for prefill (and
+    on the CPU for decode) and SGLang's trace_fp4 backend runs too, so that both give the same
+    bits for the same rows."""
     m, nq, _ = q.shape
     allowed = (torch.arange(keys.shape[0], device=q.device)[None]
                <= (start + torch.arange(m, device=q.device))[:, None])
     out = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1),
                                                            values.transpose(0, 1), attn_mask=allowed,
-                                                           enable_gqa=keys.shape[1] != nq)
+                                                           enable_gqa=keys.shape[1] != nq, scale=scale)
     return out.transpose(0, 1)
 
 

@@ -184,7 +184,7 @@ def export_fp4(tensors: Iterable[tuple[str, torch.Tensor]], model_cfg: ModelConf
                 for hf_name, part in to_hf(name, t.to(dtype), model_cfg):
                     writer.add(hf_name, part)
                 continue
-            peers = fp4_weight_peers(name) or (name,)
+            peers = fp4_weight_peers(name, model_cfg) or (name,)
             waiting[name] = t
             if not all(p in waiting for p in peers):
                 continue

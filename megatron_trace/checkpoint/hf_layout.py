@@ -44,6 +44,11 @@ def hf_config(model_cfg: ModelConfig) -> dict:
            "rope_theta": c.rope_theta, "rms_norm_eps": c.rms_norm_eps,
            "max_position_embeddings": c.max_position_embeddings, "tie_word_embeddings": c.tie_word_embeddings,
            "norm_topk_prob": c.norm_topk_prob, "attention_bias": c.attention_bias}
+    if c.rope_type == "yarn":
+        out["rope_scaling"] = {"type": "yarn", "rope_type": "yarn", "factor": c.rope_factor,
+                               "original_max_position_embeddings": c.original_max_position_embeddings,
+                               "beta_fast": c.beta_fast, "beta_slow": c.beta_slow, "mscale": c.mscale,
+                               "mscale_all_dim": c.mscale_all_dim}
     if c.model_type == "qwen3_moe":
         return out | {"head_dim": c.head_dim, "num_experts": c.num_experts, "decoder_sparse_step": 1,
                       "mlp_only_layers": [], "intermediate_size": 4 * c.hidden_size, "use_sliding_window": False}

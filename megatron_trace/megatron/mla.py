@@ -11,6 +11,7 @@ RoPE key stays BF16. RoPE, the up projections and the attention are Megatron's o
 
 from __future__ import annotations
 
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
 from .linear import FP4ColumnParallelLinear
@@ -30,6 +31,15 @@ class TraceMLASelfAttention(MLASelfAttention):
         for name in ("linear_q_down_proj", "linear_kv_down_proj"):
             if hasattr(self, name):
                 getattr(self, name).__class__ = FP4ColumnParallelLinear
+
+    def _resolve_qk_norm_config(self, submodules):
+        if self.config.q_lora_rank is not None:
+            return super()._resolve_qk_norm_config(submodules)
+        # Without a query latent, Megatron 0.19.2 swaps the query projection for the backend's fused
+        # norm + linear whenever qk_layernorm is on; DeepSeek's direct query projection has no norm
+        # (qk_layernorm is on for the KV latent's), so the spec's FP4 linear is kept as it is.
+        return dict(linear_q_proj=submodules.linear_q_proj, linear_q_up_proj=IdentityOp, q_layernorm=IdentityOp,
+                    linear_kv_up_proj=submodules.linear_kv_up_proj, kv_layernorm=submodules.kv_layernorm)
 
     def _qkv_down_projection(self, hidden_states):
         # both down projections (or, without a query latent, the query projection) read this row

@@ -85,7 +85,17 @@ def transformer_config(model_cfg: ModelConfig, *, dispatcher: str = "alltoall", 
     return MLATransformerConfig(
         **kw, multi_latent_attention=True, q_lora_rank=c.q_lora_rank or None, kv_lora_rank=c.kv_lora_rank,
         qk_head_dim=c.qk_nope_head_dim, qk_pos_emb_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim,
-        rope_type="rope", rotary_base=c.rope_theta, rotary_scaling_factor=1.0)  # 1.0: no YaRN softmax mscale
+        rotary_base=c.rope_theta, **_mla_rope(c))
+
+
+def _mla_rope(c: ModelConfig) -> dict:
+    """MLATransformerConfig's RoPE settings: plain RoPE, or YaRN with the HF config's values (the
+    softmax scale then carries Megatron's yarn mscale of mscale_all_dim, as transformers' does)."""
+    if c.rope_type != "yarn":
+        return dict(rope_type="rope", rotary_scaling_factor=1.0)  # 1.0: no YaRN softmax mscale
+    return dict(rope_type="yarn", rotary_scaling_factor=c.rope_factor,
+                original_max_position_embeddings=c.original_max_position_embeddings, beta_fast=c.beta_fast,
+                beta_slow=c.beta_slow, mscale=c.mscale, mscale_all_dim=c.mscale_all_dim)
 
 
 class TraceGPTModel(GPTModel):

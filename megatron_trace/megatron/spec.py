@@ -71,7 +71,7 @@ def _gqa_attention(config: TransformerConfig) -> ModuleSpec:
                           linear_proj=FP4RowParallelLinear, q_layernorm=qk_norm, k_layernorm=qk_norm))
 
 
-def _mla_attention() -> ModuleSpec:
+def _mla_attention(config: TransformerConfig) -> ModuleSpec:
     # Megatron accepts the down projections only as its own ColumnParallelLinear (an identity
     # check); TraceMLASelfAttention makes them FP4 linears once built.
     return ModuleSpec(module=TraceMLASelfAttention, params={"attn_mask_type": AttnMaskType.causal},
@@ -79,7 +79,8 @@ def _mla_attention() -> ModuleSpec:
                           linear_q_proj=FP4ColumnParallelLinear, linear_q_down_proj=ColumnParallelLinear,
                           linear_q_up_proj=FP4ColumnParallelLinear, linear_kv_down_proj=ColumnParallelLinear,
                           linear_kv_up_proj=FP4ColumnParallelLinear, core_attention=FP4CoreAttention,
-                          linear_proj=FP4RowParallelLinear, q_layernorm=TraceRMSNorm, kv_layernorm=LatentNorm))
+                          linear_proj=FP4RowParallelLinear, kv_layernorm=LatentNorm,
+                          q_layernorm=TraceRMSNorm if config.q_lora_rank else IdentityOp))  # the query latent's norm
 
 
 def _moe(grouped_gemm: bool, shared_experts: bool):
@@ -92,7 +93,7 @@ def trace_layer_spec(config: TransformerConfig, moe: bool = True, grouped_gemm: 
     """TransformerLayer spec: RMSNorms, GQA or MLA attention (as `config` says), and a TRACE MoE
     layer whose experts run one after another (`grouped_gemm=False`) or as grouped GEMMs, or
     (`moe=False`) a dense SwiGLU MLP."""
-    attention = _mla_attention() if config.multi_latent_attention else _gqa_attention(config)
+    attention = _mla_attention(config) if config.multi_latent_attention else _gqa_attention(config)
     mlp = (_moe(grouped_gemm, bool(config.moe_shared_expert_intermediate_size)) if moe
            else partial(MLP.as_mlp_submodule, submodules=_fp4_mlp()))
     return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(

@@ -62,4 +62,4 @@ def _whole_tensor_amax(amax: dict[str, torch.Tensor], model_cfg) -> dict[str, to
         if bad:  # every rank stops here, before any send
             raise ValueError(f"weight sync: {len(bad)} FP4 weights hold NaN or Inf, e.g. {[names[i] for i in bad[:5]]}")
         whole = dict(zip(names, vec, strict=True))
-    return {name: torch.stack([whole[p] for p in fp4_weight_peers(name) or (name,)]).amax() for name in amax}
+    return {name: torch.stack([whole[p] for p in fp4_weight_peers(name, model_cfg) or (name,)]).amax() for name in amax}

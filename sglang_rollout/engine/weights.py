@@ -99,7 +99,7 @@ class EngineWeights:
         FP32 keeps exactly those values) or FP32 (norms, expert biases)."""
         held = self.tensors[piece.name]
         if isinstance(held, QTensor) and piece.kind != NVFP4:
-            if peers := fp4_weight_peers(piece.name):
+            if peers := fp4_weight_peers(piece.name, self.model_cfg):
                 self._pending[piece.name] = parts[0].to(self.device)
                 if all(p in self._pending for p in peers):
                     whole = [self._pending.pop(p) for p in peers]

@@ -151,3 +151,24 @@ def test_norm_kernels_refuse_what_does_not_fit():
                                 cache, _empty_cache(4, 2, 32, fp4=True), torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="float32 partial products"):
         qk_norm_rope(q_ok.float(), torch.ones(32), torch.ones(32), 1e-6, torch.ones(2, 1, 32), torch.ones(2, 1, 32))
+
+
+@pytest.mark.parametrize("rope", [
+    dict(factor=40.0, original_max_position_embeddings=4096, mscale=1.0, mscale_all_dim=1.0),
+    dict(factor=4.0, original_max_position_embeddings=128, mscale=1.0, mscale_all_dim=0.8),
+], ids=["deepseek-v3", "tiny"])
+def test_yarn_frequencies_and_scales_are_transformers(rope):
+    """YaRN's inverse frequencies and cos/sin factor against transformers' own YaRN initialisation
+    (DeepSeek-V3's released values, and the tiny test model's), on a 64-channel rope part."""
+    from transformers import DeepseekV3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from trace_kernels.norm_rope import yarn_inv_freq, yarn_mscale
+
+    params = {"rope_type": "yarn", "rope_theta": 10000.0, "beta_fast": 32.0, "beta_slow": 1.0, **rope}
+    cfg = DeepseekV3Config(qk_rope_head_dim=64, rope_parameters=params, max_position_embeddings=163840)
+    want, factor = ROPE_INIT_FUNCTIONS["yarn"](cfg, "cpu")
+    got = yarn_inv_freq(10000.0, 64, rope["factor"], rope["original_max_position_embeddings"])
+    assert torch.equal(got, want.float())
+    assert yarn_mscale(rope["factor"], rope["mscale"]) / yarn_mscale(rope["factor"], rope["mscale_all_dim"]) == \
+        pytest.approx(factor, rel=1e-12)

@@ -55,6 +55,13 @@ def test_each_familys_pieces_are_read_and_named_as_unbuilt():
     assert "attention biases" in glm.unbuilt and "partial rotary embeddings" in glm.unbuilt
     assert glm.unbuilt_in("megatron") == "" and glm.unbuilt_in("engine") == ""
     assert "attention without q/k norm" in from_hf(tiny_glm(use_qk_norm=False).to_dict()).unbuilt
+    # YaRN is built on MLA's rope part (Megatron's MLA has it), not on GQA heads
+    assert ds.rope_type == "yarn" and (ds.rope_factor, ds.original_max_position_embeddings) == (4.0, 128)
+    yarn_glm = from_hf(tiny_glm(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                                 "original_max_position_embeddings": 128}).to_dict())
+    assert "yarn RoPE scaling" in yarn_glm.unbuilt_in("engine")
+    with pytest.raises(ValueError, match="YaRN with mscale=0.5 needs mscale_all_dim > 0"):
+        ds.replace(mscale=0.5, mscale_all_dim=0.0)
     with pytest.raises(ValueError, match="TRACE's SGLang engine cannot build this deepseek_v3 model: multi-head"):
         ds.require_built("TRACE's SGLang engine")
     with pytest.raises(ValueError, match="part must be one of"):
@@ -62,7 +69,8 @@ def test_each_familys_pieces_are_read_and_named_as_unbuilt():
     # what the Megatron trainer does not build either: named, and conversion refuses it
     for changes, piece in ((dict(num_experts_per_tok=2), "group-limited top-k (n_group=4, topk_group=2, top_k=2)"),
                            (dict(norm_topk_prob=False), "unnormalised top-k gates"),
-                           (dict(rope_scaling={"type": "yarn", "factor": 40}), "yarn RoPE scaling")):
+                           (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0}),
+                            "linear RoPE scaling")):
         cfg = from_hf(tiny_deepseek(**changes).to_dict())
         assert piece in cfg.unbuilt_in("megatron") and piece in cfg.unbuilt_in("engine")
         with pytest.raises(ValueError, match="converting this HF deepseek_v3 checkpoint cannot build"):
@@ -75,9 +83,11 @@ def test_deepseek_v3_preset_is_the_released_config():
     """transformers' DeepseekV3Config defaults are DeepSeek-V3's config.json (but for context length
     and YaRN): the preset must agree on the architecture and count transformers' 671 B parameters."""
     preset, reference = PRESETS["deepseek-v3"], from_hf(DeepseekV3Config().to_dict())
-    assert preset.replace(max_position_embeddings=reference.max_position_embeddings, rope_type="default") == reference
+    no_yarn = dict(rope_type="default", rope_factor=1.0, original_max_position_embeddings=0, mscale_all_dim=0.0)
+    assert preset.replace(max_position_embeddings=reference.max_position_embeddings, **no_yarn) == reference
+    assert (preset.rope_factor, preset.original_max_position_embeddings, preset.mscale_all_dim) == (40, 4096, 1.0)
     assert preset.num_params == hf_param_count(DeepseekV3ForCausalLM, DeepseekV3Config())  # 671.0 B
-    assert "yarn RoPE scaling" in preset.unbuilt
+    assert "yarn RoPE scaling" in preset.unbuilt and preset.unbuilt_in("engine") == ""
     arch = Architecture.from_model_config("deepseek-v3", preset)
     assert (arch.kv_heads, arch.kv_width, arch.attn_out_width) == (1, 512 + 64, 128 * 128)  # the MLA latent cache
     # docs/design.md 3.1: the latent in NVFP4 (codes, E4M3 per 16, one float32 g), the rope key BF16

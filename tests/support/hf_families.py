@@ -7,16 +7,21 @@ from __future__ import annotations
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Glm4MoeConfig, Glm4MoeForCausalLM
 
+# DeepSeek-V3's YaRN in miniature (its release: factor 40 over 4096 positions, mscale = mscale_all_dim
+# = 1); mscale_all_dim 0.8 here so that both YaRN scales (cos/sin and softmax) differ from 1
+TINY_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8}
+
 
 def tiny_deepseek(**changes) -> DeepseekV3Config:
-    """DeepSeek-V3's shape in miniature: MLA with a query latent, one dense layer, 8 routed experts
-    in 4 groups (top-4 within 2 groups: Megatron's group score equals the reference's top-2 sum),
-    one shared expert, scaled sigmoid gates."""
+    """DeepSeek-V3's shape in miniature: MLA with a query latent and YaRN RoPE, one dense layer,
+    8 routed experts in 4 groups (top-4 within 2 groups: Megatron's group score equals the
+    reference's top-2 sum), one shared expert, scaled sigmoid gates."""
     return DeepseekV3Config(**{**dict(
         vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, routed_scaling_factor=2.5,
         kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16, v_head_dim=32, qk_nope_head_dim=16, n_group=4,
-        topk_group=2, num_experts_per_tok=4, first_k_dense_replace=1, rope_theta=10000.0,
+        topk_group=2, num_experts_per_tok=4, first_k_dense_replace=1, rope_parameters=dict(TINY_YARN),
         max_position_embeddings=512), **changes})
 
 
@@ -30,7 +35,14 @@ def tiny_glm(**changes) -> Glm4MoeConfig:
         partial_rotary_factor=0.5, rope_theta=10000.0, max_position_embeddings=512), **changes})
 
 
-FAMILIES = {"deepseek-v3": (tiny_deepseek, DeepseekV3ForCausalLM), "glm-4.5": (tiny_glm, Glm4MoeForCausalLM)}
+def tiny_deepseek_direct_q(**changes) -> DeepseekV3Config:
+    """tiny_deepseek with queries projected directly from the hidden state (q_lora_rank null, as
+    DeepSeek-V2-Lite's attention has it): MLA's other query path."""
+    return tiny_deepseek(**{"q_lora_rank": None, **changes})
+
+
+FAMILIES = {"deepseek-v3": (tiny_deepseek, DeepseekV3ForCausalLM), "glm-4.5": (tiny_glm, Glm4MoeForCausalLM),
+            "deepseek-v3-direct-q": (tiny_deepseek_direct_q, DeepseekV3ForCausalLM)}
 
 
 def hf_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, **changes):

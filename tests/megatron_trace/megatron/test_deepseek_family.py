@@ -66,7 +66,8 @@ def test_config_reads_back_and_only_the_sglang_engine_lacks_the_family(family):
 @pytest.mark.parametrize("name, layout", [
     ("deepseek-v3", dict(tp=2)), ("deepseek-v3", dict(ep=2, dp=2)), ("deepseek-v3", dict(pp=2)),
     ("glm-4.5", dict(tp=2)),  # its MoE layers and stages are DeepSeek-V3's
-], ids=["deepseek-v3-tp2", "deepseek-v3-ep2", "deepseek-v3-pp2", "glm-4.5-tp2"])
+    ("deepseek-v3-direct-q", dict(tp=2)),  # MLA without the query latent (q_lora_rank null)
+], ids=["deepseek-v3-tp2", "deepseek-v3-ep2", "deepseek-v3-pp2", "glm-4.5-tp2", "deepseek-v3-direct-q-tp2"])
 def test_logits_match_transformers_in_float32(families, name, layout):
     family = families(name)
     runs = spawn(sc.run_layout, layout, cfg=family["cfg"], sd=family["sd"],

@@ -132,12 +132,11 @@ def test_large_layouts_fit_or_are_refused_with_the_shortfall():
     ds = load_config(ROOT / "launch" / "configs" / "deepseek-v3.yaml")
     plan = make_plan(ds, architecture(ds))
     assert 671.0e9 < plan.arch.num_params < 671.1e9  # DeepSeek-V3 as released: 671 B without its MTP module
-    # its memory fits with the distributed optimizer; the Megatron trainer and the built-in engine build
-    # all of it but DeepSeek-V3's YaRN RoPE scaling, but its engines need 8 GPUs each, which only SGLang
-    # engines have, and SGLang engines build none of the family yet
-    assert plan.problems == ["deepseek-v3 cannot train with these backends yet: yarn RoPE scaling (rope_scaling) "
-                             "is not built yet", "dist.engine_tp=8: the built-in engine runs on one GPU (engine "
-                             "tensor parallelism runs on SGLang engines, rollout.backend=sglang)"], plan.problems
+    # its memory fits with the distributed optimizer, and the Megatron trainer and the built-in engine build
+    # all of it, YaRN included, but its engines need 8 GPUs each, which only SGLang engines have, and SGLang
+    # engines build none of the family yet
+    assert plan.problems == ["dist.engine_tp=8: the built-in engine runs on one GPU (engine tensor parallelism "
+                             "runs on SGLang engines, rollout.backend=sglang)"], plan.problems
     on_sglang = make_plan(load_config(ROOT / "launch" / "configs" / "deepseek-v3.yaml", ["rollout.backend=sglang"]),
                           architecture(load_config(ROOT / "launch" / "configs" / "deepseek-v3.yaml",
                                                    ["rollout.backend=sglang"])))
@@ -158,7 +157,8 @@ def test_plan_command_and_a_config_that_cannot_train(tmp_path):
     assert bad.returncode == 1 and "DOES NOT FIT" in bad.stdout and "GiB more than the" in bad.stdout
     train = subprocess.run([sys.executable, "-m", "megatron_trace.cli", "train", "--set", "model.preset=deepseek-v3"],
                            env=env, capture_output=True, text=True, cwd=ROOT)
-    assert train.returncode != 0 and "for trace-rl plan only: multi-head latent attention" in train.stderr
+    assert train.returncode != 0 and "for trace-rl plan only (the SGLang engine and the DeepSpeed trainer lack its " \
+        "multi-head latent attention" in train.stderr
 
 
 def test_plan_agrees_with_a_measured_runs_peak_memory(tmp_path):

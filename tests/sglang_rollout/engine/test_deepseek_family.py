@@ -136,7 +136,8 @@ def _trainer_run(rank, *, cfg, sd, batches):
 
 LAYOUTS = {"one-process": {}, "tp2": dict(tp=2), "ep2-dp2": dict(ep=2, dp=2), "pp2": dict(pp=2)}
 # GLM-4.5's GQA path is Qwen3's (test_model_qat runs its layouts): one process and TP2 here
-CASES = [("deepseek-v3", layout) for layout in LAYOUTS] + [("glm-4.5", "one-process"), ("glm-4.5", "tp2")]
+CASES = [("deepseek-v3", layout) for layout in LAYOUTS] + [("glm-4.5", "one-process"), ("glm-4.5", "tp2"),
+                                                           ("deepseek-v3-direct-q", "tp2")]  # q_lora_rank null
 
 
 @pytest.mark.parametrize("name, layout", CASES)
@@ -157,7 +158,8 @@ def test_trainer_in_trace_mode_reproduces_the_engines_codes(name, layout, tmp_pa
                             codes=_engine_codes(e, seqs)))
         samples.append(out.samples)
     sites = {site for _, site in batches[0]["guidance"].groups["g0"].records}
-    assert sites == ({"qkv", "q_up", "kv", "proj", "fc1", "fc2", "shared_fc2"} if cfg.mla
+    q_up = {"q_up"} if cfg.q_lora_rank else set()  # the query latent's projection
+    assert sites == ({"qkv", "kv", "proj", "fc1", "fc2", "shared_fc2"} | q_up if cfg.mla
                      else {"qkv", "k", "v", "proj", "fc1", "fc2", "shared_fc2"})
     want = sorted(key for key in batches[0]["codes"])
     runs: dict = {}
