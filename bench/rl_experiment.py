@@ -140,8 +140,27 @@ def new_state(s: Settings) -> dict:
             "runs": {}, "sessions": []}
 
 
-def run_progress(entry: dict) -> tuple[int, int]:
-    return int(bool(entry.get("rl_done"))), len(entry.get("eval", {}))
+def run_progress(entry: dict) -> tuple[int, int, int]:
+    return int(bool(entry.get("rl_done"))), len(entry.get("eval", {})), len(entry.get("partial_metrics", []))
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """A run's metrics.jsonl rows (one per finished RL step); [] before its first step."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def partial_line(key: str, entry: dict, steps: int) -> str:
+    """'mode/sN (k/steps steps, ...)': how far an unfinished run got, from its recorded steps."""
+    rows = entry.get("partial_metrics") or []
+    if not rows:
+        return f"{key} (no step finished)"
+    k = window(rows)
+    kl, step_s = mean(r.get("k3_kl") for r in rows), mean(r.get("step_s") for r in rows)
+    return (f"{key} ({len(rows)}/{steps} steps" + (f", {step_s:.1f} s/step" if step_s is not None else "") + ", reward "
+            f"{mean(r['reward'] for r in rows[:k]):.3f} -> {mean(r['reward'] for r in rows[-k:]):.3f}"
+            + (f", k3_kl {kl:.2e}" if kl is not None else "") + ")")
 
 
 def merge_state(into: dict, other: dict, source: str) -> None:
@@ -311,13 +330,17 @@ class Experiment:
             trace_rl(["train", *[a for x in self.rl_sets(mode, seed, out) for a in ("--set", x)]], out / "log.txt",
                      self.deadline, self.args.verbose)
         finally:
-            entry.setdefault("rl_wall_s", 0.0)
-            entry["rl_wall_s"] += time.time() - t
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+            with self.lock:
+                entry["rl_wall_s"] = entry.get("rl_wall_s", 0.0) + time.time() - t
+                # the steps so far, kept in the state (and the report) if the run stops here: a
+                # session cut off mid-run still shows how far and how fast each mode went
+                entry["partial_metrics"] = read_metrics(out / "metrics.jsonl")
+        rows = entry["partial_metrics"]
         if [r["step"] for r in rows] != list(range(self.s.rl_steps)):
             raise RuntimeError(f"{out}/metrics.jsonl has steps {[r['step'] for r in rows]}, "
                                f"not 0..{self.s.rl_steps - 1}")
         with self.lock:
+            del entry["partial_metrics"]
             entry.update(metrics=rows, rl_done=True, sft_fingerprint=self.sft_fingerprint)
         self.save()
         return entry
@@ -701,7 +724,8 @@ def report(exp: Experiment, modes: list[str], seeds: list[int], complete: bool) 
     missing = [f"{m}/s{x}" for x in seeds for m in modes if f"{m}/s{x}" not in state["runs"]
                or not state["runs"][f"{m}/s{x}"].get("rl_done")]
     if missing:
-        lines += [f"Not finished: {', '.join(missing)}.", ""]
+        lines += [f"Not finished: {', '.join(partial_line(k, state['runs'].get(k, {}), s.rl_steps) for k in missing)}.",
+                  ""]
     png = stem.with_suffix(".png")
     if plot(summary, state, png, f"{s.preset}, chain task ({s.terms}x{s.digits} digits, `{s.ops}`), {device_name()}"):
         lines += [f"Plot: `{png.name}` (reward and k3_kl per step: mean over seeds, band min-max; flip rate by layer; "
@@ -850,6 +874,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {mode:14s} reward {spread([p['reward_first'] for p in per])} -> "
               f"{spread([p['reward_last'] for p in per])}, k3_kl {spread([p['k3_kl_mean'] for p in per], '.1e')}; "
               f"eval {ev}")
+    for key, entry in exp.state["runs"].items():
+        if entry.get("partial_metrics") and not entry.get("rl_done"):
+            print("  unfinished: " + partial_line(key, entry, s.rl_steps))
     return 1 if exp.failed else 0 if complete else STOPPED
 
 

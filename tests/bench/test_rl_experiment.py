@@ -72,13 +72,19 @@ def test_the_report_from_a_recorded_state(rx, tmp_path):
         state["runs"][f"trace-all/s{seed}"] = _entry("trace-all", seed, 12, ["fp4-export"], reward=0.6)
     state["sft"]["eval"] = {"bf16": {"correct": 10, "total": 50, "accuracy": 0.2, "lo": 0.1, "hi": 0.3}}
     (tmp_path / "state.json").write_text(json.dumps(state))
+    cut = _entry("fp4-qat", 1, 5, [], reward=0.4)  # cut off by a session's end after 5 steps
+    state["runs"]["fp4-qat/s1"] = {k: v for k, v in cut.items() if k not in ("metrics", "rl_done")} | {
+        "partial_metrics": cut["metrics"]}
+    (tmp_path / "state.json").write_text(json.dumps(state))
     rc = rx.main(["--smoke", "--report-only", "--rl-steps", "12", "--runs", str(tmp_path), "--out", str(tmp_path),
                   "--modes", "bf16,trace-all,fp4-qat", "--seeds", "0,1"])
     assert rc == rx.STOPPED  # fp4-qat is missing
     md = next(tmp_path.glob("rl_experiment_*.md")).read_text()
     assert "| trace-all | 2 | 0.625 (0.625-0.625) | 0.685 (0.685-0.685) |" in md  # mean of the first / last 6 steps
     assert "| trace-all | trace-export-fp4 -> FP4 engine | 0.600 [0.400, 0.700] | 0.620 [0.400, 0.700] |" in md
-    assert "Not finished: fp4-qat/s0, fp4-qat/s1." in md and "**Incomplete**" in md
+    # how far the cut-off run got: its 5 steps, 1 s each, reward over its first / last 2 steps
+    assert ("Not finished: fp4-qat/s0 (no step finished), fp4-qat/s1 (5/12 steps, 1.0 s/step, reward 0.405 -> 0.435, "
+            "k3_kl 1.00e-03).") in md and "**Incomplete**" in md
     report = json.loads(next(tmp_path.glob("rl_experiment_*.json")).read_text())
     assert report["summary"]["bf16"]["eval"]["ptq-fp4"]["pooled"] == pytest.approx(61 / 100)
     assert report["state"]["runs"].keys() == state["runs"].keys()  # resumable from the report
