@@ -10,9 +10,10 @@ and mantissa bits from its own round-to-nearest codes under those scales.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from trace_kernels.fp4 import QTensor, mantissa_bits, pack_bits, unpack_bits
+from trace_kernels.fp4 import QTensor, mantissa_bits, pack_bits
 from trace_kernels.fp4.formats import E2M1_ROUNDING_BOUNDARIES
 from trace_kernels.fp4.reference import (
     nvfp4_block_amax,
@@ -173,20 +174,30 @@ def capture_sparse(
     rows, cols = bits_RK8.shape[0], bits_RK8.shape[1] * 8
     header = dict(model_id=model_id, layer=layer, site=site, rows=rows, cols=cols, sample_id=str(sample_id),
                   weight_version=weight_version, policy=policy, coding=Coding.SPARSE)
-    elem_idx = unpack_bits(near_RK8).reshape(-1).nonzero().reshape(-1)
-    payload = {"g": g_R.reshape(-1).float().cpu(), "elem_pos": encode_positions(elem_idx),
-               "elem_bits": pack_padded_bits(unpack_bits(bits_RK8).reshape(-1)[elem_idx]).cpu()}
-    scale_bytes = scales_RB.reshape(-1)
+    # in numpy on the host: a record is a few hundred bytes and a step makes ~10^4 of them, where
+    # torch's per-op overhead (and, on a GPU, a sync per nonzero) was most of a sparse step's time;
+    # bit order as pack_bits' (element 8j+i in bit i of byte j: little-endian), zero-padded
+    elem_idx = np.flatnonzero(np.unpackbits(_host(near_RK8), bitorder="little"))
+    kept_bits = np.unpackbits(_host(bits_RK8), bitorder="little")[elem_idx]
+    payload = {"g": g_R.reshape(-1).float().cpu(), "elem_pos": encode_positions(torch.from_numpy(elem_idx)),
+               "elem_bits": torch.from_numpy(np.packbits(kept_bits, bitorder="little"))}
+    scale_bytes = _host(scales_RB)
     if scale_coding == "lsb":
-        payload["scale_bits"] = pack_padded_bits(scale_bytes & 1).cpu()
-        n_scales = scale_bytes.numel()
+        payload["scale_bits"] = torch.from_numpy(np.packbits(scale_bytes & 1, bitorder="little"))
+        n_scales = scale_bytes.size
     else:
-        scale_idx = scale_near_RB.reshape(-1).nonzero().reshape(-1)
-        payload |= {"scale_pos": encode_positions(scale_idx), "scale_val": scale_bytes[scale_idx].cpu()}
-        n_scales = scale_idx.numel()
+        scale_idx = np.flatnonzero(_host(scale_near_RB))
+        payload |= {"scale_pos": encode_positions(torch.from_numpy(scale_idx)),
+                    "scale_val": torch.from_numpy(scale_bytes[scale_idx])}
+        n_scales = scale_idx.size
     return GuidanceRecord(RecordHeader(**header, tau=tau, scale_coding=scale_coding,
                                        scale_tau=scale_tau if scale_coding == "near" else None,
-                                       n_scales=n_scales, n_elems=elem_idx.numel()), payload)
+                                       n_scales=n_scales, n_elems=elem_idx.size), payload)
+
+
+def _host(t: torch.Tensor) -> np.ndarray:
+    """A uint8 tensor's bytes, flat, as a numpy array on the host."""
+    return t.detach().reshape(-1).cpu().numpy()
 
 
 def capture_dense(
@@ -214,11 +225,6 @@ def capture_dense(
                           sample_id=str(sample_id), weight_version=weight_version, policy=policy, coding=Coding.DENSE)
     payload = {"g": g_R.reshape(-1).cpu(), "scales": scales_RB.cpu(), "bits": bits_RK8.cpu()}
     return GuidanceRecord(header, payload)
-
-
-def pack_padded_bits(bits: torch.Tensor) -> torch.Tensor:
-    """0/1 values [N] -> uint8 [ceil(N / 8)], zero-padded at the end."""
-    return pack_bits(torch.cat([bits.reshape(-1), bits.new_zeros((-bits.numel()) % 8)]))
 
 
 def guided_inputs(record: GuidanceRecord, x_RK: torch.Tensor,

@@ -118,12 +118,13 @@ def test_micro_batch_refuses_what_does_not_fit():
         MicroBatchGuidance(8, sites={(0, "lm_head"): RowGuidance.from_record(record_for(torch.randn(8, 32))[0])})
 
 
-@pytest.mark.parametrize("coding", ["dense", "sparse"])
-def test_records_join_as_their_rows_do(coding):
-    """from_records (the micro-batch's join; dense records field by field) gives cat of each
-    record's rows, and the rows resolve to the engine's quantization of every record."""
+@pytest.mark.parametrize("coding, scale_coding", CODINGS)
+def test_records_join_as_their_rows_do(coding, scale_coding):
+    """from_records (the micro-batch's join: dense records field by field, sparse ones decoded
+    together) gives cat of each record's rows, and the rows resolve to the engine's
+    quantization of every record."""
     xs = [matmul_two_orders(rows, 64, 64, seed=10 + rows)[0] for rows in (3, 8, 1)]
-    made = [record_for(x, coding) for x in xs]
+    made = [record_for(x, coding, scale_coding=scale_coding or "lsb") for x in xs]
     records = [rec for rec, _ in made]
     joined = RowGuidance.from_records(records)
     one_by_one = RowGuidance.cat([RowGuidance.from_record(r) for r in records])
