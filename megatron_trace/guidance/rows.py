@@ -40,12 +40,6 @@ def _leading_bits(streams: list[torch.Tensor], counts: np.ndarray) -> torch.Tens
     return flat[torch.from_numpy(index)]
 
 
-def _unpacked_mask(positions: torch.Tensor, numel: int) -> torch.Tensor:
-    mask = torch.zeros(numel, dtype=torch.bool)
-    mask[positions] = True
-    return mask
-
-
 @dataclass(frozen=True, kw_only=True)
 class RowGuidance:
     """Guidance for R rows of K elements (row-scaled NVFP4, blocks of 16).
@@ -88,26 +82,10 @@ class RowGuidance:
     def from_record(cls, record: GuidanceRecord) -> RowGuidance:
         """Decode a record's payload into rows (on the payload's device, the CPU)."""
         h, p = record.header, record.payload
-        rows, cols = h.rows, h.cols
-        g = p["g"].reshape(rows, 1).float()
-        if h.coding is Coding.DENSE:
-            return cls(g=g, scales=p["scales"].reshape(rows, cols // 16), bits=p["bits"].reshape(rows, cols // 8))
-        n_blocks = rows * cols // 16
-        if h.scale_coding == "lsb":
-            scales = unpack_bits(p["scale_bits"])[:n_blocks].reshape(rows, cols // 16)
-            scale_known, scale_lsb = None, True
-        else:
-            pos = decode_positions(p["scale_pos"], h.n_scales, n_blocks)
-            flat = torch.zeros(n_blocks, dtype=torch.uint8)
-            flat[pos] = p["scale_val"]
-            scales, scale_lsb = flat.reshape(rows, cols // 16), False
-            scale_known = _unpacked_mask(pos, n_blocks).reshape(rows, cols // 16)
-        pos = decode_positions(p["elem_pos"], h.n_elems, rows * cols)
-        bits = torch.zeros(rows * cols, dtype=torch.uint8)
-        bits[pos] = unpack_bits(p["elem_bits"])[: h.n_elems]
-        known = _unpacked_mask(pos, rows * cols).to(torch.uint8)
-        return cls(g=g, scales=scales, bits=pack_bits(bits.reshape(rows, cols)), scale_lsb=scale_lsb,
-                   scale_known=scale_known, bit_known=pack_bits(known.reshape(rows, cols)))
+        if h.coding is not Coding.DENSE:
+            return cls._from_sparse_records([record], h.cols, h.scale_coding == "lsb")
+        return cls(g=p["g"].reshape(h.rows, 1).float(), scales=p["scales"].reshape(h.rows, h.cols // 16),
+                   bits=p["bits"].reshape(h.rows, h.cols // 8))
 
     @classmethod
     def from_records(cls, records: list[GuidanceRecord]) -> RowGuidance:
