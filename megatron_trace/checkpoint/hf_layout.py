@@ -59,7 +59,9 @@ def hf_config(model_cfg: ModelConfig) -> dict:
     if c.model_type == "deepseek_v3":
         return out | {"q_lora_rank": c.q_lora_rank or None, "kv_lora_rank": c.kv_lora_rank,
                       "qk_nope_head_dim": c.qk_nope_head_dim, "qk_rope_head_dim": c.qk_rope_head_dim,
-                      "v_head_dim": c.v_head_dim, "rope_interleave": True}
+                      "v_head_dim": c.v_head_dim, "rope_interleave": True,
+                      # DeepSeek-V3's release has them and SGLang / vLLM read them; transformers' config lacks them
+                      "topk_method": "noaux_tc", "scoring_func": c.scoring_func, "moe_layer_freq": 1}
     return out | {"head_dim": c.head_dim, "use_qk_norm": c.use_qk_norm,
                   "partial_rotary_factor": c.partial_rotary_factor}
 

@@ -58,6 +58,9 @@ def _family(name, tmp):
 def test_config_reads_back_and_only_the_sglang_engine_lacks_the_family(family):
     cfg = family["cfg"]
     assert from_hf(hf_config(cfg)) == cfg and config_from_hf(hf_config(cfg)) == cfg
+    if cfg.mla:  # the routing keys of DeepSeek-V3's released config.json, which servers read
+        assert {k: hf_config(cfg)[k] for k in ("topk_method", "scoring_func", "moe_layer_freq")} == {
+            "topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1}
     assert cfg.unbuilt_in("megatron") == "" and cfg.unbuilt_in("engine") == "" and "not built yet" in cfg.unbuilt
     with pytest.raises(ValueError, match="TRACE's SGLang engine cannot build this"):
         cfg.require_built("TRACE's SGLang engine")
