@@ -90,6 +90,7 @@ def yarn_inv_freq(theta: float, d: int, factor: float, original_max_position: in
     ramp = ((torch.arange(d // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
     pos_freqs = theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d)
     keep = 1 - ramp  # where the pre-training frequency stays (extrapolation)
+    # (1 - keep), not ramp: transformers' float32 arithmetic, so the tables agree bit for bit
     return 1.0 / (factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep
 
 
@@ -100,6 +101,8 @@ def rope_tables(pos: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
     (YaRN's attention factor, as Megatron applies its mscale)."""
     freqs = pos.float()[:, None] * inv_freq[None]
     emb = torch.cat([freqs, freqs], -1)[:, None]
+    if scale == 1.0:  # plain RoPE: no extra pass over the tables
+        return emb.cos().to(dtype), emb.sin().to(dtype)
     return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
