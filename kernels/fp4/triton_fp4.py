@@ -16,6 +16,7 @@ get their amax from a torch reduction first and use the per-row path (G_ROW).
 from __future__ import annotations
 
 import os
+import struct
 
 import torch
 import triton
@@ -486,6 +487,299 @@ def _dequantize_kernel(
     tl.store(out_ptr + b_idx[:, None] * BS + j[None, :], out, mask=b_mask[:, None])
 
 
+# ---------------------------------------------------------------------------------------------
+# BF16 input, round to nearest or guided: E2M1 codes by exact comparisons, no per-element division.
+#
+# The spec's code is a function of v = fl(|x| / u) (u = s * g, one FP32 value per block) through
+# seven comparisons with the grid's midpoints T (formats.e2m1_magnitude_code_rne: > 0.25, >= 0.75,
+# > 1.25, >= 1.75, > 2.5, >= 3.5, > 5). With q = |x| / u exact, and every T having an even last
+# significand bit:
+#     fl(q) >= T  <=>  q >= T - ulp-below(T) / 2   (the midpoint below T rounds to T)
+#     fl(q) >  T  <=>  q >  T + ulp(T) / 2         (the midpoint above T rounds to T)
+# So each decision is q against m = T -+ 2**(E-24) (T in [2**E, 2**(E+1))): |x| against m * u.
+# m * 2**(24-E) is an odd integer of 25 bits, so m * u (u > 0 an FP32 value of at most 24
+# significant bits) has an odd part of at least 25 bits: it is never an FP32 (or BF16) number,
+# ties cannot occur, and |x| >= m * u  <=>  |x| >= C = RU_bf16(m * u), the least BF16 above it.
+# m * u is exact in FP64 (25 + 24 bits); RU_bf16 of it is its FP32 truncation's top 16 bits
+# plus one (it is not on the BF16 grid), which also gives +inf above the BF16 range and the
+# least subnormal below it. Per element that leaves seven packed BF16 comparisons of |x| with
+# per-block thresholds, two elements per instruction. u = 0 (an underflowed s * g) gives C =
+# 2**-133 (x / 0 is +-inf: code 7); NaN u gives NaN thresholds (every comparison false, code 0,
+# as NaN v in the reference).
+# Guided rounding (reference.round_guided_to_e2m1) reduces to strict comparisons too: mantissa
+# bit 0 gives code 2 * #{|v| > 0.5, 1.5, 3}, bit 1 gives 1 + 2 * #{|v| > 1, 2, 4}.
+# tests/kernels/fp4/test_thresholds.py checks the thresholds against FP32 division, and the GPU
+# path (packed BF16 instructions) is checked bit for bit by bench/fp4_quantize.py's self-check.
+
+# FP64 bit patterns of the midpoints m (exact: 25 significant bits).
+def _f64_bits(v: float) -> tl.constexpr:
+    return tl.constexpr(struct.unpack("<q", struct.pack("<d", v))[0])
+
+
+_MR1, _MR2, _MR3, _MR4, _MR5, _MR6, _MR7 = (_f64_bits(v) for v in (  # RNE: > 0.25, >= 0.75, ..., > 5
+    0.25 + 2.0**-26, 0.75 - 2.0**-25, 1.25 + 2.0**-24, 1.75 - 2.0**-24, 2.5 + 2.0**-23, 3.5 - 2.0**-23, 5.0 + 2.0**-22))
+_MG1, _MG2, _MG3, _MG4, _MG5, _MG6 = (_f64_bits(v) for v in (  # guided: > 0.5, 1.5, 3 (bit 0), > 1, 2, 4 (bit 1)
+    0.5 + 2.0**-25, 1.5 + 2.0**-24, 3.0 + 2.0**-23, 1.0 + 2.0**-24, 2.0 + 2.0**-23, 4.0 + 2.0**-22))
+
+
+@triton.jit
+def _bf16_threshold(u64, M_BITS: tl.constexpr, INTERPRET: tl.constexpr):
+    """RU_bf16(m * u) for u64 = float64(u), m the float64 with bits M_BITS, as BF16 bits in both
+    halves of an int32 (bf16x2), for positive u (see above)."""
+    c = u64 * tl.full([1], M_BITS, tl.int64).to(tl.float64, bitcast=True)
+    if INTERPRET:  # RN, then one step down where it rounded up: RZ for positive c
+        f = c.to(tl.float32)
+        bits = f.to(tl.int32, bitcast=True) - (f.to(tl.float64) > c).to(tl.int32)
+    else:
+        bits = tl.inline_asm_elementwise("cvt.rz.f32.f64 $0, $1;", "=r,d", [c], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+    return ((bits >> 16) + 1) * 0x10001
+
+
+@triton.jit
+def _rne_thresholds(u, INTERPRET: tl.constexpr):
+    u64 = u.to(tl.float64)
+    return (_bf16_threshold(u64, _MR1, INTERPRET), _bf16_threshold(u64, _MR2, INTERPRET),
+            _bf16_threshold(u64, _MR3, INTERPRET), _bf16_threshold(u64, _MR4, INTERPRET),
+            _bf16_threshold(u64, _MR5, INTERPRET), _bf16_threshold(u64, _MR6, INTERPRET),
+            _bf16_threshold(u64, _MR7, INTERPRET))
+
+
+@triton.jit
+def _guided_thresholds(u, INTERPRET: tl.constexpr):
+    u64 = u.to(tl.float64)
+    return (_bf16_threshold(u64, _MG1, INTERPRET), _bf16_threshold(u64, _MG2, INTERPRET),
+            _bf16_threshold(u64, _MG3, INTERPRET), _bf16_threshold(u64, _MG4, INTERPRET),
+            _bf16_threshold(u64, _MG5, INTERPRET), _bf16_threshold(u64, _MG6, INTERPRET))
+
+
+def _pairs_asm(guided: bool) -> str:
+    """PTX for four int32 words of BF16 pairs -> four bytes of packed codes (pack=4).
+
+    Operands: $0 the four code bytes; $1..$4 the pairs; then one bf16x2 threshold per pair for
+    each threshold (RNE: t1..t7; guided: A1..A3 for mantissa bit 0, B1..B3 for bit 1, then the
+    pair's two guidance bits, bit 0 for the low element). A count of passed thresholds is kept
+    in each half of a bf16x2 accumulator, 2 + n/64 (low half) and 2 + n/4 (high half), so
+    that its bytes 0 and 2 hold n and n << 4; the sign bits then join by byte permutes."""
+    n_t = 6 if guided else 7
+    lines = [
+        "{",
+        ".reg .b32 a, c, t, m, k, base, acc<4>, mm<2>, ss<2>, lo, hi;",
+        "mov.b32 base, 0x40004000;",
+        f"mov.b32 k, {'0x3F003D00' if guided else '0x3E803C80'};",
+    ]
+    for i in range(4):
+        x = f"${1 + i}"
+        th = [f"${5 + 4 * q + i}" for q in range(n_t)]
+        lines.append(f"and.b32 a, {x}, 0x7FFF7FFF;")
+        acc = "base"
+        if guided:
+            bits = f"${5 + 4 * n_t + i}"
+            lines += [f"mul.lo.u32 t, {bits}, 0x4080;", "prmt.b32 m, t, t, 0x9988;"]
+            for q in range(3):  # the threshold for each half: m ? B : A
+                lines += [f"lop3.b32 t, {th[q]}, {th[q + 3]}, m, 0xD8;",
+                          "set.ge.bf16x2.bf16x2 c, a, t;", f"fma.rn.bf16x2 acc{i}, c, k, {acc};"]
+                acc = f"acc{i}"
+            lines.append(f"lop3.b32 acc{i}, acc{i}, m, 0x00100001, 0xF8;")  # the bit: code 2n + bit
+        else:
+            for q in range(n_t):
+                lines += [f"set.ge.bf16x2.bf16x2 c, a, {th[q]};", f"fma.rn.bf16x2 acc{i}, c, k, {acc};"]
+                acc = f"acc{i}"
+    for h in range(2):
+        lines += [f"prmt.b32 mm{h}, acc{2 * h}, acc{2 * h + 1}, 0x6420;",
+                  f"prmt.b32 ss{h}, ${1 + 2 * h}, ${2 + 2 * h}, 0xFDB9;",
+                  f"lop3.b32 mm{h}, mm{h}, ss{h}, 0x80088008, 0xD8;"]
+    lines += ["prmt.b32 lo, mm0, mm1, 0x6420;", "prmt.b32 hi, mm0, mm1, 0x7531;", "or.b32 $0, lo, hi;", "}"]
+    return "\n".join(lines)
+
+
+_RNE_PAIRS_ASM = tl.constexpr(_pairs_asm(False))
+_GUIDED_PAIRS_ASM = tl.constexpr(_pairs_asm(True))
+_RNE_PAIRS_CONSTRAINTS = tl.constexpr("=r," + ",".join(["r"] * 32))
+_GUIDED_PAIRS_CONSTRAINTS = tl.constexpr("=r," + ",".join(["r"] * 32))
+
+
+@triton.jit
+def _lane_count(a, t, SHIFT: tl.constexpr):
+    """Interpreter twin of set.ge.bf16x2 on one half: |x| bits a (int32 of 15 bits) >= threshold
+    bits, false where either is NaN."""
+    ta = (t >> SHIFT) & 0xFFFF
+    return ((a >= ta) & (a <= 0x7F80) & (ta <= 0x7F80)).to(tl.int32)
+
+
+@triton.jit
+def _pair_byte_interp(x, n_lo, n_hi):
+    """Packed byte of a BF16 pair from the magnitude codes of its halves and x's sign bits."""
+    s_lo = (x >> 15) & 1
+    s_hi = (x >> 31) & 1
+    return (n_lo | (s_lo << 3) | (n_hi << 4) | (s_hi << 7)).to(tl.uint8)
+
+
+@triton.jit
+def _rne_pair_codes(x, t1, t2, t3, t4, t5, t6, t7, INTERPRET: tl.constexpr):
+    """Packed RNE codes (uint8) of int32 words of BF16 pairs, thresholds t1..t7 (bf16x2)."""
+    if INTERPRET:
+        lo = x & 0x7FFF
+        hi = (x >> 16) & 0x7FFF
+        n_lo = (_lane_count(lo, t1, 0) + _lane_count(lo, t2, 0) + _lane_count(lo, t3, 0) + _lane_count(lo, t4, 0)
+                + _lane_count(lo, t5, 0) + _lane_count(lo, t6, 0) + _lane_count(lo, t7, 0))
+        n_hi = (_lane_count(hi, t1, 16) + _lane_count(hi, t2, 16) + _lane_count(hi, t3, 16) + _lane_count(hi, t4, 16)
+                + _lane_count(hi, t5, 16) + _lane_count(hi, t6, 16) + _lane_count(hi, t7, 16))
+        return _pair_byte_interp(x, n_lo, n_hi)
+    else:
+        return tl.inline_asm_elementwise(_RNE_PAIRS_ASM, _RNE_PAIRS_CONSTRAINTS, [x, t1, t2, t3, t4, t5, t6, t7],
+                                         dtype=tl.uint8, is_pure=True, pack=4)
+
+
+@triton.jit
+def _guided_pair_codes(x, a1, a2, a3, b1, b2, b3, bits, INTERPRET: tl.constexpr):
+    """Packed guided codes (uint8) of int32 words of BF16 pairs: thresholds a* for mantissa bit 0,
+    b* for bit 1 (bf16x2); bits: the pair's two guidance bits (int32 0..3, low element in bit 0)."""
+    if INTERPRET:
+        lo = x & 0x7FFF
+        hi = (x >> 16) & 0x7FFF
+        g_lo = bits & 1
+        g_hi = (bits >> 1) & 1
+        n_lo = tl.where(g_lo == 1, _lane_count(lo, b1, 0) + _lane_count(lo, b2, 0) + _lane_count(lo, b3, 0),
+                        _lane_count(lo, a1, 0) + _lane_count(lo, a2, 0) + _lane_count(lo, a3, 0))
+        n_hi = tl.where(g_hi == 1, _lane_count(hi, b1, 16) + _lane_count(hi, b2, 16) + _lane_count(hi, b3, 16),
+                        _lane_count(hi, a1, 16) + _lane_count(hi, a2, 16) + _lane_count(hi, a3, 16))
+        return _pair_byte_interp(x, 2 * n_lo + g_lo, 2 * n_hi + g_hi)
+    else:
+        return tl.inline_asm_elementwise(_GUIDED_PAIRS_ASM, _GUIDED_PAIRS_CONSTRAINTS,
+                                         [x, a1, a2, a3, b1, b2, b3, bits], dtype=tl.uint8, is_pure=True, pack=4)
+
+
+@triton.jit
+def _max_u16x2(a, b):
+    return tl.inline_asm_elementwise("max.u16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _max_lanes(a, b):
+    """Lane-wise max of two int32 words of 15-bit halves, in plain integer ops (interpreter)."""
+    return tl.maximum(a & 0xFFFF, b & 0xFFFF) | (tl.maximum(a >> 16, b >> 16) << 16)
+
+
+@triton.jit(do_not_specialize=["NB", "BPR"])
+def _quantize_bf16_kernel(
+    x_ptr, codes_ptr, scales_ptr, g_ptr, bad_ptr, bits_ptr, NB, BPR,
+    G_MODE: tl.constexpr, GUIDED: tl.constexpr, ROW_PROGRAM: tl.constexpr, BLOCK_B: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """Row- or tensor-scaled NVFP4 (RNE) or guided codes of BF16 rows, the same values as
+    `_quantize_kernel`, by threshold comparisons (see above).
+
+    x_ptr: int32 words of BF16 pairs, [NB, 8]. Each program takes BLOCK_B blocks, one row when
+    ROW_PROGRAM (BPR blocks); a thread holds whole blocks (two [BLOCK_B, 4] word tiles, one per
+    half block), so per-block work (scales, thresholds) is done once per block. G_MODE as
+    `_quantize_kernel` (G_ROW_AMAX needs ROW_PROGRAM). GUIDED: block scale bytes from
+    scales_ptr, the mantissa bits from bits_ptr (int16: one word per block), g per row.
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    if ROW_PROGRAM:
+        b_idx = pid * BPR + tl.arange(0, BLOCK_B)
+        b_mask = tl.arange(0, BLOCK_B) < BPR
+    else:
+        b_idx = pid * BLOCK_B + tl.arange(0, BLOCK_B)
+        b_mask = b_idx < NB
+    jw = tl.arange(0, 4)
+    offs = b_idx[:, None] * 8 + jw[None, :]
+    mask = b_mask[:, None]
+    x0 = tl.load(x_ptr + offs, mask=mask, other=0)
+    x1 = tl.load(x_ptr + offs + 4, mask=mask, other=0)
+    # Every load first: a load after a store or a barrier waits for it.
+    if GUIDED:
+        sb = tl.load(scales_ptr + b_idx, mask=b_mask, other=0x38).to(tl.int32)
+        word = tl.load(bits_ptr + b_idx, mask=b_mask, other=0).to(tl.int32)  # a block's 16 bits (int16)
+    if G_MODE == 1:
+        g = tl.load(g_ptr)
+    elif G_MODE == 2:
+        if ROW_PROGRAM:
+            g = tl.load(g_ptr + pid)
+        else:
+            g = tl.load(g_ptr + b_idx // BPR, mask=b_mask, other=1.0)
+    # Block amax as BF16 bits: magnitudes compare as integers, and NaN's bits exceed Inf's.
+    if INTERPRET:
+        m = tl.reduce(_max_lanes(x0 & 0x7FFF7FFF, x1 & 0x7FFF7FFF), 1, _max_lanes)
+    else:
+        m = tl.reduce(_max_u16x2(x0 & 0x7FFF7FFF, x1 & 0x7FFF7FFF), 1, _max_u16x2)
+    amax_bits = tl.maximum(m & 0xFFFF, m >> 16)
+    block_amax = (amax_bits << 16).to(tl.float32, bitcast=True)
+    if G_MODE == 3:  # the row's amax also answers the non-finite test: no second reduction
+        row_bits = tl.max(amax_bits, axis=0)
+        g = _row_global_scale((row_bits << 16).to(tl.float32, bitcast=True))
+        tl.store(g_ptr + pid, g)
+        tl.store(bad_ptr + pid, (row_bits >= 0x7F80).to(tl.uint8))
+    if GUIDED:
+        s = _e4m3_value(sb)
+    else:
+        s, scale_byte = _nvfp4_block_scales(block_amax, g)
+        tl.store(scales_ptr + b_idx, scale_byte.to(tl.uint8), mask=b_mask)
+    u = s * g
+
+    if GUIDED:
+        a1, a2, a3, b1, b2, b3 = _guided_thresholds(u, INTERPRET)
+    else:
+        t1, t2, t3, t4, t5, t6, t7 = _rne_thresholds(u, INTERPRET)
+    for h in tl.static_range(2):
+        if h == 0:
+            xh = x0
+        else:
+            xh = x1
+        if GUIDED:
+            pair_bits = (word[:, None] >> (8 * h + 2 * jw)[None, :]) & 3
+            codes = _guided_pair_codes(xh, a1[:, None], a2[:, None], a3[:, None], b1[:, None], b2[:, None],
+                                       b3[:, None], pair_bits, INTERPRET)
+        else:
+            codes = _rne_pair_codes(xh, t1[:, None], t2[:, None], t3[:, None], t4[:, None], t5[:, None],
+                                    t6[:, None], t7[:, None], INTERPRET)
+        tl.store(codes_ptr + offs + 4 * h, codes, mask=mask)
+    if G_MODE != 3:
+        bad = tl.max((amax_bits >= 0x7F80).to(tl.int32), axis=0)
+        tl.store(bad_ptr + pid, bad.to(tl.uint8))
+
+
+# Launch shape of the BF16 kernel: blocks per program for flat tiles, and blocks per thread.
+BF16_TILE_BLOCKS = 256
+BF16_BLOCKS_PER_THREAD = 2
+BF16_GUIDED_BLOCKS_PER_THREAD = 1
+BF16_MAX_WARPS = 16
+
+
+def _bf16_fast_path(x_MK: torch.Tensor) -> bool:
+    return (x_MK.dtype == torch.bfloat16 and x_MK.is_contiguous() and x_MK.data_ptr() % 16 == 0
+            and x_MK.shape[-1] % 16 == 0)
+
+
+def _bf16_launch(row_program: bool, m: int, nb: int, bpr: int, guided: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_B, programs, num_warps) of `_quantize_bf16_kernel`."""
+    if row_program:
+        block_b, grid = triton.next_power_of_2(bpr), m
+    else:
+        block_b = max(1, min(BF16_TILE_BLOCKS, triton.next_power_of_2(nb)))
+        grid = triton.cdiv(nb, block_b)
+    per_thread = BF16_GUIDED_BLOCKS_PER_THREAD if guided else BF16_BLOCKS_PER_THREAD
+    warps = max(1, min(BF16_MAX_WARPS, block_b // (32 * per_thread)))
+    return block_b, grid, warps
+
+
+def _quantize_bf16(x_MK, codes, scales, g, g_mode, bits=None):
+    """Launch `_quantize_bf16_kernel` over contiguous BF16 rows; returns the non-finite flags."""
+    m, k = x_MK.shape
+    nb, bpr = m * k // 16, k // 16
+    row_program = g_mode == G_ROW_AMAX or (g_mode == G_ROW and k <= MAX_ROW_ELEMENTS)
+    block_b, grid, warps = _bf16_launch(row_program, m, nb, bpr, bits is not None)
+    bad = torch.empty((grid,), dtype=torch.uint8, device=x_MK.device)
+    if grid:
+        _quantize_bf16_kernel[(grid,)](
+            x_MK.view(torch.int32), codes, scales, g, bad, codes if bits is None else bits.view(torch.int16), nb, bpr,
+            G_MODE=g_mode, GUIDED=bits is not None, ROW_PROGRAM=row_program, BLOCK_B=block_b,
+            INTERPRET=_interpreting(), num_warps=warps, enable_fp_fusion=False,
+        )
+    return bad
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -550,6 +844,8 @@ def quantize_rows_triton(
         g, g_mode = nvfp4_global_scale(global_amax.to(dev)), G_TENSOR
     else:
         g, g_mode = _row_scales(x_MK, row_amax)
+    if fmt is Format.NVFP4 and not stochastic and _bf16_fast_path(x_MK):
+        return codes, scales, g, _quantize_bf16(x_MK, codes, scales, g, g_mode)
     block_b, grid = _launch_grid(g_mode, m, nb, bs)
     num_warps = 8 if block_b * bs >= 4096 else 4
     bad = torch.empty((grid,), dtype=torch.uint8, device=dev)
@@ -654,6 +950,8 @@ def quantize_guided_rows_triton(
     m, k = x_MK.shape
     nb = m * k // 16
     codes = torch.empty((m, k // 2), dtype=torch.uint8, device=x_MK.device)
+    if _bf16_fast_path(x_MK) and bits_packed.is_contiguous() and bits_packed.data_ptr() % 2 == 0:
+        return codes, _quantize_bf16(x_MK, codes, scale_bytes_MB, g_M, G_ROW, bits=bits_packed)
     block_b, grid = _flat_grid(nb, 16)
     bad = torch.empty((grid,), dtype=torch.uint8, device=x_MK.device)
     _quantize_kernel[(grid,)](
