@@ -112,6 +112,13 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """MLA's rope part [..., r] with its pairs (2i, 2i+1) regrouped as halves (even channels,
+    then odd), where the non-interleaved `rope` turns them: DeepSeek's interleaved RoPE, as
+    Megatron's MLA (and transformers' rope_interleave) apply it."""
+    return torch.cat([x[..., 0::2], x[..., 1::2]], -1)
+
 def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, cos: torch.Tensor,
                  sin: torch.Tensor, *, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Queries and keys of qkv [n, groups, G + 2, d] (bf16), each head RMS-normed (q_weight /

@@ -4,9 +4,10 @@ One config for the three HF families TRACE knows (`model_type`): Qwen3-MoE (GQA 
 softmax top-k), and the DeepSeek-V3 family's pieces (multi-head latent attention, shared experts,
 dense leading layers, sigmoid routing with an expert-bias correction and group-limited top-k) that
 DeepSeek-V3 and GLM-4.5 use. Field names follow the HF config's meaning; `from_hf` reads one.
-The Megatron trainer and the built-in engine build the family; the SGLang engine and the DeepSpeed
-trainer build Qwen3-MoE alone: `ModelConfig.unbuilt_in` names what a config asks for that a part
-lacks, and that part refuses the config with it (`trace-rl plan` sizes it all the same).
+The Megatron trainer and the built-in engine build the family, the SGLang engine Qwen3-MoE and
+DeepSeek-V3's pieces (not GLM-4.5's attention), the DeepSpeed trainer Qwen3-MoE alone:
+`ModelConfig.unbuilt_in` names what a config asks for that a part lacks, and that part refuses
+the config with it (`trace-rl plan` sizes it all the same).
 
 Presets: `tiny` (tests), `demo` (the embedded default), `small` (CPU memory checks), `moe-0.4b` (the
 one-GPU RL experiment), `qwen3-30b-a3b`, `qwen3-235b-a22b`, `deepseek-v3` (plan only).
@@ -55,7 +56,7 @@ def fp4_weight_peers(name: str, cfg: ModelConfig) -> tuple[str, ...]:
 
 MODEL_TYPES = ("qwen3_moe", "deepseek_v3", "glm4_moe")  # HF config model_type
 SCORING = ("softmax", "sigmoid")
-PARTS = ("megatron", "engine", "all")  # ModelConfig.unbuilt_in
+PARTS = ("megatron", "engine", "sglang", "all")  # ModelConfig.unbuilt_in
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -151,41 +152,43 @@ class ModelConfig:
         """Multi-head latent attention (DeepSeek-V2/V3) rather than GQA."""
         return self.kv_lora_rank > 0
 
-    def _pieces(self) -> list[tuple[str, bool, bool]]:
-        """(what, asked for by this config, built by the Megatron trainer and the built-in engine)
-        for each piece beyond Qwen3-MoE's. The SGLang engine and the DeepSpeed trainer build none
-        of them yet."""
+    def _pieces(self) -> list[tuple[str, bool, bool, bool]]:
+        """(what, asked for by this config, built by the Megatron trainer and the built-in engine,
+        built by the SGLang engine) for each piece beyond Qwen3-MoE's. The DeepSpeed trainer builds
+        none of them yet."""
         c = self
         # Megatron scores a group by the sum of its top (top_k / topk_group) biased scores, the
         # reference by its top two: the same groups only when top_k == 2 * topk_group (DeepSeek-V3: 8, 4)
         groups_as_reference = c.top_k == 2 * c.topk_group
+        yarn_on_mla = c.rope_type == "yarn" and c.mla  # YaRN on MLA's rope part (Megatron's MLA has it)
         return [
-            (f"multi-head latent attention (kv_lora_rank={c.kv_lora_rank})", c.mla, True),
-            (f"shared experts (n_shared_experts={c.n_shared_experts})", c.n_shared_experts > 0, True),
+            (f"multi-head latent attention (kv_lora_rank={c.kv_lora_rank})", c.mla, True, True),
+            (f"shared experts (n_shared_experts={c.n_shared_experts})", c.n_shared_experts > 0, True, True),
             (f"dense leading layers (first_k_dense_replace={c.first_k_dense_replace})", c.first_k_dense_replace > 0,
-             True),
+             True, True),
             ("sigmoid routing with an expert-bias correction (scoring_func='sigmoid')", c.scoring_func == "sigmoid",
-             True),
+             True, True),
             (f"group-limited top-k (n_group={c.n_group}, topk_group={c.topk_group}, top_k={c.top_k})", c.n_group > 1,
-             groups_as_reference),
+             groups_as_reference, groups_as_reference),
             (f"scaled routed gates (routed_scaling_factor={c.routed_scaling_factor})", c.routed_scaling_factor != 1,
-             True),
-            ("unnormalised top-k gates (norm_topk_prob=False)", not c.norm_topk_prob, False),
-            ("attention biases (attention_bias=True)", c.attention_bias, True),
-            ("attention without q/k norm (use_qk_norm=False)", not c.use_qk_norm and not c.mla, True),
+             True, True),
+            ("unnormalised top-k gates (norm_topk_prob=False)", not c.norm_topk_prob, False, False),
+            # GLM-4.5's attention: SGLang's Glm4Moe model is not aligned with the trainer yet
+            ("attention biases (attention_bias=True)", c.attention_bias, True, False),
+            ("attention without q/k norm (use_qk_norm=False)", not c.use_qk_norm and not c.mla, True, False),
             (f"partial rotary embeddings (partial_rotary_factor={c.partial_rotary_factor})",
-             c.partial_rotary_factor != 1.0, True),
-            (f"{c.rope_type} RoPE scaling (rope_scaling)", c.rope_type != "default",
-             c.rope_type == "yarn" and c.mla)]  # YaRN on MLA's rope part (Megatron's MLA has it)
+             c.partial_rotary_factor != 1.0, True, False),
+            (f"{c.rope_type} RoPE scaling (rope_scaling)", c.rope_type != "default", yarn_on_mla, yarn_on_mla)]
 
     def unbuilt_in(self, part: str) -> str:
         """What this architecture asks for that `part` of TRACE does not build yet (empty: it
         builds everything asked). part: "megatron" (the Megatron trainer and its checkpoints),
-        "engine" (the built-in engine: the same pieces) or "all" (also the SGLang engine and the
-        DeepSpeed trainer, which build Qwen3-MoE alone)."""
+        "engine" (the built-in engine: the same pieces), "sglang" (the SGLang engine) or "all"
+        (also the DeepSpeed trainer, which builds Qwen3-MoE alone)."""
         if part not in PARTS:
             raise ValueError(f"ModelConfig.unbuilt_in: part must be one of {PARTS}, got {part!r}")
-        missing = [what for what, asked, built in self._pieces() if asked and not (part != "all" and built)]
+        missing = [what for what, asked, trainer, sglang in self._pieces()
+                   if asked and not {"megatron": trainer, "engine": trainer, "sglang": sglang}.get(part, False)]
         return ", ".join(missing) + (" are" if len(missing) > 1 else " is") + " not built yet" if missing else ""
 
     @property

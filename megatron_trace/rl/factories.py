@@ -21,8 +21,8 @@ def resolve_model_config(model: ModelSection) -> ModelConfig:
     if model.megatron:
         return read_config(model.megatron)
     if PRESETS[model.preset].unbuilt:
-        raise ValueError(f"model.preset {model.preset} is for trace-rl plan only (the SGLang engine and the DeepSpeed "
-                         f"trainer lack its {PRESETS[model.preset].unbuilt}; train the family from model.hf)")
+        raise ValueError(f"model.preset {model.preset} is for trace-rl plan only (the DeepSpeed trainer lacks its "
+                         f"{PRESETS[model.preset].unbuilt}; train the family from model.hf)")
     return PRESETS[model.preset]
 
 

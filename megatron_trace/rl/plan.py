@@ -554,8 +554,10 @@ def architecture(cfg) -> Architecture:
         model_cfg = resolve_model_config(cfg.model)
     else:
         model_cfg = PRESETS[cfg.model.preset]
-    # the Megatron trainer with the built-in engine builds the DeepSeek-V3 family; SGLang and DeepSpeed do not yet
-    part = "engine" if cfg.rollout.backend == "builtin" and cfg.trainer.backend == "megatron" else "all"
+    # the Megatron trainer with the built-in engine builds the DeepSeek-V3 family, with SGLang its
+    # DeepSeek-V3 pieces (what SGLang builds, Megatron does too); DeepSpeed neither yet
+    part = {"builtin": "engine", "sglang": "sglang"}.get(cfg.rollout.backend, "all")
+    part = part if cfg.trainer.backend == "megatron" else "all"
     return Architecture.from_model_config(cfg.model.hf or cfg.model.megatron or cfg.model.preset, model_cfg, part)
 
 

@@ -15,7 +15,9 @@ fills it, with TRACE's `trace_fp4` plugin (sglang_rollout/sglang).
   SGLang's bytes per token (model_executor/pool_configurator.py:291-296): kv_cache_dtype stays
   "auto", so SGLang counts BF16 cells (mem_cache/kv_cache_dtype.py:42), although TRACE's pool
   stores NVFP4 (codes, E4M3 block scales, an FP32 global scale per token and KV head:
-  sglang_rollout/sglang/kv_cache.py). The tokens are capped at max_total_tokens
+  sglang_rollout/sglang/kv_cache.py). Under MLA (DeepSeek-V3 family) TRACE's plugin makes SGLang
+  count TRACE's latent cells (sglang_rollout/sglang/mla.py: 420 B per token and layer at
+  DeepSeek-V3's shape, against 1152 in BF16). The tokens are capped at max_total_tokens
   (kv_cache_configurator.py:1690-1705), which TRACE sets to the step's in-flight samples
   (`engine_kv_blocks`). mem_fraction_static's default is SGLang's (`default_mem_fraction_static`).
 - **Workspace**: activations, CUDA graphs and the processes' CUDA contexts, measured on an H200
@@ -115,8 +117,8 @@ class SGLangEngineGPU:
         return (f"SGLang: loading holds {self.load_peak / GiB:.1f} GiB (BF16 weights before packing); "
                 f"KV pool: mem_fraction_static {self.mem_fraction_static:.3f} -> "
                 f"{self.kv_budget / GiB:.1f} GiB after the weights; {self.kv_bytes_per_token:.0f} B per token here "
-                f"({self.tokens_fit} tokens would fit), SGLang counts {self.sglang_bytes_per_token:.0f} B (BF16 "
-                f"cells) and admits {self.tokens_admitted}; the step's in-flight samples need {self.tokens_needed}")
+                f"({self.tokens_fit} tokens would fit), SGLang counts {self.sglang_bytes_per_token:.0f} B "
+                f"and admits {self.tokens_admitted}; the step's in-flight samples need {self.tokens_needed}")
 
 
 def engine_weight_bytes(arch: Architecture, tp: int, fp4: bool) -> tuple[float, float]:
@@ -168,10 +170,14 @@ def sglang_engine_gpu(arch: Architecture, *, fp4: bool, tp: int, options: dict, 
     fraction = options.get("mem_fraction_static") or default_mem_fraction_static(
         gpu_memory_gib, tp, graphs, options.get("chunked_prefill_size"), asked)
     budget = fraction * gpu_memory_gib * GiB - weights
-    head = arch.kv_width // (2 * arch.kv_heads)
-    heads = max(1, arch.kv_heads // tp)  # SGLang's get_num_kv_heads (configs/model_config.py:1121-1128)
-    sglang_cell = arch.layers * heads * 2 * head * 2  # K and V, BF16
-    cell = arch.layers * heads * 2 * (head // 2 + head // 16 + 4) if fp4 else sglang_cell
+    if arch.kv_bf16_width:  # MLA: one latent row (+ RoPE key) per token and layer, whole on every rank
+        # under trace_fp4 SGLang counts TRACE's cells (the plugin's cell-size hook), else its BF16 rows
+        cell = sglang_cell = round(arch.layers * arch.kv_bytes_per_token(fp4))
+    else:
+        head = arch.kv_width // (2 * arch.kv_heads)
+        heads = max(1, arch.kv_heads // tp)  # SGLang's get_num_kv_heads (configs/model_config.py:1121-1128)
+        sglang_cell = arch.layers * heads * 2 * head * 2  # K and V, BF16
+        cell = arch.layers * heads * 2 * (head // 2 + head // 16 + 4) if fp4 else sglang_cell
     admitted = max(0, min(int(budget // sglang_cell), asked))
     ep_text = f" EP{ep}" if ep > 1 else ""
     items = {f"weights ({'FP4 codes + scales' if fp4 else 'BF16'}; SGLang TP{tp}{ep_text})": weights,

@@ -43,6 +43,7 @@ from trace_kernels.fused_inputs import (
 )
 from trace_kernels.moe_routing import combine_experts, expert_order, route, router_logits, top_k_sigmoid_grouped
 from trace_kernels.norm_rope import (
+    deinterleave,
     qk_norm_rope,
     qk_norm_rope_into_cache,
     rms_norm,
@@ -285,12 +286,12 @@ class ModelRunner:
         else:
             q = self._linear(h_in, a + "linear_q_proj.weight")
         q_nope, q_pe = sum_parts(q).view(n, nq, d).split([nope, rot], -1)
-        q_NQD = torch.cat([q_nope, rope(_deinterleave(q_pe), cos, sin)], -1)
+        q_NQD = torch.cat([q_nope, rope(deinterleave(q_pe), cos, sin)], -1)
         latent_NR = rms_norm(latent_NR, w.dense(a + "kv_layernorm.weight"), cfg.rms_norm_eps, backend=self.backend)
         lat_q = PagedKVCache.quantize_rows(latent_NR[:, None]) if self.fp4 else latent_NR[:, None]
         if rows is not None:
             rows[(L, "kv")] = _dense_capture(lat_q, r) if codes and self.fp4 else latent_NR
-        self.cache.write(L, batch.slots, lat_q, rope(_deinterleave(k_pe[:, None]), cos, sin))
+        self.cache.write(L, batch.slots, lat_q, rope(deinterleave(k_pe[:, None]), cos, sin))
         ctx_NQV = torch.empty(n, nq, vd, dtype=x_NH.dtype, device=x_NH.device)
         offset = 0
         for seg in batch.segments:
@@ -391,9 +392,3 @@ class ModelRunner:
                            p + "mlp.shared_experts.linear_fc2.weight", codes, site="shared_fc2")
         return x_NH + (out + shared)
 
-
-def _deinterleave(x: torch.Tensor) -> torch.Tensor:
-    """MLA's rope part [..., r] with its pairs (2i, 2i+1) regrouped as halves (even channels,
-    then odd), where the non-interleaved RoPE turns them: DeepSeek's interleaved RoPE, as
-    Megatron's MLA (and transformers' rope_interleave) apply it."""
-    return torch.cat([x[..., 0::2], x[..., 1::2]], -1)

@@ -31,9 +31,12 @@ class TraceFP4AttnBackend(AttentionBackend):
     def __init__(self, runner):
         super().__init__()
         self.pool, self.req_to_token = runner.token_to_kv_pool, runner.req_to_token_pool.req_to_token
-        self.token_to_kv_pool = self.pool  # SGLang's forward context reads the pool off the backend
+        # SGLang's forward context reads the pools off the backend
+        self.token_to_kv_pool, self.req_to_token_pool = self.pool, runner.req_to_token_pool
         self.method = getattr(self.pool, "quant_method", None)
-        if not hasattr(self.method, "cache_of"):
+        # TRACE's FP4 MLA latent (mla.TraceNVFP4MLAPool) is read by TRACE's MLA forward, not here
+        self.mla = hasattr(self.pool, "latent_cache")
+        if not self.mla and not hasattr(self.method, "cache_of"):
             raise ValueError(f"attention backend {NAME!r} reads TRACE's NVFP4 KV cache: start the engine with "
                              "quantization='trace_fp4'")
         self.page = runner.page_size
@@ -78,6 +81,9 @@ class TraceFP4AttnBackend(AttentionBackend):
                 self.method.cache_of(self.pool.v_buffer[i], self.pool.v_scale_buffer[i]))
 
     def _store(self, layer, forward_batch, k, v, save_kv_cache: bool) -> None:
+        if self.mla:
+            raise ValueError(f"attention backend {NAME!r}: layer {layer.layer_id} is MLA, whose attention runs in "
+                             "TRACE's MLA forward (sglang_rollout.sglang.mla); an SGLang attention path reached it")
         _check_layer(layer)
         if save_kv_cache and k is not None and v is not None:
             self.pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, None), k, v)
@@ -88,8 +94,7 @@ class TraceFP4AttnBackend(AttentionBackend):
         self._store(layer, forward_batch, k, v, save_kv_cache)
         q_ = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         if not q_.is_cuda:
-            lens = forward_batch.seq_lens_cpu.tolist()
-            return self._per_request(q_, layer, forward_batch, [n - 1 for n in lens], [1] * len(lens))
+            return self._per_request(q_, layer, forward_batch)
         tables, lens = self.meta
         kc, vc = self._caches(layer)
         out = paged_decode_attention(q_.contiguous(), kc, vc, tables, lens, self.page, scale=layer.scaling,
@@ -100,24 +105,35 @@ class TraceFP4AttnBackend(AttentionBackend):
         """q [T, Hq * D] (each request's new tokens, after its cached prefix) -> [T, Hq * D]."""
         self._store(layer, forward_batch, k, v, save_kv_cache)
         q_ = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
-        return self._per_request(q_, layer, forward_batch, forward_batch.extend_prefix_lens_cpu,
-                                 forward_batch.extend_seq_lens_cpu)
+        return self._per_request(q_, layer, forward_batch)
 
-    def _per_request(self, q_, layer, forward_batch, prefixes, news) -> torch.Tensor:
+    def _per_request(self, q_, layer, forward_batch) -> torch.Tensor:
         """Each request's new queries over its dequantized cached rows (the new ones included):
         `cached_causal_attention`, the built-in engine's. q_ [T, Hq, D] -> [T, Hq * D]."""
         kc, vc = self._caches(layer)
         out = torch.empty_like(q_)
-        start = 0
-        for b, (prefix, new) in enumerate(zip(prefixes, news, strict=True)):
+        for b, start, prefix, new in request_spans(forward_batch):
             slots = self.req_to_token[forward_batch.req_pool_indices[b], :prefix + new].long()
             keys, values = (read_cache_rows(c, slots, kernel_backend(q_)) for c in (kc, vc))
             out[start:start + new] = cached_causal_attention(q_[start:start + new], keys, values, prefix)
-            start += new
         return out.reshape(q_.shape[0], -1)
 
     def support_triton(self) -> bool:
         return False
+
+
+def request_spans(forward_batch):
+    """(request b, its first row in the forward, cached prefix length, new tokens) for each
+    request of an extend or decode forward, in row order (host lists: no device sync)."""
+    if forward_batch.forward_mode.is_decode_or_idle():
+        lens = forward_batch.seq_lens_cpu.tolist()
+        prefixes, news = [n - 1 for n in lens], [1] * len(lens)
+    else:
+        prefixes, news = forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu
+    start = 0
+    for b, (prefix, new) in enumerate(zip(prefixes, news, strict=True)):
+        yield b, start, prefix, new
+        start += new
 
 
 def _check_layer(layer) -> None:

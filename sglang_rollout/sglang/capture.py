@@ -32,8 +32,11 @@ from trace_kernels.fp4 import QTensor, mantissa_bits
 # scheduler processes
 ENV = "TRACE_SGLANG_CAPTURE"
 FEED_PREFIX = "trace-feed/"  # requests whose guidance is kept (the engine's feed of a sample's last token)
-SITES = ("qkv", "proj", "fc1", "fc2", "k", "v")
-SLICED = {"proj": "cols", "fc2": "cols", "k": "heads", "v": "heads"}  # how TP splits a site's rows
+# guidance.record.SITES: Qwen3-MoE's, and the DeepSeek-V3 family's q_up, kv (the MLA latent) and
+# shared_fc2 (a model records those it has)
+SITES = ("qkv", "q_up", "kv", "proj", "fc1", "fc2", "shared_fc2", "k", "v")
+# how TP splits a site's rows (the rest are replicated: whole rows on every rank)
+SLICED = {"proj": "cols", "fc2": "cols", "shared_fc2": "cols", "k": "heads", "v": "heads"}
 
 _policy: frozenset = frozenset()  # (layer, site) pairs captured in this process
 _sparse: dict | None = None  # {"tau", "scale_coding"} for the sparse coding (None: dense)
@@ -153,14 +156,15 @@ def dump(rids: list[str], path: str, rank: int) -> None:
 
 
 def merge_ranks(per_rank: list[dict], heads: int, ep_size: int = 1, experts: dict | None = None,
-                num_experts: int = 0) -> dict:
+                num_experts: int = 0, dense_layers: frozenset = frozenset()) -> dict:
     """One request's {(layer, site): parts} of every TP rank (in rank order; the dense coding's
     (bits, scales, g) or the sparse coding's longer tuple, g third, every other part with a
     row's columns along dim 1) as the whole rows an unsharded engine would have captured
     (heads: KV heads in all). Under SGLang's
     expert parallelism (ep_size > 1: rank r is moe-TP rank r % (tp / ep) of EP rank
     r // (tp / ep)) each fc2 row (token, slot) is taken from the EP rank holding the expert it was
-    routed to: experts {layer: global expert ids int64 [tokens, k]} of num_experts in all."""
+    routed to: experts {layer: global expert ids int64 [tokens, k]} of num_experts in all;
+    dense_layers (a dense FFN, no experts) have their fc2 split over every rank's columns."""
     if len(per_rank) == 1:
         return per_rank[0]
     moe_tp = len(per_rank) // ep_size
@@ -168,7 +172,7 @@ def merge_ranks(per_rank: list[dict], heads: int, ep_size: int = 1, experts: dic
     for key, first in per_rank[0].items():
         layer, site = key
         parts = [r[key] for r in per_rank]
-        if site == "fc2" and ep_size > 1:
+        if site == "fc2" and ep_size > 1 and layer not in dense_layers:  # (a dense layer's fc2: TP columns)
             if experts is None or layer not in experts:
                 raise ValueError(f"guidance merge: layer {layer} fc2 under EP {ep_size} needs its routed experts")
             groups = [_join_cols(parts[e * moe_tp:(e + 1) * moe_tp]) for e in range(ep_size)]

@@ -81,7 +81,9 @@ MOE_PADDING = 32  # SGLang pads the experts' width per moe-TP rank to a multiple
 
 
 def check_layout(model_cfg, cfg: EngineConfig) -> None:
-    """ValueError for a layout SGLang would pad: the FP4 sites' rows must be the trainer's."""
+    """ValueError for an architecture the SGLang engine does not build, or a layout SGLang would
+    pad: the FP4 sites' rows must be the trainer's."""
+    model_cfg.require_built("the SGLang engine", "sglang")
     ep = int(cfg.sglang.get("ep_size", 1))
     if cfg.tp_size % ep:
         raise ValueError(f"EngineConfig: tp_size {cfg.tp_size} is not a multiple of SGLang's ep_size {ep}")
@@ -97,10 +99,22 @@ def check_layout(model_cfg, cfg: EngineConfig) -> None:
     if model_cfg.num_attention_heads % cfg.tp_size:
         raise ValueError(f"EngineConfig: tp_size {cfg.tp_size} does not divide the {model_cfg.num_attention_heads} "
                          "attention heads")
+    if cfg.device == "cpu" and cfg.tp_size > 1:
+        # SGLang's CPU tensor parallelism pads every FFN width, the experts' under EP too, to a
+        # multiple of tp_size x 32 (configs/update_config.py, adjust_config_with_unaligned_cpu_tp)
+        step = cfg.tp_size * MOE_PADDING
+        widths = {"moe_intermediate_size": width}
+        if model_cfg.first_k_dense_replace:
+            widths["intermediate_size"] = model_cfg.intermediate_size
+        for name, w in widths.items():
+            if w % step:
+                raise ValueError(f"EngineConfig: {name} {w} on the CPU at tp_size {cfg.tp_size}: SGLang pads it to a "
+                                 f"multiple of {step}, and padded FP4 rows are not the trainer's")
 
 
-def server_args(model_dir: str, cfg: EngineConfig) -> dict:
-    """sglang.Engine's arguments for this config (cfg.sglang's entries win)."""
+def server_args(model_dir: str, cfg: EngineConfig, mla: bool = False) -> dict:
+    """sglang.Engine's arguments for this config (cfg.sglang's entries win); mla: the model is
+    of the DeepSeek-V3 family (TRACE's MLA forward, `mla.py`)."""
     cpu, fp4 = cfg.device == "cpu", cfg.precision is EnginePrecision.FP4
     args = dict(model_path=model_dir, load_format="dummy", device=cfg.device, tp_size=cfg.tp_size, dtype="bfloat16",
                 skip_tokenizer_init=True, random_seed=0, log_level="error",
@@ -111,6 +125,10 @@ def server_args(model_dir: str, cfg: EngineConfig) -> dict:
                 attention_backend="trace_fp4" if fp4 else "torch_native" if cpu else "triton")
     if fp4 and cfg.guide != "none":
         args["disable_cuda_graph"] = True  # guidance capture runs in Python, outside any graph
+    if mla:
+        # TRACE's MLA forward loops over requests on the host (no graphs); the shared experts run as
+        # their own FFN, as the trainer's (SGLang would fuse them into the routed experts)
+        args |= dict(disable_cuda_graph=True, disable_shared_experts_fusion=True)
     if cfg.release_memory and not cpu:
         args["enable_memory_saver"] = True  # what release_memory frees (torch_memory_saver's regions)
     if cpu:

@@ -38,7 +38,6 @@ class SGLangEngine:
     """A RolloutBackend over sglang.Engine in a host process (see the module docstring)."""
 
     def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig = EngineConfig()):
-        model_cfg.require_built("TRACE's SGLang engine")
         check_layout(model_cfg, engine_cfg)  # before starting anything
         self.model_cfg, self.engine_cfg = model_cfg, engine_cfg
         self.weight_version = -1

@@ -20,8 +20,17 @@ compute what the trainer computes:
   the sampler alone, where it picks log_softmax for the returned log-probabilities and nothing else).
 
 Attention over TRACE's NVFP4 cache is the `trace_fp4` backend's (`attention.py`), which runs the
-built-in engine's `cached_causal_attention` on the CPU. Models other than Qwen3-MoE's modules
-are refused by name.
+built-in engine's `cached_causal_attention` on the CPU.
+
+SGLang's DeepSeek model (DeepSeek-V3 family) gets the same norms, and:
+- MLA attention: TRACE's whole forward (`mla.py`);
+- the router: FP32 logits; DeepSeek-V3's sigmoid scores with the expert bias picking within the
+  best expert groups, gates normalised and scaled (`top_k_sigmoid_grouped`, the built-in engine's),
+  as SGLang's custom routing function (SGLang's grouped top-k ignores one: it is turned off), so
+  the routed-experts capture stays; the gates carry routed_scaling_factor, so SGLang's own
+  multiply by it is made a multiply by 1;
+- SwiGLU (the dense layers' and shared experts' act_fn): trace_kernels' silu_mul.
+Other models are refused by name.
 """
 
 from __future__ import annotations
@@ -31,7 +40,8 @@ import logging
 
 import torch
 
-from trace_kernels.moe_routing import router_logits, top_k_softmax
+from trace_kernels.fused_inputs import silu_mul
+from trace_kernels.moe_routing import router_logits, top_k_sigmoid_grouped, top_k_softmax
 from trace_kernels.norm_rope import rms_norm, rope, rope_inv_freq, rope_tables
 
 from .quant import kernel_backend
@@ -41,12 +51,24 @@ logger = logging.getLogger(__name__)
 
 def align_model(runner) -> None:
     """Give the model of SGLang's ModelRunner `runner` the trainer's arithmetic (module docstring)."""
+    model = runner.model
+    if type(model).__name__ in DEEPSEEK:
+        _align_deepseek(model)
+    elif type(model).__name__ == "Qwen3MoeForCausalLM":
+        _align_qwen3(model)
+    else:
+        raise ValueError(f"trace: SGLang engines TRACE starts run Qwen3-MoE or the DeepSeek-V3 family, not "
+                         f"{type(model).__name__}")
+    runner.sampler.enable_deterministic = True  # returned log-probs from log_softmax (module docstring)
+
+
+DEEPSEEK = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
+
+
+def _align_qwen3(model) -> None:
     from sglang.srt.layers.layernorm import RMSNorm
     from sglang.srt.models.qwen3_moe import Qwen3MoeAttention, Qwen3MoeSparseMoeBlock
 
-    model = runner.model
-    if type(model).__name__ != "Qwen3MoeForCausalLM":
-        raise ValueError(f"trace: SGLang engines TRACE starts run Qwen3-MoE, not {type(model).__name__}")
     counts = {"norms": 0, "attention": 0, "routers": 0}
     for module in model.modules():
         if isinstance(module, RMSNorm):
@@ -58,8 +80,75 @@ def align_model(runner) -> None:
         elif isinstance(module, Qwen3MoeSparseMoeBlock):
             _align_router(module)
             counts["routers"] += 1
-    runner.sampler.enable_deterministic = True  # returned log-probs from log_softmax (module docstring)
     logger.info("trace: the trainer's arithmetic in %s", counts)
+
+
+def _align_deepseek(model) -> None:
+    from sglang.srt.layers.layernorm import RMSNorm
+    from sglang.srt.models.deepseek_v2 import DeepseekV2AttentionMLA, DeepseekV2MLP, DeepseekV2MoE
+
+    from .mla import align_attention
+    from .weights import model_config_of
+
+    cfg = model_config_of(model)
+    counts = {"norms": 0, "attention": 0, "routers": 0, "swiglu": 0}
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            _align_norm(module)
+            counts["norms"] += 1
+        elif isinstance(module, DeepseekV2AttentionMLA):
+            align_attention(module, cfg)
+            counts["attention"] += 1
+        elif isinstance(module, DeepseekV2MoE):
+            _align_sigmoid_router(module, cfg)
+            counts["routers"] += 1
+        elif isinstance(module, DeepseekV2MLP):
+            module.act_fn = _SiluMul()
+            counts["swiglu"] += 1
+    if counts["attention"] != cfg.num_layers or counts["routers"] != cfg.num_layers - cfg.first_k_dense_replace:
+        raise ValueError(f"trace: SGLang's DeepSeek model has {counts} for TRACE's {cfg.num_layers} layers, "
+                         f"{cfg.first_k_dense_replace} dense")
+    logger.info("trace: the trainer's arithmetic in %s", counts)
+
+
+class _SiluMul(torch.nn.Module):
+    """silu(gate) * up of [T, 2I] (gate | up), trace_kernels' (SGLang's SiluAndMul rounds otherwise)."""
+
+    def forward(self, x):
+        return silu_mul(x, backend=kernel_backend(x))
+
+
+def _align_sigmoid_router(block, cfg) -> None:
+    """FP32 router logits; DeepSeek-V3's grouped sigmoid top-k as SGLang's custom routing function."""
+    if getattr(block, "num_fused_shared_experts", 0):
+        raise ValueError("trace: SGLang fused the shared experts into the routed ones (start the engine with "
+                         "disable_shared_experts_fusion): TRACE runs them as their own FFN, as the trainer does")
+    gate = block.gate
+
+    def logits(x, *args, **kwargs):
+        return router_logits(x, gate.weight)
+
+    gate.forward = logits
+    config = block.topk.topk_config
+    config.use_grouped_topk = False  # SGLang's grouped path ignores a custom routing function
+    config.apply_routed_scaling_factor_on_output = False
+    config.custom_routing_function = functools.partial(_top_k_sigmoid, gate, cfg)
+    block.routed_scaling_factor = 1.0  # TRACE's gates carry it
+    runner_config = getattr(block.experts, "moe_runner_config", None)
+    if getattr(runner_config, "routed_scaling_factor", None) is not None:
+        runner_config.routed_scaling_factor = 1.0
+
+
+def _top_k_sigmoid(gate, cfg, hidden_states, gating_output, topk: int, renormalize: bool):
+    """SGLang's custom routing function: (weights float32 [n, k], ids int32 [n, k]), the expert
+    bias read live (weight updates change it)."""
+    if topk != cfg.top_k or renormalize != cfg.norm_topk_prob:
+        raise ValueError(f"trace: SGLang routes top-{topk} (renormalize={renormalize}), TRACE's model top-"
+                         f"{cfg.top_k} (norm_topk_prob={cfg.norm_topk_prob})")
+    top, weights = top_k_sigmoid_grouped(gating_output.float(), topk, gate.e_score_correction_bias.float(),
+                                         n_group=cfg.n_group, topk_group=cfg.topk_group,
+                                         scaling=cfg.routed_scaling_factor, normalize=cfg.norm_topk_prob)
+    return weights, top.to(torch.int32)
 
 
 def _align_norm(norm) -> None:

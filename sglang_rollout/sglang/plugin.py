@@ -18,6 +18,10 @@ import os
 logger = logging.getLogger(__name__)
 
 KV_POOL_BUILDER = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_mha_kv_pool"
+MLA_POOL_BUILDER = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_mla_kv_pool"
+CELL_SIZE = "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size"
+DEEPSEEK_POST_LOAD = ("sglang.srt.models.deepseek_common.deepseek_weight_loader.DeepseekV2WeightLoaderMixin."
+                      "post_load_weights")
 QUANTIZED_KV_WRITE = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._set_quantized_kv_buffer"
 MODEL_FORWARD = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
 MODEL_LOADED = "sglang.srt.model_executor.model_runner.ModelRunner.load_model"
@@ -52,11 +56,14 @@ def register() -> None:
     ATTENTION_BACKENDS[attention.NAME] = attention.create
     add_attention_backend_choices([attention.NAME])
     HookRegistry.register(KV_POOL_BUILDER, _build_kv_pool, HookType.AROUND)
+    HookRegistry.register(MLA_POOL_BUILDER, _build_mla_pool, HookType.AROUND)
+    HookRegistry.register(CELL_SIZE, _cell_size, HookType.AROUND)
     HookRegistry.register(QUANTIZED_KV_WRITE, _write_quantized_kv, HookType.AROUND)
     HookRegistry.register(FUSED_KV_WRITE, _fused_kv_write, HookType.AROUND)
     HookRegistry.register(DISTRIBUTED_UPDATE, _update_from_distributed, HookType.AROUND)
     if os.environ.get(SEEDED) == "1":
         _seed_sampling()
+        HookRegistry.register(DEEPSEEK_POST_LOAD, _skip_post_load, HookType.AROUND)
         HookRegistry.register(MODEL_LOADED, _align_numerics, HookType.AFTER)
     from sglang.srt.managers.scheduler import Scheduler
 
@@ -81,6 +88,49 @@ def _build_kv_pool(original, configurator, *args, quant_method=None, **kwargs):
         quant_method = TraceNVFP4KVMethod()
         logger.info("trace_fp4: the KV cache is TRACE's NVFP4 (one global scale per token and KV head)")
     return original(configurator, *args, quant_method=quant_method, **kwargs)
+
+
+def _build_mla_pool(original, configurator, *, max_total_num_tokens: int):
+    """SGLang's MLA pool, or TRACE's FP4 latent pool (mla.TraceNVFP4MLAPool) for a trace_fp4 engine."""
+    from .quant import NAME
+
+    if getattr(configurator.model_config, "quantization", None) != NAME:
+        return original(configurator, max_total_num_tokens=max_total_num_tokens)
+    import torch
+    from sglang.srt.runtime_context import get_exec
+
+    from .mla import TraceNVFP4MLAPool
+
+    if configurator.kv_cache_dtype != torch.bfloat16:
+        raise ValueError("trace_fp4 brings its own NVFP4 MLA latent cache: leave kv_cache_dtype at its default")
+    logger.info("trace_fp4: the MLA latent cache is TRACE's NVFP4 (one global scale per token), the RoPE key BF16")
+    return TraceNVFP4MLAPool(max_total_num_tokens, page_size=configurator.pool_page_size,
+                             dtype=configurator.kv_cache_dtype, kv_lora_rank=configurator.model_config.kv_lora_rank,
+                             qk_rope_head_dim=configurator.model_config.qk_rope_head_dim,
+                             layer_num=configurator.layer_info.num_effective_layers, device=configurator.device,
+                             enable_memory_saver=get_exec().features.enable_memory_saver,
+                             start_layer=configurator.layer_info.start_layer,
+                             end_layer=configurator.layer_info.end_layer)
+
+
+def _cell_size(original, pool_configurator, kvc, num_layers: int) -> int:
+    """KV bytes per token, for SGLang's token budget: TRACE's FP4 latent cells under trace_fp4 MLA
+    (SGLang would count BF16 rows and admit ~2.7x too few tokens)."""
+    from .quant import NAME
+
+    if kvc.use_mla_backend and getattr(kvc.model_config, "quantization", None) == NAME:
+        from .mla import TraceNVFP4MLAPool
+
+        return num_layers * TraceNVFP4MLAPool.cell_bytes(kvc.model_config.kv_lora_rank,
+                                                         kvc.model_config.qk_rope_head_dim)
+    return original(pool_configurator, kvc, num_layers)
+
+
+def _skip_post_load(original, model, *args, **kwargs):
+    """No DeepSeek post-load in an engine TRACE started: it slices kv_b's BF16 weight into the
+    absorbed attention's w_kc / w_vc (which TRACE's MLA forward never reads, and which trace_fp4's
+    packed kv_b no longer has), and fuses shared experts (TRACE starts engines without)."""
+    return None
 
 
 def _fused_kv_write(original, *args, **kwargs) -> bool:
@@ -188,32 +238,41 @@ def _seed_sampling() -> None:
 
 def _quantization_table(scheduler, path: str) -> None:
     """SGLang RPC: write {HF module: "fp4" | "bf16"} of this rank's model as SGLang built it (every
-    linear, the experts' gate/up/down, each layer's KV cache) to path/rank<r>.json."""
+    linear the audit knows, the experts' gate/up/down, each layer's KV cache; "missing" for one
+    SGLang did not build) to path/rank<r>.json."""
     import json
 
     from sglang.srt.distributed import get_tensor_model_parallel_rank
 
+    from megatron_trace.checkpoint.audit import table_from_weights
+
     from .kv_cache import TraceNVFP4KVMethod
+    from .mla import TraceNVFP4MLAPool
+    from .weights import model_config_of
 
     runner = scheduler.tp_worker.model_runner
-    table = {}
+    built = {}
     for name, module in runner.model.named_modules():
         method = type(getattr(module, "quant_method", None)).__name__
         packed = hasattr(module, "trace_weight") or hasattr(module, "trace_w13")
         precision = "fp4" if packed and method.startswith("TraceFP4") else "bf16"
         leaf = name.rpartition(".")[2]
-        if leaf == "qkv_proj":
-            table |= {name.replace("qkv_proj", p): precision for p in ("q_proj", "k_proj", "v_proj")}
-        elif leaf == "o_proj" or (leaf == "gate" and ".mlp." in name + "."):
-            table[name] = precision
-        elif leaf == "experts" and hasattr(module, "num_experts"):
+        if leaf == "experts" and hasattr(module, "num_experts"):
             w2 = "fp4" if hasattr(module, "trace_w2") and precision == "fp4" else "bf16"
             for e in range(module.num_experts):
-                table |= {f"{name}.{e}.gate_proj": precision, f"{name}.{e}.up_proj": precision,
+                built |= {f"{name}.{e}.gate_proj": precision, f"{name}.{e}.up_proj": precision,
                           f"{name}.{e}.down_proj": w2}
-    table["lm_head"] = "bf16" if "TraceFP4" not in type(runner.model.lm_head.quant_method).__name__ else "fp4"
-    kv = "fp4" if isinstance(getattr(runner.token_to_kv_pool, "quant_method", None), TraceNVFP4KVMethod) else "bf16"
-    for layer in range(runner.model.config.num_hidden_layers):
-        table[f"model.layers.{layer}.self_attn.kv_cache"] = kv
+        else:
+            built |= {name.removesuffix(leaf) + hf: precision for hf in _FUSED.get(leaf, (leaf,))}
+    pool = runner.token_to_kv_pool
+    kv_fp4 = isinstance(pool, TraceNVFP4MLAPool) or isinstance(getattr(pool, "quant_method", None),
+                                                                  TraceNVFP4KVMethod)
+    every = table_from_weights(model_config_of(runner.model), lambda name: False, kv_fp4)
+    table = {m: every[m] if m.endswith(".kv_cache") else built.get(m, "missing") for m in every}
     with open(f"{path}/rank{get_tensor_model_parallel_rank()}.json", "w") as f:
         json.dump(table, f)
+
+
+# SGLang's fused linears -> the HF modules they hold
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
+          "fused_qkv_a_proj_with_mqa": ("q_a_proj", "kv_a_proj_with_mqa")}

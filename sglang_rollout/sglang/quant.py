@@ -36,7 +36,26 @@ from . import capture
 
 NAME = "trace_fp4"
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-LINEAR_SITES = {"qkv_proj": "qkv", "o_proj": "proj"}  # SGLang's module name -> TRACE's FP4 site
+
+# SGLang's linears at FP4 sites (module-name suffix -> (TRACE's site, its input rows recorded as
+# guidance)), most specific first. Qwen3-MoE: qkv_proj, o_proj. DeepSeek-V3 family: the q and KV
+# down projections (fused with a q latent; else q_proj and kv_a read the same input, recorded once),
+# q_b (q_up), kv_b (kv_up: weight only, it reads the cached latent), o_proj, the dense layers' and
+# shared experts' gate_up / down (the shared experts' input is the routed experts' fc1 row, recorded there)
+LINEAR_SITES = (("shared_experts.gate_up_proj", "fc1", False), ("shared_experts.down_proj", "shared_fc2", True),
+                ("self_attn.qkv_proj", "qkv", True), ("self_attn.fused_qkv_a_proj_with_mqa", "qkv", True),
+                ("self_attn.kv_a_proj_with_mqa", "qkv", True), ("self_attn.q_proj", "qkv", False),
+                ("self_attn.q_b_proj", "q_up", True), ("self_attn.kv_b_proj", "kv_up", False),
+                ("self_attn.o_proj", "proj", True), ("mlp.gate_up_proj", "fc1", True), ("mlp.down_proj", "fc2", True))
+
+
+def linear_site(prefix: str) -> tuple[str, bool] | None:
+    """(TRACE's FP4 site, recorded) of SGLang's linear `prefix` ("model.layers.3.self_attn.o_proj"),
+    None for a linear that stays high precision."""
+    for suffix, site, recorded in LINEAR_SITES:
+        if prefix.endswith("." + suffix):
+            return site, recorded
+    return None
 
 
 def layer_index(prefix: str) -> int:
@@ -120,16 +139,19 @@ class TraceFP4Config(QuantizationConfig):
         if isinstance(layer, FusedMoE):
             return TraceFP4MoEMethod(layer_index(prefix))
         if isinstance(layer, LinearBase):
-            site = LINEAR_SITES.get(prefix.rpartition(".")[2])
-            return TraceFP4LinearMethod(layer_index(prefix), site) if site else UnquantizedLinearMethod()
+            site = linear_site(prefix)
+            return TraceFP4LinearMethod(layer_index(prefix), *site) if site else UnquantizedLinearMethod()
         return None
 
 
 class TraceFP4LinearMethod(LinearMethodBase):
-    """An attention linear (site "qkv" or "proj" of `layer`): NVFP4 weight, rows fake-quantized."""
+    """A linear at FP4 site `site` of `layer`: NVFP4 weight, input rows fake-quantized (except
+    kv_up's, the cached latent) and recorded as guidance when `recorded`. A layer with
+    `trace_row_split` (row counts) runs its weight's row blocks as separate GEMMs (MLA's fused q
+    and KV down projections, which the built-in engine and the trainer run apart)."""
 
-    def __init__(self, layer: int, site: str):
-        self.layer, self.site = layer, site
+    def __init__(self, layer: int, site: str, recorded: bool = True):
+        self.layer, self.site, self.recorded = layer, site, recorded
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
                        params_dtype, **extra_weight_attrs):
@@ -151,16 +173,39 @@ class TraceFP4LinearMethod(LinearMethodBase):
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., K] -> [..., N]: x's rows fake-quantized, times the dequantized FP4 weight."""
+        from sglang.srt.layers.linear import RowParallelLinear
+
         x_RK = x.reshape(-1, x.shape[-1])
-        row_group = _group_of(layer) if self.site == "proj" else None  # row-parallel: columns split
-        keep = capture.wants(self.layer, self.site)
-        xq, kept = quantize_input_rows(x_RK, row_group, keep)
-        if keep:
-            capture.record(self.layer, self.site, x_RK, kept)
-        y = sum_parts(fp4_linear_parts(xq, layer.trace_weight, backend=kernel_backend(xq)))
+        if self.site == "kv_up":
+            xq = x_RK
+        else:
+            row_group = _group_of(layer) if isinstance(layer, RowParallelLinear) else None  # columns split
+            keep = self.recorded and capture.wants(self.layer, self.site)
+            xq, kept = quantize_input_rows(x_RK, row_group, keep)
+            if keep:
+                capture.record(self.layer, self.site, x_RK, kept)
+        backend = kernel_backend(xq)
+        split = getattr(layer, "trace_row_split", None)
+        if split is None:
+            y = sum_parts(fp4_linear_parts(xq, layer.trace_weight, backend=backend))
+        else:
+            y = torch.cat([sum_parts(fp4_linear_parts(xq, w, backend=backend))
+                           for w in row_blocks(layer.trace_weight, split)], -1)
         if bias is not None:
             y = y + bias
         return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def row_blocks(q: QTensor, sizes) -> list[QTensor]:
+    """A packed weight [N, K] as consecutive row blocks of `sizes` rows (sum N), the global scale shared."""
+    out, start = [], 0
+    for n in sizes:
+        out.append(QTensor(q.codes[start:start + n], q.block_scales[start:start + n], q.global_scale, q.fmt,
+                           torch.Size((n, q.shape[-1]))))
+        start += n
+    if start != q.shape[0]:
+        raise ValueError(f"trace_fp4: row blocks {tuple(sizes)} of a weight of {q.shape[0]} rows")
+    return out
 
 
 def pack_linear(layer, w_NK: torch.Tensor, global_amax: torch.Tensor | None = None) -> None:

@@ -81,7 +81,7 @@ class Session:
         import sglang
 
         with _environment(env):  # inherited by the scheduler processes SGLang spawns
-            self.engine = sglang.Engine(**server_args(self._dir.name, engine_cfg))
+            self.engine = sglang.Engine(**server_args(self._dir.name, engine_cfg, mla=model_cfg.mla))
         self._calls = 0
 
     @property
@@ -284,8 +284,11 @@ class Session:
             self.engine.collective_rpc("trace_dump_guidance", rids=rids, path=tmp)
             ranks = [torch.load(Path(tmp, f"rank{r}.pt"), weights_only=True) for r in range(self.engine_cfg.tp_size)]
         ep = int(self.engine_cfg.sglang.get("ep_size", 1))
-        return [capture.merge_ranks([rank[rid] for rank in ranks], self.model_cfg.num_key_value_heads, ep, routed,
-                                    self.model_cfg.num_experts) for rid, routed in zip(rids, experts, strict=True)]
+        c = self.model_cfg
+        dense = frozenset(range(c.num_layers)) - set(c.moe_layers)
+        heads = 1 if c.mla else c.num_key_value_heads
+        return [capture.merge_ranks([rank[rid] for rank in ranks], heads, ep, routed, c.num_experts, dense)
+                for rid, routed in zip(rids, experts, strict=True)]
 
     def _sample(self, req, sid, out, experts, rows, guidance, stops, first: bool) -> SampleResult:
         meta = out["meta_info"]
@@ -333,7 +336,7 @@ def _routed_experts(encoded, tokens: int, model_cfg: ModelConfig) -> dict[int, t
     """{layer: int64 [tokens, top_k]} of SGLang's routed experts (base64 int32 [tokens, L, k])."""
     raw = np.frombuffer(base64.b64decode(encoded), dtype=np.int32) if isinstance(encoded, str) else np.asarray(encoded)
     arr = torch.from_numpy(raw.copy()).long().reshape(tokens, model_cfg.num_layers, model_cfg.top_k)
-    return {layer: arr[:, layer].contiguous() for layer in range(model_cfg.num_layers)}
+    return {layer: arr[:, layer].contiguous() for layer in model_cfg.moe_layers}  # dense layers route nothing
 
 
 def _spill_dir() -> str | None:

@@ -64,7 +64,7 @@ def state_dict_buckets(model_cfg: ModelConfig, state_dict: dict, max_bytes: int,
     packed, sources = packs(fp4), []
     for name, t in state_dict.items():
         piece = Piece.whole(name, t)
-        if packed(name) and not isinstance(t, QTensor) and piece.nbytes > max_bytes:
+        if packed(name) and not isinstance(t, QTensor) and len(piece.split(max_bytes)) > 1:  # it would be sliced
             sources.append(Source(Piece(name, "nvfp4", 0, 0, piece.shape, piece.shape), t, amax_of(t)))
         else:
             sources.append(Source(piece, t))

@@ -17,8 +17,8 @@ import re
 
 import torch
 
-from megatron_trace.checkpoint.hf_layout import to_hf
-from megatron_trace.model_config import ModelConfig, fp4_site_of
+from megatron_trace.checkpoint.hf_layout import hf_parts, to_hf
+from megatron_trace.model_config import ModelConfig, fp4_site_of, fp4_weight_peers
 from megatron_trace.weight_buckets import NVFP4, new_value, read_bucket, write_piece
 from trace_kernels.fp4 import Format, QTensor, quantize
 
@@ -35,12 +35,12 @@ def load_trace_weights(model, named_tensors) -> None:
     together in host memory (a trainer's TP shards arrive from each rank in turn: on the GPU
     they could add up to a second model) and written once its last slice is in."""
     model_cfg = model_config_of(model)
-    fp4 = hasattr(model.model.layers[0].self_attn.qkv_proj, "trace_weight")
+    fp4 = any(hasattr(m, "trace_weight") for m in model.model.layers[0].modules())
     for name, flat in named_tensors:
         version, index = parse_bucket_name(name)
         staged = getattr(model, "_trace_staged", None)
         if index == 0 or staged is None or staged[0] != version:  # a new update: slices of an old one are void
-            staged = model._trace_staged = (version, {})
+            staged = model._trace_staged = (version, {}, {})
         whole = {}
         for piece, parts in read_bucket(flat):
             if piece.shape == piece.full_shape:
@@ -56,7 +56,28 @@ def load_trace_weights(model, named_tensors) -> None:
                 whole[piece.name] = held
             else:
                 staged[1][piece.name] = (held, arrived)
-        _write(model, model_cfg, whole, fp4)
+        _write(model, model_cfg, _with_peers(whole, staged[2], model_cfg, fp4), fp4)
+
+
+def _with_peers(whole: dict, held: dict, model_cfg: ModelConfig, fp4: bool) -> dict:
+    """`whole` with weights that share a global scale (`fp4_weight_peers`: MLA's q and KV down
+    projections, one fused linear in SGLang) held in `held` until all their peers are in, then
+    together: quantized with their joint amax when they came in BF16 to an FP4 engine (SGLang's own
+    loader, too, fuses them only when both come in one call)."""
+    out = {}
+    for name, t in whole.items():
+        peers = fp4_weight_peers(name, model_cfg)
+        if not peers:
+            out[name] = t
+            continue
+        held[name] = t
+        if all(p in held for p in peers):
+            group = {p: held.pop(p) for p in peers}
+            if fp4 and not any(isinstance(v, QTensor) for v in group.values()):
+                amax = torch.stack([v.abs().amax().float() for v in group.values()]).amax()
+                group = {p: quantize(v, "nvfp4", global_amax=amax, check_finite=False) for p, v in group.items()}
+            out |= group
+    return out
 
 
 def _value(piece, parts) -> torch.Tensor | QTensor:
@@ -97,6 +118,9 @@ def _plan(model, model_cfg: ModelConfig, name: str, t, fp4: bool) -> tuple:
     q = t if isinstance(t, QTensor) else quantize(t, "nvfp4", check_finite=False)
     layer, kind = site
     block = model.model.layers[layer]
+    if model_cfg.mla and not _EXPERT.fullmatch(name):
+        return ("fn", _write_rows, [_mla_family_target(block, model_cfg, name, q, hf, idx)
+                                    for hf, idx in hf_parts(name, model_cfg)])
     if kind in ("qkv", "proj"):
         linear = block.self_attn.qkv_proj if kind == "qkv" else block.self_attn.o_proj
         return ("fn", store_linear, linear, _linear_shard(linear, model_cfg, name, q, kind))
@@ -133,6 +157,53 @@ def _linear_shard(linear, model_cfg: ModelConfig, name: str, q: QTensor, kind: s
     if (n, k2) != want:
         raise ValueError(f"weight update: {name} gives this rank codes {(n, k2)}, its layer holds {want}")
     return QTensor(codes.contiguous(), scales.contiguous(), q.global_scale, Format.NVFP4, torch.Size((n, 2 * k2)))
+
+
+def _mla_family_target(block, model_cfg: ModelConfig, name: str, q: QTensor, hf: str, idx) -> tuple:
+    """(SGLang linear, first row, this rank's codes, scales, global scale) of HF part `hf` (rows
+    `idx` of Megatron weight `name`, None: all) of a DeepSeek-V3-family FP4 weight: replicated
+    linears take all rows (the q and KV down projections fused: kv_a after q_a's rows), column-
+    parallel ones this rank's contiguous share (gate_up: the gate share, then the up share),
+    row-parallel ones this rank's columns."""
+    from sglang.srt.layers.linear import ReplicatedLinear, RowParallelLinear
+
+    attn, leaf = block.self_attn, hf.split(".")[-2]
+    owner = block.mlp.shared_experts if ".shared_experts." in hf else block.mlp
+    codes, scales = q.codes, q.block_scales.view(torch.uint8)
+    if idx is not None:
+        codes, scales = codes[idx], scales[idx]
+    first = 0
+    if leaf == "q_a_proj":
+        linear = attn.fused_qkv_a_proj_with_mqa
+    elif leaf == "kv_a_proj_with_mqa" and model_cfg.q_lora_rank:
+        linear, first = attn.fused_qkv_a_proj_with_mqa, model_cfg.q_lora_rank
+    elif leaf in ("gate_proj", "up_proj", "down_proj"):
+        linear = owner.down_proj if leaf == "down_proj" else owner.gate_up_proj
+    else:  # q_proj, kv_a_proj_with_mqa (no q latent), q_b_proj, kv_b_proj, o_proj
+        linear = getattr(attn, leaf)
+    rank, size = getattr(linear, "tp_rank", 0), getattr(linear, "tp_size", 1)
+    if isinstance(linear, RowParallelLinear):
+        k = q.shape[-1] // size
+        codes, scales = codes[:, rank * k // 2:(rank + 1) * k // 2], scales[:, rank * k // 16:(rank + 1) * k // 16]
+    elif not isinstance(linear, ReplicatedLinear):
+        per = codes.shape[0] // size
+        codes, scales = codes[rank * per:(rank + 1) * per], scales[rank * per:(rank + 1) * per]
+        first = per if leaf == "up_proj" else 0
+    held = linear.trace_weight
+    if first + codes.shape[0] > held.codes.shape[0] or codes.shape[1] != held.codes.shape[1]:
+        raise ValueError(f"weight update: {name} ({hf}) gives this rank codes {tuple(codes.shape)} at row {first}, "
+                         f"its layer holds {tuple(held.codes.shape)}")
+    return linear, first, codes, scales, q.global_scale.reshape(())
+
+
+def _write_rows(targets: list) -> None:
+    """Write each target's rows into its linear's packed weight in place (`_mla_family_target`)."""
+    for linear, first, codes, scales, g in targets:
+        held = linear.trace_weight
+        rows = slice(first, first + codes.shape[0])
+        held.codes[rows] = codes.to(held.codes.device)
+        held.block_scales.view(torch.uint8)[rows] = scales.to(held.codes.device)
+        held.global_scale.copy_(g)
 
 
 def _local_expert(experts, expert: int) -> int | None:

@@ -32,6 +32,8 @@ def random_full_state_dict(cfg, seed: int = 0) -> dict[str, torch.Tensor]:
     def norm(n):
         return 1.0 + 0.1 * torch.randn(n, generator=g)
 
+    if cfg.model_type != "qwen3_moe":
+        return _random_family_state_dict(cfg, mat, norm, g)
     sd = {"embedding.word_embeddings.weight": mat(cfg.vocab_size, h, 1.0),
           "decoder.final_layernorm.weight": norm(h), "output_layer.weight": mat(cfg.vocab_size, h)}
     for L in range(cfg.num_layers):
@@ -44,6 +46,26 @@ def random_full_state_dict(cfg, seed: int = 0) -> dict[str, torch.Tensor]:
         for e in range(cfg.num_experts):
             sd[p + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = mat(2 * f, h)
             sd[p + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = mat(h, f)
+    return sd
+
+
+def _random_family_state_dict(cfg, mat, norm, g) -> dict[str, torch.Tensor]:
+    """random_full_state_dict of a DeepSeek-V3-family config: every tensor of full_weight_shapes,
+    matrices BF16, norms FP32 around 1, the routers' expert bias FP32 and non-zero (it picks experts)."""
+    from megatron_trace.model_config import full_weight_shapes
+
+    sd = {}
+    for name, shape in full_weight_shapes(cfg).items():
+        if name == "embedding.word_embeddings.weight":
+            sd[name] = mat(*shape, 1.0)
+        elif len(shape) == 2:
+            sd[name] = mat(*shape)
+        elif name.endswith("expert_bias"):
+            sd[name] = 0.05 * torch.randn(shape, generator=g)
+        elif name.endswith(".bias"):
+            sd[name] = (0.1 * torch.randn(shape, generator=g)).bfloat16()
+        else:
+            sd[name] = norm(shape[0])
     return sd
 
 
@@ -332,6 +354,40 @@ def run_token_logprobs(rank, *, cfg, sd, seqs):
         lp = token_logprobs(model, ids, pos, targets, packed_seq_params=psp)
         logits = gather_from_tensor_model_parallel_region(model(ids, pos, None, packed_seq_params=psp))
     return lp.reshape(-1).cpu(), logits.reshape(ids.shape[1], -1).float().cpu(), targets.reshape(-1).cpu()
+
+
+def run_rollout_replay(rank, *, cfg, sd, prompts, samples, guidance, grouped_gemm=False):
+    """The Megatron trainer's log-probs of each rollout sample's response (prompts: group id ->
+    prompt ids) in fp4-rne and in trace mode (guided by the rollout's guidance, routing replayed),
+    with the flip rates of each: {precision: ([float32 [response_len]], rates)}."""
+    from megatron_trace.megatron import qat
+    from megatron_trace.megatron.context import MicroBatchGuidance
+    from megatron_trace.megatron.model import build_model, set_precision, token_logprobs
+    from megatron_trace.megatron.weights import load_full_state_dict
+    from megatron_trace.rl.mismatch import FlipCounter
+
+    model = build_model(cfg, "bf16", grouped_gemm=grouped_gemm)
+    load_full_state_dict(model, sd)
+    seqs = [torch.tensor(list(prompts[s.group_id]) + s.tokens) for s in samples]
+    ids, pos, psp = packed_inputs(seqs)
+    mb = MicroBatchGuidance.from_batch(guidance, [s.sample_id for s in samples]).to(device())
+    out = {}
+    for precision in ("fp4-rne", "fp4-guided"):
+        set_precision(model, precision)
+        counter = FlipCounter()
+        qat.observers.append(counter)
+        try:
+            with torch.no_grad():
+                lp = token_logprobs(model, ids, pos, torch.roll(ids, -1, 1), packed_seq_params=psp,
+                                    guidance=mb if precision == "fp4-guided" else None).reshape(-1).cpu()
+        finally:
+            qat.observers.clear()
+        parts, offset = [], 0
+        for s, seq in zip(samples, seqs, strict=True):
+            parts.append(lp[offset + s.prompt_len - 1: offset + len(seq) - 1])
+            offset += len(seq)
+        out[precision] = (parts, counter.rates())
+    return out
 
 
 def run_misuse(rank, *, cfg, sd, batch):

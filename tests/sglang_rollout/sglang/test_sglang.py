@@ -27,6 +27,7 @@ CFG = PRESETS["tiny"].replace(moe_intermediate_size=64)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on the GPU machine: the same tests on CUDA
 REQUESTS = [GroupRequest("g0", (1, 2, 3, 4, 5), n=3), GroupRequest("g1", (7, 8, 9, 10, 11, 12, 13), n=2)]
 SAMPLING = SamplingParams(max_new_tokens=12, seed=4)
+PROMPTS = {r.group_id: r.prompt_ids for r in REQUESTS}
 BEFORE_FIRST_REDUCTION = ("qkv", "k", "v", "proj")  # layer 0's sites that no TP all-reduce precedes
 
 
@@ -55,40 +56,6 @@ def rollouts(sd):
             out[name] = (engine.generate(REQUESTS, SAMPLING), engine.quantization_table())
         finally:
             engine.shutdown()
-    return out
-
-
-def run_trainer(rank, *, sd, samples, guidance):
-    """The Megatron trainer's log-probs of each sample's response in trace mode (guided, routing
-    replayed) and its flip counts against the rollout's dense records."""
-    from megatron_trace.megatron import qat
-    from megatron_trace.megatron.context import MicroBatchGuidance
-    from megatron_trace.megatron.model import build_model, set_precision, token_logprobs
-    from megatron_trace.megatron.weights import load_full_state_dict
-    from megatron_trace.rl.mismatch import FlipCounter
-
-    model = build_model(CFG, "bf16", grouped_gemm=True)
-    load_full_state_dict(model, sd)
-    prompts = {r.group_id: r.prompt_ids for r in REQUESTS}
-    seqs = [torch.tensor(list(prompts[s.group_id]) + s.tokens) for s in samples]
-    ids, pos, psp = sc.packed_inputs(seqs)
-    mb = MicroBatchGuidance.from_batch(guidance, [s.sample_id for s in samples]).to(sc.device())
-    out = {}
-    for precision in ("fp4-rne", "fp4-guided"):
-        set_precision(model, precision)
-        counter = FlipCounter()
-        qat.observers.append(counter)
-        try:
-            with torch.no_grad():
-                lp = token_logprobs(model, ids, pos, torch.roll(ids, -1, 1), packed_seq_params=psp,
-                                    guidance=mb if precision == "fp4-guided" else None).reshape(-1).cpu()
-        finally:
-            qat.observers.clear()
-        parts, offset = [], 0
-        for s, seq in zip(samples, seqs, strict=True):
-            parts.append(lp[offset + s.prompt_len - 1: offset + len(seq) - 1])
-            offset += len(seq)
-        out[precision] = (parts, counter.rates())
     return out
 
 
@@ -121,7 +88,8 @@ def test_the_trainer_reproduces_sglangs_rounding_from_its_guidance(sd, rollouts)
         if name not in rollouts:
             continue
         out = rollouts[name][0]
-        got = spawn(run_trainer, {}, sd=sd, samples=out.samples, guidance=out.guidance)[0]
+        got = spawn(sc.run_rollout_replay, {}, cfg=CFG, sd=sd, prompts=PROMPTS, samples=out.samples,
+                    guidance=out.guidance, grouped_gemm=True)[0]
         engine_lp = [s.logprobs for s in out.samples]
         guided, rates = got["fp4-guided"]
         assert rates["residual_flip_rate"] == 0.0 and rates["flip_rate"] > 0, (name, rates)
@@ -144,7 +112,8 @@ def test_sparse_guidance_ships_the_dense_records_bits_and_the_trainer_follows_it
         if sparse in rollouts:
             assert sc.sparse_ships_dense_bits(rollouts[dense][0], rollouts[sparse][0], scale_coding) > 0, sparse
     out = rollouts["fp4-sparse"][0]
-    got = spawn(run_trainer, {}, sd=sd, samples=out.samples, guidance=out.guidance)[0]
+    got = spawn(sc.run_rollout_replay, {}, cfg=CFG, sd=sd, prompts=PROMPTS, samples=out.samples,
+                guidance=out.guidance, grouped_gemm=True)[0]
     engine_lp = [s.logprobs for s in out.samples]
     k3, k3_unguided = (mismatch_metrics(got[p][0], engine_lp)["k3_kl"] for p in ("fp4-guided", "fp4-rne"))
     assert k3 < k3_unguided / 10, (k3, k3_unguided)
