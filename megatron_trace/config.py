@@ -66,7 +66,7 @@ class ModelSection(Section):
     plan` alone."""
     hf: str = ""
     """An HF checkpoint directory (Qwen3-MoE; DeepSeek-V3 or GLM-4.5 with the Megatron trainer and
-    the built-in engine): its config.json and safetensors weights."""
+    the built-in engine; DeepSeek-V3 with SGLang too): its config.json and safetensors weights."""
     megatron: str = ""
     """A Megatron checkpoint directory written by TRACE (e.g. a run's `checkpoints/rl-000040/model`)."""
 
