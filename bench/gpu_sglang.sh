@@ -14,14 +14,15 @@
 # loaders on TRACE's FP4 exports (bench/sglang_export_check.py; EXPORT_ARGS adds options), train `trace-rl train` colocated
 # on the built-in engine and on SGLang, step split (bench/sglang_train_step.py; TRAIN_RUNS picks
 # the models), workspace SGLang's activation + CUDA-graph memory for `trace-rl plan`
-# (bench/sglang_workspace.py; WORKSPACE_ARGS adds options). Logs and JSON go to $OUT.
+# (bench/sglang_workspace.py; WORKSPACE_ARGS adds options), fullsize full-width layers whose BF16 weights
+# exceed the GPU (bench/sglang_full_size_start.py; FULLSIZE_ARGS adds options). Logs and JSON go to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 for step in "$@"; do
   case $step in
     install)
       bash .sgl/run.sh -c 'print("sglang installed")' ;;
-    check|test|smoke|bench|export|train|workspace)
+    check|test|smoke|bench|export|train|workspace|fullsize)
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site --upgrade .whl/*.whl >/dev/null 2>&1
       python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site --upgrade . >/dev/null 2>&1
       export PYTHONPATH=/tmp/site SGL_SKIP_INSTALL=1
@@ -40,6 +41,10 @@ for step in "$@"; do
         bash $run bench/sglang_workspace.py ${WORKSPACE_ARGS:-} --out "$OUT/sglang_workspace.json" \
           > "$OUT/sglang_workspace.log" 2>&1
         grep '^{' "$OUT/sglang_workspace.log"; tail -n 5 "$OUT/sglang_workspace.log"
+      elif [ "$step" = fullsize ]; then
+        bash $run bench/sglang_full_size_start.py ${FULLSIZE_ARGS:-} --out "$OUT/sglang_full_size_start.json" \
+          > "$OUT/sglang_full_size_start.log" 2>&1
+        grep '^{' "$OUT/sglang_full_size_start.log"; tail -n 5 "$OUT/sglang_full_size_start.log"
       elif [ "$step" = export ]; then
         bash $run bench/sglang_export_check.py --out "$OUT/sglang_export_check.json" ${EXPORT_ARGS:-} > "$OUT/sglang_export_check.log" 2>&1
         tail -n 30 "$OUT/sglang_export_check.log"
@@ -56,6 +61,6 @@ for step in "$@"; do
           > "$OUT/pytest_sglang_gpu.log" 2>&1
         tail -n 15 "$OUT/pytest_sglang_gpu.log"
       fi ;;
-    *) echo "unknown step $step (install, check, test, smoke, bench, export, train, workspace)"; exit 2 ;;
+    *) echo "unknown step $step (install, check, test, smoke, bench, export, train, workspace, fullsize)"; exit 2 ;;
   esac
 done

@@ -13,8 +13,11 @@ reserved, so the peak stays visible between polls. Then
     workspace = peak used - used before the engine - the plan's weights - the plan's KV pool
 
 the plan's weights and KV pool being `engine_weight_bytes` and tokens x TRACE's bytes per token,
-i.e. exactly what the plan adds WORKSPACE_BYTES to. Cases: FP4 with guidance on every layer (TRACE
-turns CUDA graphs off), FP4 without guidance (decode CUDA graphs on), BF16 (graphs on).
+i.e. exactly what the plan adds WORKSPACE_BYTES to. The start's peak shows that no BF16 weights
+are held at any point (FP4 sites are created packed: sglang_rollout/sglang/quant.py), and the
+scheduler's own allocator figures (`SGLangEngine.memory`) are reported beside. Cases: FP4 with
+guidance on every layer (TRACE turns CUDA graphs off), FP4 without guidance (decode CUDA graphs
+on), BF16 (graphs on).
 """
 
 from __future__ import annotations
@@ -88,8 +91,9 @@ def case(name: str, layers: int, args, torch) -> dict:
     with PeakUsed(torch) as rollout_peak:
         out = engine.generate(requests, sampling)
     rollout_s = time.perf_counter() - t0
+    scheduler = engine.memory()[0]  # torch's allocator inside SGLang's scheduler process
     engine.shutdown()
-    weights, loaded = engine_weight_bytes(arch, 1, precision == "fp4")
+    weights = engine_weight_bytes(arch, 1, precision == "fp4")
     heads, head = arch.kv_heads, arch.kv_width // (2 * arch.kv_heads)
     cell = layers * heads * 2 * (head // 2 + head // 16 + 4) if precision == "fp4" else layers * heads * 2 * head * 2
     kv = blocks * block * cell
@@ -97,7 +101,8 @@ def case(name: str, layers: int, args, torch) -> dict:
     return {"case": name, "layers": layers, "cuda_graphs": not (precision == "fp4" and guide != "none"),
             "kv_tokens": blocks * block, "start_s": round(start_s, 1), "rollout_s": round(rollout_s, 1),
             "response_tokens": sum(len(s.tokens) for s in out.samples),
-            "plan_weights_gib": weights / GiB, "plan_load_gib": loaded / GiB, "plan_kv_gib": kv / GiB,
+            "plan_weights_gib": weights / GiB, "plan_kv_gib": kv / GiB,
+            "scheduler_allocated_peak_gib": scheduler["peak"] / GiB, "scheduler_allocated_gib": scheduler["now"] / GiB,
             "start_peak_gib": (start_peak.peak - before) / GiB, "after_start_gib": (after_start - before) / GiB,
             "rollout_peak_gib": (rollout_peak.peak - before) / GiB, "peak_gib": peak / GiB,
             "workspace_gib": (rollout_peak.peak - before - weights - kv) / GiB}

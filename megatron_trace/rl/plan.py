@@ -17,7 +17,7 @@ DistributedDataParallel and `get_megatron_optimizer` (`megatron/optimizer.py`):
 - engine GPU: FP4 weights (codes + E4M3 block scales) or BF16, the FP4 KV cache of a step's
   in-flight samples (prompts stored once per group) and one received sync bucket; an SGLang
   engine GPU (`rollout.backend=sglang`) as SGLang fills it: its shard under engine TP / EP, the
-  KV pool SGLang sizes from mem_fraction_static, a workspace, the load peak (`plan_sglang`);
+  KV pool SGLang sizes from mem_fraction_static, a workspace (`plan_sglang`);
 - host memory per node: one sync bucket per trainer rank (each rank quantizes and sends its own
   shards in buckets of `dist.sync_bucket_mb` to the engines: no rank holds the whole model),
   the offloaded optimizer state, and the guidance waiting for the trainers / recorded by the
@@ -391,7 +391,7 @@ def _engine_side(cfg, arch: Architecture, guided: int, fp4_engine: bool, colocat
     coding = rl.coding if rl.mode.applies_guidance else Coding.DENSE
     sglang = None
     if cfg.rollout.backend == "sglang":
-        sglang = _sglang_gpu(cfg, arch, fp4_engine, dist.engine_tp, usable, recorded > 0)
+        sglang = _sglang_gpu(cfg, arch, fp4_engine, dist.engine_tp, recorded > 0)
         engine = dict(sglang.items)
     else:
         engine = _engine_bytes(arch, fp4_engine, dist.engine_tp, kv_tokens)
@@ -412,10 +412,10 @@ def _recorded_layers(rl, arch: Architecture, guided: int) -> int:
     return arch.layers if rl.mode is RunMode.FP4_QAT and rl.measure_flips else 0
 
 
-def _sglang_gpu(cfg, arch: Architecture, fp4: bool, engine_tp: int, usable: float, guidance: bool) -> SGLangEngineGPU:
+def _sglang_gpu(cfg, arch: Architecture, fp4: bool, engine_tp: int, guidance: bool) -> SGLangEngineGPU:
     """One GPU of an SGLang engine of `engine_tp` GPUs for this run (plan_sglang)."""
     return sglang_engine_gpu(arch, fp4=fp4, tp=engine_tp, options=cfg.rollout.sglang,
-                             gpu_memory_gib=cfg.cluster.gpu_memory_gib, usable=usable,
+                             gpu_memory_gib=cfg.cluster.gpu_memory_gib,
                              tokens_needed=engine_tokens_needed(cfg, engine_tp),
                              tokens_asked=engine_kv_blocks(cfg, engine_tp) * KV_BLOCK, guidance=guidance)
 
@@ -490,7 +490,7 @@ def _engine_fits(cfg, arch: Architecture, fp4: bool, engine_tp: int, usable: flo
     if cfg.rollout.backend == "sglang":
         if engine_tp % int(cfg.rollout.sglang.get("ep_size", 1)):
             return False
-        gpu = _sglang_gpu(cfg, arch, fp4, engine_tp, usable, _recorded_layers(
+        gpu = _sglang_gpu(cfg, arch, fp4, engine_tp, _recorded_layers(
             cfg.rl, arch, _guided_layers(cfg.rl.guide, arch, cfg.rl.mode, cfg.rl.coding)) > 0)
         return not gpu.problems and not gpu.shortfalls and gpu.total <= usable
     return sum(_engine_bytes(arch, fp4, engine_tp, engine_kv_blocks(cfg, engine_tp) * KV_BLOCK).values()) <= usable

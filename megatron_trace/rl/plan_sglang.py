@@ -6,9 +6,9 @@ fills it, with TRACE's `trace_fp4` plugin (sglang_rollout/sglang).
   padded to 64), the experts over SGLang's ep_size (`rollout.sglang={ep_size: M}`, M dividing
   tp_size) and each expert's width over tp / ep, so an expert GPU holds experts / ep of width
   moe_ffn x ep / tp; norms (FP32, as TRACE's numerics.py gives them to SGLang) and routers (BF16)
-  whole on every GPU. FP4 sites hold codes + E4M3 block scales. They load as BF16 and are packed
-  after loading (quant.py create_weights), so the engine's start holds the whole BF16 shard
-  once: the load peak.
+  whole on every GPU. FP4 sites hold codes + E4M3 block scales, from the engine's start: TRACE
+  starts SGLang on dummy weights and its quantization method creates FP4 sites packed
+  (sglang_rollout/sglang/quant.py `packed_at_start`), so no BF16 shard is ever held.
 - **KV pool**, sized as SGLang sizes it: the pool's budget is what is free after the weights
   minus (1 - mem_fraction_static) of what was free before them, i.e. mem_fraction_static x the
   GPU's memory minus the weights (mem_cache/kv_cache_configurator.py:1614-1635), divided by
@@ -97,7 +97,6 @@ class SGLangEngineGPU:
     """One SGLang engine GPU: its items (bytes), the KV pool's figures, what does not fit."""
 
     items: dict[str, float]
-    load_peak: float  # bytes at the engine's start: the BF16 weight shard before packing
     mem_fraction_static: float
     kv_budget: float  # mem_fraction_static x GPU memory - weights
     kv_bytes_per_token: float  # TRACE's layout on this GPU (NVFP4, or BF16 in a bf16 engine)
@@ -113,17 +112,16 @@ class SGLangEngineGPU:
         return sum(self.items.values())
 
     def summary(self) -> str:
-        """One line: the load peak, the fraction, the budget and the tokens."""
-        return (f"SGLang: loading holds {self.load_peak / GiB:.1f} GiB (BF16 weights before packing); "
-                f"KV pool: mem_fraction_static {self.mem_fraction_static:.3f} -> "
+        """One line: the fraction, the budget and the tokens."""
+        return (f"SGLang KV pool: mem_fraction_static {self.mem_fraction_static:.3f} -> "
                 f"{self.kv_budget / GiB:.1f} GiB after the weights; {self.kv_bytes_per_token:.0f} B per token here "
                 f"({self.tokens_fit} tokens would fit), SGLang counts {self.sglang_bytes_per_token:.0f} B "
                 f"and admits {self.tokens_admitted}; the step's in-flight samples need {self.tokens_needed}")
 
 
-def engine_weight_bytes(arch: Architecture, tp: int, fp4: bool) -> tuple[float, float]:
-    """(bytes held, bytes at load) of one GPU of an SGLang engine of tp_size `tp` (and any ep_size):
-    FP4 sites packed (codes + E4M3 scale per 16) when `fp4` (BF16 at load), norms FP32, the rest BF16."""
+def engine_weight_bytes(arch: Architecture, tp: int, fp4: bool) -> float:
+    """Bytes of weights on one GPU of an SGLang engine of tp_size `tp` (and any ep_size): FP4 sites
+    packed (codes + E4M3 scale per 16) when `fp4`, norms FP32, the rest BF16."""
     head = arch.attn_out_width // arch.q_heads
     attn = arch.attn_params / tp
     if arch.kv_width == 2 * arch.kv_heads * head:  # GQA: each rank keeps max(1, kv / tp) KV heads
@@ -136,7 +134,7 @@ def engine_weight_bytes(arch: Architecture, tp: int, fp4: bool) -> tuple[float, 
     norms = arch.layers * arch.norm_params + arch.hidden  # FP32 (sglang_rollout/sglang/numerics.py)
     routers = arch.moe_layers * arch.experts * arch.hidden
     rest = 2 * (embeddings + routers) + 4 * norms
-    return fp4_sites * (0.5 + 1 / 16 if fp4 else 2) + rest, 2 * fp4_sites + rest
+    return fp4_sites * (0.5 + 1 / 16 if fp4 else 2) + rest
 
 
 def layout_problems(arch: Architecture, tp: int, ep: int) -> list[str]:
@@ -158,13 +156,13 @@ def layout_problems(arch: Architecture, tp: int, ep: int) -> list[str]:
 
 
 def sglang_engine_gpu(arch: Architecture, *, fp4: bool, tp: int, options: dict, gpu_memory_gib: float,
-                      usable: float, tokens_needed: int, tokens_asked: int, guidance: bool) -> SGLangEngineGPU:
+                      tokens_needed: int, tokens_asked: int, guidance: bool) -> SGLangEngineGPU:
     """One GPU of an SGLang engine of tp_size `tp` with SGLang's options `options` (rollout.sglang):
-    its weights, its KV pool as SGLang sizes it, the workspace; `usable`: the bytes a GPU offers;
+    its weights, its KV pool as SGLang sizes it, the workspace;
     `tokens_asked`: the max_total_tokens TRACE passes (the step's share, in KV blocks);
     `guidance`: the engine records guidance (TRACE then turns CUDA graphs off)."""
     ep = int(options.get("ep_size", 1))
-    weights, loaded = engine_weight_bytes(arch, tp, fp4)
+    weights = engine_weight_bytes(arch, tp, fp4)
     graphs = not (guidance and fp4) and not options.get("disable_cuda_graph", False)
     asked = int(options.get("max_total_tokens") or tokens_asked)
     fraction = options.get("mem_fraction_static") or default_mem_fraction_static(
@@ -184,7 +182,7 @@ def sglang_engine_gpu(arch: Architecture, *, fp4: bool, tp: int, options: dict, 
              f"KV pool ({'TRACE NVFP4' if fp4 else 'BF16'}, {admitted} tokens)": admitted * cell,
              f"workspace ({'' if graphs else 'no '}CUDA graphs; measured)": workspace_bytes(
                  arch, graphs, int(options.get("chunked_prefill_size") or chunked_prefill(gpu_memory_gib)))}
-    gpu = SGLangEngineGPU(items=items, load_peak=loaded, mem_fraction_static=fraction, kv_budget=budget,
+    gpu = SGLangEngineGPU(items=items, mem_fraction_static=fraction, kv_budget=budget,
                           kv_bytes_per_token=cell, sglang_bytes_per_token=sglang_cell, tokens_admitted=admitted,
                           tokens_fit=max(0, int(budget // cell)), tokens_needed=tokens_needed,
                           problems=layout_problems(arch, tp, ep))
@@ -195,7 +193,4 @@ def sglang_engine_gpu(arch: Architecture, *, fp4: bool, tp: int, options: dict, 
     elif admitted < tokens_needed:
         gpu.shortfalls.append(f"SGLang engine: its KV pool admits {admitted} tokens, the step's in-flight samples "
                               f"need {tokens_needed}; raise dist.engine_tp or rollout.sglang mem_fraction_static")
-    if loaded > usable:
-        gpu.shortfalls.append(f"SGLang engine: loading needs {loaded / GiB:.1f} GiB per GPU (the BF16 weights before "
-                              f"TRACE packs them), more than the {usable / GiB:.1f} GiB usable; raise dist.engine_tp")
     return gpu

@@ -48,13 +48,10 @@ from trace_kernels.norm_rope import (
     qk_norm_rope_into_cache,
     rms_norm,
     rope,
-    rope_inv_freq,
-    rope_tables,
-    yarn_inv_freq,
-    yarn_mscale,
 )
 
 from .kv_cache import PagedKVCache
+from .rope import ModelRope, rotary_dim
 from .weights import EngineWeights
 
 
@@ -116,15 +113,8 @@ class ModelRunner:
             raise ValueError(f"kernels must be 'auto', 'torch' or 'triton', got {kernels!r}")
         self.backend = kernels
         c = model_cfg
-        # the channels of each q/k head that RoPE turns: MLA's rope part, GLM-4.5's leading half
-        self.rot_dim = c.qk_rope_head_dim if c.mla else int(c.head_dim * c.partial_rotary_factor)
-        self.inv_freq = rope_inv_freq(c.rope_theta, self.rot_dim, weights.device)
-        self.rope_scale, self.softmax_scale = 1.0, None  # None: SDPA's 1/sqrt(head_dim)
-        if c.rope_type == "yarn":  # (MLA only: ModelConfig.unbuilt_in)
-            self.inv_freq = yarn_inv_freq(c.rope_theta, self.rot_dim, c.rope_factor, c.original_max_position_embeddings,
-                                          c.beta_fast, c.beta_slow, weights.device)
-            self.rope_scale = yarn_mscale(c.rope_factor, c.mscale) / yarn_mscale(c.rope_factor, c.mscale_all_dim)
-            self.softmax_scale = yarn_mscale(c.rope_factor, c.mscale_all_dim) ** 2 / c.head_dim ** 0.5
+        self.rot_dim = rotary_dim(c)
+        self.rope = ModelRope.of(c, weights.device)
         # Qwen3's attention: q/k norm then RoPE over whole heads, no biases (the fused kernels)
         self.fused_qk = not c.mla and c.use_qk_norm and not c.attention_bias and self.rot_dim == c.head_dim
 
@@ -209,7 +199,7 @@ class ModelRunner:
         ids, pos = batch.ids, batch.pos
         captured, routed = {}, {}
         x_NH = w.dense("embedding.word_embeddings.weight")[ids]
-        cos, sin = rope_tables(pos, self.inv_freq, x_NH.dtype, self.rope_scale)  # once per forward
+        cos, sin = self.rope.tables(pos, x_NH.dtype)  # once per forward
         for L in range(cfg.num_layers):
             p = f"decoder.layers.{L}."
             rows = captured if L in capture_layers else None
@@ -301,7 +291,7 @@ class ModelRunner:
             k_nope, values = kv.split([nope, vd], -1)
             keys = torch.cat([k_nope, k_pe_ctx.expand(-1, nq, -1)], -1)
             ctx_NQV[offset:offset + m] = cached_causal_attention(q_NQD[offset:offset + m], keys, values, seg.start,
-                                                                 self.softmax_scale)
+                                                                 self.rope.softmax_scale)
             offset += m
         return ctx_NQV.flatten(1)
 

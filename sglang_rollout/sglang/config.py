@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 import functools
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from megatron_trace.guidance import DEFAULT_TAU, Coding, LayerPolicy
@@ -24,6 +24,10 @@ class EngineConfig:
     SGLang call (a packed FP4 weight's parts travel together). release_memory: the engine shares
     its GPU with a trainer (colocated): release_memory() / resume_memory() free and retake SGLang's
     memory between rollouts (SGLang's enable_memory_saver on a GPU, which needs torch_memory_saver).
+    checkpoint: an HF checkpoint directory (safetensors) that SGLang loads at its start through its
+    own loaders, the FP4 sites packed after loading: the engine's weights are then version 0.
+    None (default): SGLang starts on dummy weights with the FP4 sites created packed, and the
+    trainer's weights arrive by update_weights (no BF16 shard is ever held).
     sglang: SGLang's own ServerArgs options, passed through (they override what this config derives)."""
 
     precision: EnginePrecision = EnginePrecision.FP4
@@ -38,6 +42,7 @@ class EngineConfig:
     tp_size: int = 1
     weight_bucket_mb: float = 512
     release_memory: bool = False
+    checkpoint: str | None = None
     sglang: dict = field(default_factory=dict)
 
     @property
@@ -81,9 +86,11 @@ MOE_PADDING = 32  # SGLang pads the experts' width per moe-TP rank to a multiple
 
 
 def check_layout(model_cfg, cfg: EngineConfig) -> None:
-    """ValueError for an architecture the SGLang engine does not build, or a layout SGLang would
-    pad: the FP4 sites' rows must be the trainer's."""
+    """ValueError for an architecture the SGLang engine does not build, a layout SGLang would
+    pad (the FP4 sites' rows must be the trainer's), or a checkpoint of another model."""
     model_cfg.require_built("the SGLang engine", "sglang")
+    if cfg.checkpoint is not None:
+        check_checkpoint(cfg.checkpoint, model_cfg)
     ep = int(cfg.sglang.get("ep_size", 1))
     if cfg.tp_size % ep:
         raise ValueError(f"EngineConfig: tp_size {cfg.tp_size} is not a multiple of SGLang's ep_size {ep}")
@@ -112,11 +119,24 @@ def check_layout(model_cfg, cfg: EngineConfig) -> None:
                                  f"multiple of {step}, and padded FP4 rows are not the trainer's")
 
 
+def check_checkpoint(path: str, model_cfg) -> None:
+    """ValueError unless `path` is an HF checkpoint of exactly `model_cfg` (its config.json and
+    its tensors' names and shapes: megatron_trace.checkpoint.hf), which SGLang's loaders read."""
+    from megatron_trace.checkpoint.hf import HFCheckpoint
+
+    found = HFCheckpoint(path).model_cfg
+    if found != model_cfg:
+        differ = [f.name for f in fields(found) if getattr(found, f.name) != getattr(model_cfg, f.name)]
+        raise ValueError(f"EngineConfig.checkpoint {path}: its config.json is not the engine's model ({differ} differ)")
+
+
 def server_args(model_dir: str, cfg: EngineConfig, mla: bool = False) -> dict:
-    """sglang.Engine's arguments for this config (cfg.sglang's entries win); mla: the model is
-    of the DeepSeek-V3 family (TRACE's MLA forward, `mla.py`)."""
+    """sglang.Engine's arguments for this config (cfg.sglang's entries win); model_dir: a
+    directory with the model's config.json, SGLang's model path unless cfg.checkpoint is given;
+    mla: the model is of the DeepSeek-V3 family (TRACE's MLA forward, `mla.py`)."""
     cpu, fp4 = cfg.device == "cpu", cfg.precision is EnginePrecision.FP4
-    args = dict(model_path=model_dir, load_format="dummy", device=cfg.device, tp_size=cfg.tp_size, dtype="bfloat16",
+    args = dict(model_path=cfg.checkpoint or model_dir, load_format="auto" if cfg.checkpoint else "dummy",
+                device=cfg.device, tp_size=cfg.tp_size, dtype="bfloat16",
                 skip_tokenizer_init=True, random_seed=0, log_level="error",
                 max_total_tokens=cfg.num_blocks * cfg.block_size, enable_return_routed_experts=True,
                 quantization="trace_fp4" if fp4 else None,

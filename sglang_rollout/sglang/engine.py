@@ -40,7 +40,7 @@ class SGLangEngine:
     def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig = EngineConfig()):
         check_layout(model_cfg, engine_cfg)  # before starting anything
         self.model_cfg, self.engine_cfg = model_cfg, engine_cfg
-        self.weight_version = -1
+        self.weight_version = -1 if engine_cfg.checkpoint is None else 0  # a checkpoint's weights: version 0
         self._group, self._group_device = None, "cpu"  # the weight group (connect_weight_group)
         self._released = False  # release_memory gave SGLang's memory to a trainer
         ctx = mp.get_context("spawn")
@@ -156,6 +156,11 @@ class SGLangEngine:
     def quantization_table(self) -> dict[str, str]:
         """{HF module: "fp4" | "bf16"} of every linear and KV site as SGLang built them (the audit's view)."""
         return self._call(("quantization_table",))
+
+    def memory(self) -> list[dict]:
+        """Per TP rank, {"device", "peak", "now"}: bytes its scheduler process has held at most and
+        holds now (torch's allocator on a GPU, the resident set on the CPU)."""
+        return self._call(("memory",))
 
     def shutdown(self) -> None:
         """Stop the host process and SGLang's processes under it."""

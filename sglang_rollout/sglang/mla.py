@@ -27,8 +27,9 @@ import torch
 from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 
 from sglang_rollout.engine.kv_cache import PagedKVCache
+from sglang_rollout.engine.rope import ModelRope
 from trace_kernels.fp4.paged_attention import cached_causal_attention, read_cache_rows
-from trace_kernels.norm_rope import deinterleave, rope, rope_tables, yarn_inv_freq, yarn_mscale
+from trace_kernels.norm_rope import deinterleave, rope
 
 from . import capture
 from .attention import request_spans
@@ -120,30 +121,9 @@ def _read(pool, i: int, slots: torch.Tensor, backend: str) -> tuple[torch.Tensor
     return rows[:, 0, :pool.kv_lora_rank], rows[:, :, pool.kv_lora_rank:]
 
 
-class RopeOfModel:
-    """TRACE's RoPE of MLA's rope part for a ModelConfig: inverse frequencies (YaRN's when the
-    config asks for them), the cos/sin scale, and the softmax scale (None: 1/sqrt(head dim))."""
-
-    def __init__(self, cfg, device):
-        from trace_kernels.norm_rope import rope_inv_freq
-
-        rot = cfg.qk_rope_head_dim
-        self.inv_freq, self.scale, self.softmax_scale = rope_inv_freq(cfg.rope_theta, rot, device), 1.0, None
-        if cfg.rope_type == "yarn":
-            self.inv_freq = yarn_inv_freq(cfg.rope_theta, rot, cfg.rope_factor, cfg.original_max_position_embeddings,
-                                          cfg.beta_fast, cfg.beta_slow, device)
-            self.scale = yarn_mscale(cfg.rope_factor, cfg.mscale) / yarn_mscale(cfg.rope_factor, cfg.mscale_all_dim)
-            self.softmax_scale = yarn_mscale(cfg.rope_factor, cfg.mscale_all_dim) ** 2 / cfg.head_dim ** 0.5
-        elif cfg.rope_type != "default":
-            raise ValueError(f"trace: MLA with {cfg.rope_type} RoPE scaling is not the trainer's")
-
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype):
-        return rope_tables(positions.reshape(-1), self.inv_freq.to(positions.device), dtype, self.scale)
-
-
 def align_attention(attn, cfg) -> None:
     """Give one `DeepseekV2AttentionMLA` TRACE's MLA forward (module docstring); cfg: TRACE's ModelConfig."""
-    rope_of = RopeOfModel(cfg, attn.kv_a_layernorm.weight.device)
+    rope_of = ModelRope.of(cfg, attn.kv_a_layernorm.weight.device)
     if attn.q_lora_rank:
         # the q and kv down projections are one FP4 tensor (one global scale) that the built-in
         # engine runs as two GEMMs: the same split here, so the sums are the same
@@ -155,7 +135,7 @@ def align_attention(attn, cfg) -> None:
     attn.forward = forward
 
 
-def mla_forward(attn, cfg, rope_of: RopeOfModel, positions, x_TH: torch.Tensor, forward_batch) -> torch.Tensor:
+def mla_forward(attn, cfg, rope_of: ModelRope, positions, x_TH: torch.Tensor, forward_batch) -> torch.Tensor:
     """One MLA layer's output [T, H] (after o_proj and its TP all-reduce) of the normed input x_TH."""
     t, layer = x_TH.shape[0], attn.layer_id
     h, nope, rot, vd, r = attn.num_local_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, \

@@ -31,6 +31,7 @@ DISTRIBUTED_UPDATE = ("sglang.srt.model_executor.model_runner_components.weight_
 REQUEST_FINISHED = ("sglang.srt.managers.scheduler_components.batch_result_processor."
                     "SchedulerBatchResultProcessor._maybe_collect_routed_experts")
 SEEDED = "TRACE_SGLANG_SEEDED"
+PACKED_AT_START = "TRACE_SGLANG_PACKED_AT_START"  # "1": FP4 sites are created packed (quant.packed_at_start)
 _registered = False
 
 
@@ -68,6 +69,7 @@ def register() -> None:
     from sglang.srt.managers.scheduler import Scheduler
 
     Scheduler.trace_quantization_table = _quantization_table
+    Scheduler.trace_memory = _memory
     capture.configure_from_env()
     if capture.active():  # guidance capture: around each forward, at each request's end, and the RPC
         HookRegistry.register(MODEL_FORWARD, _forward, HookType.AROUND)
@@ -271,6 +273,32 @@ def _quantization_table(scheduler, path: str) -> None:
     table = {m: every[m] if m.endswith(".kv_cache") else built.get(m, "missing") for m in every}
     with open(f"{path}/rank{get_tensor_model_parallel_rank()}.json", "w") as f:
         json.dump(table, f)
+
+
+def _memory(scheduler, path: str) -> None:
+    """SGLang RPC: write this scheduler process's memory, {"device", "peak", "now"} in bytes, to
+    path/rank<r>.json: on a GPU what torch's allocator has held at most since the process began and
+    holds now; on the CPU the process's peak and current resident set (the OS's figures)."""
+    import json
+
+    import psutil
+    import torch
+    from sglang.srt.distributed import get_tensor_model_parallel_rank
+
+    device = scheduler.tp_worker.model_runner.device
+    if device == "cuda":
+        figures = {"peak": torch.cuda.max_memory_allocated(), "now": torch.cuda.memory_allocated()}
+    else:
+        figures = {"peak": _peak_rss(), "now": psutil.Process().memory_info().rss}
+    with open(f"{path}/rank{get_tensor_model_parallel_rank()}.json", "w") as f:
+        json.dump({"device": device} | figures, f)
+
+
+def _peak_rss() -> int:
+    """This process's peak resident set in bytes (Linux reports getrusage's ru_maxrss in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 # SGLang's fused linears -> the HF modules they hold

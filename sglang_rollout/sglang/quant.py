@@ -9,14 +9,20 @@ the ranks holding its other columns), then multiplied with the dequantized weigh
 through the torch reference, on a GPU through trace_kernels' FP4 GEMMs, which dequantize in
 registers. The router gate, embeddings, norms and the head stay high precision.
 
-Weights load as BF16 through SGLang's own loaders (sharding, Q/K/V and gate/up fusing), then
-`process_weights_after_loading` packs them; updates re-pack in place (`weights.load_trace_weights`).
+In an engine TRACE started on dummy weights (then the trainer's: `plugin.PACKED_AT_START`) the packed
+storage is allocated at `create_weights` and SGLang's BF16 weight stays empty, so the engine's
+start never holds a BF16 shard (DeepSeek-V3 at TP8 would need 156 GiB per GPU); the weights
+arrive packed or are packed on the way (`weights.load_trace_weights`), in place. Otherwise
+(SGLang started with `quantization="trace_fp4"` on a BF16 checkpoint) weights load as BF16 through
+SGLang's own loaders (sharding, Q/K/V and gate/up fusing) and `process_weights_after_loading`
+packs them.
 Shapes: T tokens of the forward, H hidden, K a linear's input width (this rank's part), N its
 output width, E local experts, F 2 x their intermediate size (gate | up), k experts per token.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -27,12 +33,13 @@ from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 from sglang.srt.utils import set_weight_attrs
 from torch.nn import Parameter
 
-from trace_kernels.fp4 import QTensor, dequantize, fake_quantize_rows, quantize
+from trace_kernels.fp4 import Format, QTensor, dequantize, fake_quantize_rows, quantize
 from trace_kernels.fp4.linear import fp4_grouped_linear, fp4_linear_parts, sum_parts
 from trace_kernels.fused_inputs import silu_mul
 from trace_kernels.moe_routing import combine_experts, expert_order
 
 from . import capture
+from .plugin import PACKED_AT_START
 
 NAME = "trace_fp4"
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -155,12 +162,16 @@ class TraceFP4LinearMethod(LinearMethodBase):
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
                        params_dtype, **extra_weight_attrs):
-        """The BF16 weight [N, K] SGLang's loaders fill (this rank's shard), packed after loading."""
+        """The BF16 weight [N, K] SGLang's loaders fill (this rank's shard), packed after loading; in
+        an engine TRACE started, the packed weight itself (`packed_at_start`)."""
         if input_size_per_partition % 16:
             raise ValueError(f"trace_fp4: layer {self.layer} {self.site}: this rank's input width "
                              f"{input_size_per_partition} is not whole NVFP4 blocks of 16")
-        weight = Parameter(torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype),
-                           requires_grad=False)
+        n, k = sum(output_partition_sizes), input_size_per_partition
+        if packed_at_start():
+            layer.trace_weight = QTensor(*empty_packed((n, k)), Format.NVFP4, torch.Size((n, k)))
+            n = k = 0
+        weight = Parameter(torch.empty(n, k, dtype=params_dtype), requires_grad=False)
         set_weight_attrs(weight, {"input_dim": 1, "output_dim": 0})
         layer.register_parameter("weight", weight)
         set_weight_attrs(weight, extra_weight_attrs)
@@ -168,8 +179,9 @@ class TraceFP4LinearMethod(LinearMethodBase):
 
     def process_weights_after_loading(self, layer) -> None:
         """Pack the loaded BF16 weight: codes, E4M3 block scales and the global scale of the
-        whole logical tensor (amax over every shard)."""
-        pack_linear(layer, layer.weight.data)
+        whole logical tensor (amax over every shard). Nothing to pack when it was created packed."""
+        if not packed_at_start():
+            pack_linear(layer, layer.weight.data)
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., K] -> [..., N]: x's rows fake-quantized, times the dequantized FP4 weight."""
@@ -194,6 +206,21 @@ class TraceFP4LinearMethod(LinearMethodBase):
         if bias is not None:
             y = y + bias
         return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def packed_at_start() -> bool:
+    """True in the processes of an engine TRACE started on dummy weights (`plugin.PACKED_AT_START`):
+    the trainer's weights arrive later, so FP4 sites are created packed and never hold BF16."""
+    return os.environ.get(PACKED_AT_START) == "1"
+
+
+def empty_packed(shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A zero NVFP4 weight of logical `shape` [..., N, K] (K % 16 == 0) on the current default
+    device: codes uint8 [..., N, K/2], E4M3 block scales [..., N, K/16] and the global scales
+    float32 [...] (1: the codes stay zeros until the trainer's weights arrive)."""
+    *lead, n, k = shape
+    return (torch.zeros(*lead, n, k // 2, dtype=torch.uint8), torch.zeros(*lead, n, k // 16, dtype=torch.float8_e4m3fn),
+            torch.ones(lead, dtype=torch.float32))
 
 
 def row_blocks(q: QTensor, sizes) -> list[QTensor]:
@@ -252,7 +279,8 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
 
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
                        **extra_weight_attrs):
-        """BF16 w13 [E, F, H] and w2 [E, H, F/2] for SGLang's expert loaders, packed after loading."""
+        """BF16 w13 [E, F, H] and w2 [E, H, F/2] for SGLang's expert loaders, packed after loading;
+        in an engine TRACE started, the packed weights themselves (`packed_at_start`)."""
         if extra_weight_attrs.pop("with_bias", False):
             raise ValueError("trace_fp4: experts with biases are not TRACE's Qwen3-MoE")
         width = extra_weight_attrs.pop("moe_intermediate_size", None)
@@ -265,10 +293,13 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
         if hidden_size % 16 or intermediate_size_per_partition % 16:
             raise ValueError(f"trace_fp4: layer {self.layer}: expert widths {hidden_size} and "
                              f"{intermediate_size_per_partition} (this rank's) must be whole NVFP4 blocks of 16")
-        for name, shape in (("w13_weight", (num_experts, 2 * intermediate_size_per_partition, hidden_size)),
-                            ("w2_weight", (num_experts, hidden_size, intermediate_size_per_partition))):
+        for name, shape in (("w13", (num_experts, 2 * intermediate_size_per_partition, hidden_size)),
+                            ("w2", (num_experts, hidden_size, intermediate_size_per_partition))):
+            if packed_at_start():
+                setattr(layer, f"trace_{name}", ExpertWeights(*empty_packed(shape)))
+                shape = (0, 0, 0)
             weight = Parameter(torch.empty(shape, dtype=params_dtype), requires_grad=False)
-            layer.register_parameter(name, weight)
+            layer.register_parameter(f"{name}_weight", weight)
             set_weight_attrs(weight, extra_weight_attrs)
 
     def create_moe_runner(self, layer, moe_runner_config) -> None:
@@ -277,7 +308,10 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
         self.moe_runner_config = moe_runner_config
 
     def process_weights_after_loading(self, layer) -> None:
-        """Pack both expert weights, each expert with the global scale of its whole tensor."""
+        """Pack both expert weights, each expert with the global scale of its whole tensor (nothing
+        to pack when they were created packed)."""
+        if packed_at_start():
+            return
         for name in ("w13", "w2"):
             pack_experts(layer, name, getattr(layer, f"{name}_weight").data)
 

@@ -42,7 +42,7 @@ from sglang_rollout.engine.sampler import sample_key
 
 from . import capture
 from .config import EngineConfig, check_layout, server_args
-from .plugin import SEEDED
+from .plugin import PACKED_AT_START, SEEDED
 from .weight_payload import LOADER, MODEL_ENV
 
 CPU_SITE = Path(__file__).with_name("cpu_site")
@@ -55,7 +55,7 @@ class Session:
     def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig = EngineConfig()):
         check_layout(model_cfg, engine_cfg)
         self.model_cfg, self.engine_cfg = model_cfg, engine_cfg
-        self.weight_version = -1
+        self.weight_version = -1 if engine_cfg.checkpoint is None else 0
         self._group_name = None  # the trainer's weight group, once joined (init_weights_update_group)
         self._torn = False  # a bucketed update stopped part way
         self._released = False  # release_memory: SGLang's GPU memory is given back to the trainer
@@ -65,7 +65,7 @@ class Session:
         Path(self._dir.name, "config.json").write_text(json.dumps(hf_config(model_cfg)))
         spec = {"layers": self.guided_layers, "coding": engine_cfg.coding, "tau": engine_cfg.tau,
                 "scale_coding": engine_cfg.scale_coding}
-        env = {capture.ENV: json.dumps(spec), SEEDED: "1",
+        env = {capture.ENV: json.dumps(spec), SEEDED: "1", PACKED_AT_START: "0" if engine_cfg.checkpoint else "1",
                MODEL_ENV: json.dumps(dataclasses.asdict(model_cfg))}
         if engine_cfg.device == "cpu":
             from . import cpu_patches
@@ -177,6 +177,13 @@ class Session:
         with tempfile.TemporaryDirectory(prefix="trace-audit-") as tmp:
             self.engine.collective_rpc("trace_quantization_table", path=tmp)
             return json.loads(Path(tmp, "rank0.json").read_text())
+
+    def memory(self) -> list[dict]:
+        """Per TP rank, its scheduler process's memory in bytes: {"device", "peak", "now"} (on a
+        GPU torch's allocated bytes, at most since the start and now; on the CPU the resident set)."""
+        with tempfile.TemporaryDirectory(prefix="trace-memory-") as tmp:
+            self.engine.collective_rpc("trace_memory", path=tmp)
+            return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(self.engine_cfg.tp_size)]
 
     # -- generation ---------------------------------------------------------------------------
     def generate(self, requests: list[GroupRequest], sampling: SamplingParams, on_group=None) -> RolloutOutput:
