@@ -31,7 +31,6 @@ DISTRIBUTED_UPDATE = ("sglang.srt.model_executor.model_runner_components.weight_
 REQUEST_FINISHED = ("sglang.srt.managers.scheduler_components.batch_result_processor."
                     "SchedulerBatchResultProcessor._maybe_collect_routed_experts")
 SEEDED = "TRACE_SGLANG_SEEDED"
-PACKED_AT_START = "TRACE_SGLANG_PACKED_AT_START"  # "1": FP4 sites are created packed (quant.packed_at_start)
 _registered = False
 
 

@@ -9,7 +9,7 @@ the ranks holding its other columns), then multiplied with the dequantized weigh
 through the torch reference, on a GPU through trace_kernels' FP4 GEMMs, which dequantize in
 registers. The router gate, embeddings, norms and the head stay high precision.
 
-In an engine TRACE started on dummy weights (then the trainer's: `plugin.PACKED_AT_START`) the packed
+In an engine TRACE started on dummy weights (then the trainer's: `PACKED_AT_START`) the packed
 storage is allocated at `create_weights` and SGLang's BF16 weight stays empty, so the engine's
 start never holds a BF16 shard (DeepSeek-V3 at TP8 would need 156 GiB per GPU); the weights
 arrive packed or are packed on the way (`weights.load_trace_weights`), in place. Otherwise
@@ -39,7 +39,7 @@ from trace_kernels.fused_inputs import silu_mul
 from trace_kernels.moe_routing import combine_experts, expert_order
 
 from . import capture
-from .plugin import PACKED_AT_START
+from .weight_payload import PACKED_AT_START
 
 NAME = "trace_fp4"
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -209,7 +209,7 @@ class TraceFP4LinearMethod(LinearMethodBase):
 
 
 def packed_at_start() -> bool:
-    """True in the processes of an engine TRACE started on dummy weights (`plugin.PACKED_AT_START`):
+    """True in the processes of an engine TRACE started on dummy weights (`PACKED_AT_START`, set by the session):
     the trainer's weights arrive later, so FP4 sites are created packed and never hold BF16."""
     return os.environ.get(PACKED_AT_START) == "1"
 

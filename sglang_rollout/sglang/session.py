@@ -42,8 +42,8 @@ from sglang_rollout.engine.sampler import sample_key
 
 from . import capture
 from .config import EngineConfig, check_layout, server_args
-from .plugin import PACKED_AT_START, SEEDED
-from .weight_payload import LOADER, MODEL_ENV
+from .plugin import SEEDED
+from .weight_payload import LOADER, MODEL_ENV, PACKED_AT_START
 
 CPU_SITE = Path(__file__).with_name("cpu_site")
 

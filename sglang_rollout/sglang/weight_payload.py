@@ -25,6 +25,7 @@ from megatron_trace.weight_buckets import Buckets, Coverage, Piece, Source, amax
 from trace_kernels.fp4 import QTensor
 
 MODEL_ENV = "TRACE_SGLANG_MODEL"  # TRACE's ModelConfig (JSON) for the scheduler processes' weight loader
+PACKED_AT_START = "TRACE_SGLANG_PACKED_AT_START"  # "1": dummy start, FP4 sites created packed (quant.packed_at_start)
 LOADER = "sglang_rollout.sglang.weights.load_trace_weights"  # SGLang's custom_weight_loader name
 _BUCKET = re.compile(r"trace-bucket/v(\d+)/(\d+)")
 _DEVICE_ARG = 6  # the device index in torch's rebuild_cuda_tensor arguments (SGLang's patch reads a UUID there)
