@@ -65,7 +65,10 @@ class Session:
         Path(self._dir.name, "config.json").write_text(json.dumps(hf_config(model_cfg)))
         spec = {"layers": self.guided_layers, "coding": engine_cfg.coding, "tau": engine_cfg.tau,
                 "scale_coding": engine_cfg.scale_coding}
-        env = {capture.ENV: json.dumps(spec), SEEDED: "1", PACKED_AT_START: "0" if engine_cfg.checkpoint else "1",
+        args = server_args(self._dir.name, engine_cfg, mla=model_cfg.mla)
+        # FP4 sites are created packed only where SGLang's loaders will not fill them (its dummy load,
+        # whatever rollout.sglang says), so a load_format given through the options still loads
+        env = {capture.ENV: json.dumps(spec), SEEDED: "1", PACKED_AT_START: str(int(args["load_format"] == "dummy")),
                MODEL_ENV: json.dumps(dataclasses.asdict(model_cfg))}
         if engine_cfg.device == "cpu":
             from . import cpu_patches
@@ -81,7 +84,7 @@ class Session:
         import sglang
 
         with _environment(env):  # inherited by the scheduler processes SGLang spawns
-            self.engine = sglang.Engine(**server_args(self._dir.name, engine_cfg, mla=model_cfg.mla))
+            self.engine = sglang.Engine(**args)
         self._calls = 0
 
     @property
