@@ -37,10 +37,18 @@ $(VENV)/.sglang: $(VENV)/.test setup.cfg
 		print(' '.join(c['options.extras_require']['sglang'].split()))")
 	touch $@
 
+# Transformer Engine's Python only (the `transformer-engine` extra), --no-deps, in a folder of its own
+# off sys.path: without its CUDA core library `import transformer_engine` raises RuntimeError, which
+# megatron-core's ImportError probes would not catch (tests/support/te_cpu.py imports from there).
+$(VENV)/.te: $(VENV)/.test setup.cfg
+	$(PIP) --no-deps --upgrade --target $(VENV)/te-python $$($(PY) -c "import configparser; c = configparser.ConfigParser(); c.read('setup.cfg'); \
+		print(' '.join(c['options.extras_require']['transformer-engine'].split()))")
+	touch $@
+
 demo: $(VENV)/.base
 	OMP_NUM_THREADS=1 $(VENV)/bin/trace-rl train
 
-test: $(VENV)/.sglang
+test: $(VENV)/.sglang $(VENV)/.te
 	$(VENV)/bin/ruff check .
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q
 

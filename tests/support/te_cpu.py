@@ -1,0 +1,136 @@
+"""Transformer Engine's Python classes on the CPU, for tests only: no GPU path imports this.
+
+TE (pinned: 2.20.2, the `transformer-engine` extra of setup.cfg, installed --no-deps into
+`.venv/te-python`, off sys.path: see `te()`) ships its
+Python in the `transformer_engine` wheel and its kernels in `transformer_engine_cu13` (core) and
+`transformer_engine_torch` (the extension, built against torch and CUDA). `import
+transformer_engine.pytorch` fails on a CPU machine. The classes TRACE's CPU tests compare against
+are pure Python and torch: `QuantizerRole` (the 2.16+ role a `CustomRecipe` factory receives),
+`NVFP4QuantizerRef` (TE's reference NVFP4 quantizer), `NVFP4TensorStorage` (the native storage
+cuBLAS reads on Blackwell) and the reference's E2M1 pack / unpack. `te()` imports them with
+these shims (measured 2026-12-04 on 2.20.2):
+
+- NVTE_PROJECT_BUILDING=1: `transformer_engine.common` otherwise refuses a meta wheel without
+  its core wheel and loads cuDNN, NVRTC and cuRAND shared objects.
+- `load_framework_extension` -> no-op, and `transformer_engine_torch` a stand-in module whose
+  attributes are placeholders (enum members get distinct integers). Its `DType` mirrors the
+  Python `DType` members, which `constants.py` asserts at import. Nothing here calls into it:
+  a test that reached a C++ kernel would fail on a placeholder.
+- `transformer_engine.pytorch`, `.tensor` and `.tensor.storage` as bare packages (their
+  `__init__` imports every module, the attention and ONNX paths among them, in an order whose
+  cycles only the real extension's import resolves).
+- `transformer_engine.pytorch.export` -> `is_in_onnx_export_mode() = False` (the real one
+  imports onnxscript).
+"""
+
+from __future__ import annotations
+
+import ast
+import enum
+import functools
+import importlib
+import itertools
+import os
+import sys
+import types
+import warnings
+
+TE_VERSION = "2.20.2"
+
+
+class _Placeholders(type):
+    """A stand-in class: any attribute is a new distinct integer (enum members used at import)."""
+
+    _ids = itertools.count(1 << 20)
+
+    def __getattr__(cls, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        value = next(cls._ids)
+        setattr(cls, name, value)
+        return value
+
+
+class _ExtensionStandIn(types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        value = _Placeholders(name, (), {})
+        setattr(self, name, value)
+        return value
+
+
+def _bare_package(name: str, root: str) -> None:
+    module = types.ModuleType(name)
+    module.__path__ = [os.path.join(root, *name.split("."))]
+    sys.modules[name] = module
+
+
+def te_python_dir() -> str:
+    """Where the Makefile puts TE's Python (`$(VENV)/te-python`), or $TRACE_TE_PYTHON."""
+    return os.environ.get("TRACE_TE_PYTHON") or os.path.join(sys.prefix, "te-python")
+
+
+@functools.cache
+def te() -> types.SimpleNamespace:
+    """TE's pure-Python classes, imported with the shims above from `te_python_dir()`.
+    ImportError when it is not there or holds another version.
+
+    Nothing of the import stays visible afterwards (sys.path, sys.modules, the environment):
+    megatron-core probes `import transformer_engine` and must keep finding no TE on the CPU."""
+    from importlib import metadata
+
+    root = te_python_dir()
+    dists = [d for d in metadata.distributions(path=[root]) if d.metadata["Name"] == "transformer_engine"]
+    if not dists:
+        raise ImportError(f"no transformer_engine in {root}: `make .venv/.te` puts it there")
+    if dists[0].version != TE_VERSION:
+        raise ImportError(f"transformer_engine {dists[0].version} in {root}, "
+                          f"the tests are written against {TE_VERSION}")
+    saved_path, saved_env = list(sys.path), os.environ.get("NVTE_PROJECT_BUILDING")
+    before = set(sys.modules)
+    sys.path.insert(0, root)
+    os.environ["NVTE_PROJECT_BUILDING"] = "1"
+    try:
+        return _import(root, dists[0].version)
+    finally:
+        sys.path[:] = saved_path
+        if saved_env is None:
+            os.environ.pop("NVTE_PROJECT_BUILDING", None)
+        else:
+            os.environ["NVTE_PROJECT_BUILDING"] = saved_env
+        for name in set(sys.modules) - before:
+            if name.startswith(("transformer_engine", "transformer_engine_torch")):
+                del sys.modules[name]
+
+
+def _import(root: str, version: str) -> types.SimpleNamespace:
+    tex = _ExtensionStandIn("transformer_engine_torch")
+    with open(os.path.join(root, "transformer_engine", "pytorch", "constants.py")) as f:
+        source = f.read()
+    dtype = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "DType")
+    tex.DType = enum.IntEnum("DType", [t.targets[0].id for t in dtype.body if isinstance(t, ast.Assign)])
+    sys.modules["transformer_engine_torch"] = tex
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "could not find the ... PyTorch extension library"
+        import transformer_engine.common as common
+
+        common.load_framework_extension = lambda *args, **kwargs: None
+        for name in ("transformer_engine.pytorch", "transformer_engine.pytorch.tensor",
+                     "transformer_engine.pytorch.tensor.storage"):
+            _bare_package(name, root)
+        export = types.ModuleType("transformer_engine.pytorch.export")
+        export.is_in_onnx_export_mode = lambda: False
+        sys.modules[export.__name__] = export
+        quantization = importlib.import_module("transformer_engine.pytorch.quantization")
+        reference = importlib.import_module("transformer_engine.pytorch.custom_recipes.reference_nvfp4")
+        utils = importlib.import_module("transformer_engine.pytorch.custom_recipes.reference_utils")
+        storage = importlib.import_module("transformer_engine.pytorch.tensor.storage.nvfp4_tensor_storage")
+        nvfp4 = importlib.import_module("transformer_engine.pytorch.tensor.nvfp4_tensor")
+        constants = importlib.import_module("transformer_engine.pytorch.constants")
+    return types.SimpleNamespace(
+        version=version, QuantizerRole=quantization.QuantizerRole, NVFP4QuantizerRef=reference.NVFP4QuantizerRef,
+        Fp4Formats=utils.Fp4Formats, cast_to_fp4x2=reference.cast_to_fp4x2, cast_from_fp4x2=reference.cast_from_fp4x2,
+        recover_swizzled_scales=reference.NVFP4QuantizerRef._recover_swizzled_scales,
+        NVFP4TensorStorage=storage.NVFP4TensorStorage, NVFP4Quantizer=nvfp4.NVFP4Quantizer,
+        DType=constants.DType)
