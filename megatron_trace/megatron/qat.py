@@ -194,11 +194,11 @@ class FP4Site:
         if not self.active:
             return w
         if _weight_cache is None:
-            return fake_quantize(w, "nvfp4", scale="tensor", global_amax=self._weight_amax(w), check_finite=False)
-        return _cached([w], lambda t: quantize(t, "nvfp4", global_amax=self._weight_amax(t), check_finite=False),
+            return fake_quantize(w, "nvfp4", scale="tensor", global_amax=self.weight_amax(w), check_finite=False)
+        return _cached([w], lambda t: quantize(t, "nvfp4", global_amax=self.weight_amax(t), check_finite=False),
                        self.weight_peers)
 
-    def _weight_amax(self, w: torch.Tensor) -> torch.Tensor:
+    def weight_amax(self, w: torch.Tensor) -> torch.Tensor:
         """The amax of the whole logical tensor: over this shard, its peers' and the other shards."""
         amax = w.detach().abs().amax().float()
         for peer in self.weight_peers:

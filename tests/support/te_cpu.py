@@ -6,6 +6,7 @@ Python in the `transformer_engine` wheel and its kernels in `transformer_engine_
 `transformer_engine_torch` (the extension, built against torch and CUDA). `import
 transformer_engine.pytorch` fails on a CPU machine. The classes TRACE's CPU tests compare against
 are pure Python and torch: `QuantizerRole` (the 2.16+ role a `CustomRecipe` factory receives),
+`IdentityQuantizer` / `IdentityTensorStorage` (the high-precision storage TRACE's quantizers hold),
 `NVFP4QuantizerRef` (TE's reference NVFP4 quantizer), `NVFP4TensorStorage` (the native storage
 cuBLAS reads on Blackwell) and the reference's E2M1 pack / unpack. `te()` imports them with
 these shims (measured 2026-12-04 on 2.20.2):
@@ -26,6 +27,7 @@ these shims (measured 2026-12-04 on 2.20.2):
 from __future__ import annotations
 
 import ast
+import contextlib
 import enum
 import functools
 import importlib
@@ -71,13 +73,13 @@ def te_python_dir() -> str:
     return os.environ.get("TRACE_TE_PYTHON") or os.path.join(sys.prefix, "te-python")
 
 
-@functools.cache
-def te() -> types.SimpleNamespace:
-    """TE's pure-Python classes, imported with the shims above from `te_python_dir()`.
-    ImportError when it is not there or holds another version.
-
-    Nothing of the import stays visible afterwards (sys.path, sys.modules, the environment):
-    megatron-core probes `import transformer_engine` and must keep finding no TE on the CPU."""
+@contextlib.contextmanager
+def te_importable():
+    """Within this block TE's Python imports (with the shims above) from `te_python_dir()`;
+    afterwards nothing of it stays visible (sys.path, sys.modules, the environment), while the
+    classes and modules imported inside keep working. megatron-core probes `import
+    transformer_engine` and must keep finding no TE on the CPU. ImportError when TE is not
+    there or is another version."""
     from importlib import metadata
 
     root = te_python_dir()
@@ -92,7 +94,8 @@ def te() -> types.SimpleNamespace:
     sys.path.insert(0, root)
     os.environ["NVTE_PROJECT_BUILDING"] = "1"
     try:
-        return _import(root, dists[0].version)
+        _shim(root)
+        yield
     finally:
         sys.path[:] = saved_path
         if saved_env is None:
@@ -104,7 +107,14 @@ def te() -> types.SimpleNamespace:
                 del sys.modules[name]
 
 
-def _import(root: str, version: str) -> types.SimpleNamespace:
+@functools.cache
+def te() -> types.SimpleNamespace:
+    """TE's pure-Python classes the tests use (imported in `te_importable()`)."""
+    with te_importable():
+        return _import()
+
+
+def _shim(root: str) -> None:
     tex = _ExtensionStandIn("transformer_engine_torch")
     with open(os.path.join(root, "transformer_engine", "pytorch", "constants.py")) as f:
         source = f.read()
@@ -115,22 +125,32 @@ def _import(root: str, version: str) -> types.SimpleNamespace:
         warnings.simplefilter("ignore")  # "could not find the ... PyTorch extension library"
         import transformer_engine.common as common
 
-        common.load_framework_extension = lambda *args, **kwargs: None
-        for name in ("transformer_engine.pytorch", "transformer_engine.pytorch.tensor",
-                     "transformer_engine.pytorch.tensor.storage"):
-            _bare_package(name, root)
-        export = types.ModuleType("transformer_engine.pytorch.export")
-        export.is_in_onnx_export_mode = lambda: False
-        sys.modules[export.__name__] = export
-        quantization = importlib.import_module("transformer_engine.pytorch.quantization")
-        reference = importlib.import_module("transformer_engine.pytorch.custom_recipes.reference_nvfp4")
-        utils = importlib.import_module("transformer_engine.pytorch.custom_recipes.reference_utils")
-        storage = importlib.import_module("transformer_engine.pytorch.tensor.storage.nvfp4_tensor_storage")
-        nvfp4 = importlib.import_module("transformer_engine.pytorch.tensor.nvfp4_tensor")
-        constants = importlib.import_module("transformer_engine.pytorch.constants")
-    return types.SimpleNamespace(
+    common.load_framework_extension = lambda *args, **kwargs: None
+    for name in ("transformer_engine.pytorch", "transformer_engine.pytorch.tensor",
+                 "transformer_engine.pytorch.tensor.storage"):
+        _bare_package(name, root)
+    export = types.ModuleType("transformer_engine.pytorch.export")
+    export.is_in_onnx_export_mode = lambda: False
+    sys.modules[export.__name__] = export
+
+
+def _import() -> types.SimpleNamespace:
+    from importlib import metadata
+
+    quantization = importlib.import_module("transformer_engine.pytorch.quantization")
+    reference = importlib.import_module("transformer_engine.pytorch.custom_recipes.reference_nvfp4")
+    utils = importlib.import_module("transformer_engine.pytorch.custom_recipes.reference_utils")
+    storage = importlib.import_module("transformer_engine.pytorch.tensor.storage.nvfp4_tensor_storage")
+    nvfp4 = importlib.import_module("transformer_engine.pytorch.tensor.nvfp4_tensor")
+    identity = importlib.import_module("transformer_engine.pytorch.tensor.identity_tensor")
+    constants = importlib.import_module("transformer_engine.pytorch.constants")
+    version = metadata.version("transformer_engine")
+    # TRACE's recipe subclasses TE's classes: imported in the same block, so its bases are these
+    recipe = importlib.import_module("megatron_trace.te.recipe")
+    return types.SimpleNamespace(recipe=recipe,
         version=version, QuantizerRole=quantization.QuantizerRole, NVFP4QuantizerRef=reference.NVFP4QuantizerRef,
         Fp4Formats=utils.Fp4Formats, cast_to_fp4x2=reference.cast_to_fp4x2, cast_from_fp4x2=reference.cast_from_fp4x2,
         recover_swizzled_scales=reference.NVFP4QuantizerRef._recover_swizzled_scales,
         NVFP4TensorStorage=storage.NVFP4TensorStorage, NVFP4Quantizer=nvfp4.NVFP4Quantizer,
-        DType=constants.DType)
+        DType=constants.DType, IdentityQuantizer=identity.IdentityQuantizer,
+        IdentityTensorStorage=identity.IdentityTensorStorage)

@@ -194,3 +194,91 @@ def test_trace_rne_against_te_nvfp4_reference_quantizer():
         v = float(scaled[i, e])
         assert float((midpoints - v).abs().min()) <= 1e-6 * v, (i, e, v)
     assert float(diff_c.float().mean()) <= 1e-2
+
+
+# -- the factory and its quantizers --------------------------------------------------------------
+def all_role_forms():
+    """(role, treatment) for every form TE passes: 2.9-2.15 strings, 2.16+ roles, None."""
+    QR = TE.QuantizerRole
+    yield from ((r, treatment(parse_role(r))) for r in te215_roles(2) + ["unknown"])
+    for module in ("linear", "grouped_linear"):
+        for tensor in ("input", "weight", "output", "grad_output", "grad_input"):
+            yield QR(module_type=module, tensor_type=tensor), treatment(parse_role(QR(module_type=module,
+                                                                                        tensor_type=tensor)))
+    yield QR(module_type="dpa", tensor_type="qkv"), Treatment.HIGH_PRECISION
+    yield None, Treatment.HIGH_PRECISION
+
+
+def test_the_factory_gives_te_quantizers_for_every_role():
+    recipe = TE.recipe
+    for role, want in all_role_forms():
+        q = recipe.trace_fp4_quantizer_factory(role)
+        assert isinstance(q, TE.IdentityQuantizer), role  # TE's class: TE's modules accept it
+        if want is Treatment.HIGH_PRECISION:
+            assert type(q) is TE.IdentityQuantizer, role
+        else:
+            assert isinstance(q, recipe.TraceNVFP4Quantizer) and q.what is want, role
+
+
+def on_fp4_grid(v: torch.Tensor, g: torch.Tensor) -> bool:
+    """Every 16-element block of the BF16 rows v [M, K] is bf16(e2m1 * s * g) for some E4M3 s
+    (float64, every positive E4M3 value tried; BF16's rounding allowed)."""
+    grid = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=torch.float64)
+    s = torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).double()  # every positive finite
+    blocks = v.double().abs().reshape(v.shape[0], -1, 1, 16)
+    e = blocks / (s.reshape(1, 1, -1, 1) * g.double().reshape(-1, 1, 1, 1))  # [M, B, S, 16]
+    near = (e[..., None] - grid).abs() <= 2.0 ** -8 * e[..., None].clamp_min(1e-30)
+    return bool(near.any(-1).all(-1).any(-1).all())
+
+
+@pytest.mark.parametrize("internal", [True, False])
+def test_trace_quantizers_hold_fp4_values_in_te_storage(internal):
+    """Weights: one global scale over the tensor (g = amax / 2688); inputs: one per row; the result
+    TE's high-precision storage of the FP4 grid values in the input's dtype, the same bytes when TE
+    re-quantizes a cached weight in place (`update_quantized`)."""
+    recipe = TE.recipe
+    torch.manual_seed(1)
+    w = torch.randn(64, 128, dtype=torch.bfloat16) * torch.logspace(-1, 1, 128).to(torch.bfloat16)
+    x = torch.randn(2, 5, 128, dtype=torch.bfloat16) * torch.logspace(-2, 2, 10).reshape(2, 5, 1).to(torch.bfloat16)
+    wq = recipe.trace_fp4_quantizer_factory("linear_weight")
+    xq = recipe.trace_fp4_quantizer_factory(TE.QuantizerRole(module_type="grouped_linear", tensor_type="input"))
+    wq.internal = xq.internal = internal
+    ws, xs = wq.quantize(w), xq.quantize(x)
+    assert isinstance(ws, TE.IdentityTensorStorage) and isinstance(xs, TE.IdentityTensorStorage)
+    w_fp4, x_fp4 = ws.dequantize(), xs.dequantize()
+    assert w_fp4.dtype == w.dtype and w_fp4.shape == w.shape and x_fp4.shape == x.shape
+    g_w = w.float().abs().amax() / 2688
+    g_x = x.float().abs().amax(-1).reshape(-1) / 2688
+    assert on_fp4_grid(w_fp4.float(), g_w.expand(64)) and on_fp4_grid(x_fp4.reshape(10, 128).float(), g_x)
+    assert not on_fp4_grid(w.float(), g_w.expand(64))  # the check can fail
+    # the fake quant is TRACE's: dequantize(quantize) of the kernels' reference
+    torch.testing.assert_close(w_fp4, dequantize(quantize(w, "nvfp4"), torch.bfloat16), rtol=0, atol=0)
+    torch.testing.assert_close(x_fp4, dequantize(quantize(x, "nvfp4", scale="row"), torch.bfloat16), rtol=0, atol=0)
+    # a cached weight updated in place
+    w2 = w * 1.5
+    wq.update_quantized(w2, ws)
+    torch.testing.assert_close(ws.dequantize(), dequantize(quantize(w2, "nvfp4"), torch.bfloat16), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="weights or inputs"):
+        recipe.TraceNVFP4Quantizer(Treatment.HIGH_PRECISION)
+
+
+def test_a_weight_site_reduces_its_amax_over_the_logical_tensor():
+    """With the module's FP4 site active, the weight's global scale is the whole logical tensor's
+    (here: its MLA-style peer's amax is larger), not the local shard's."""
+    from megatron_trace.megatron.qat import FP4Site
+    from megatron_trace.modes import TrainerPrecision
+
+    recipe = TE.recipe
+    w = torch.randn(32, 64, dtype=torch.bfloat16)
+    peer = torch.randn(16, 64, dtype=torch.bfloat16) * 10
+    site = FP4Site(name="qkv", layer=0, precision=TrainerPrecision.FP4_RNE, weight_peers=(peer,))
+    q = recipe.trace_fp4_quantizer_factory("linear_weight")
+    token = recipe.active_site.set(site)
+    try:
+        held = q.quantize(w).dequantize()
+    finally:
+        recipe.active_site.reset(token)
+    amax = torch.maximum(w.float().abs().amax(), peer.float().abs().amax())
+    torch.testing.assert_close(held, dequantize(quantize(w, "nvfp4", global_amax=amax), torch.bfloat16),
+                               rtol=0, atol=0)
+    assert not torch.equal(held, q.quantize(w).dequantize())  # without the site: the local amax
