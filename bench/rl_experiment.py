@@ -19,7 +19,10 @@ Stages, each resumable:
     served the way a user serves it: an FP4-trained policy (`fp4-qat`, `trace-*`) exported by
     `trace-export-fp4` and run by the FP4 engine; a BF16-trained one (`bf16`, `fp4-rollout`, and
     the SFT model) converted by `trace-convert-megatron-to-hf` and run by the BF16 engine (the
-    ceiling) and, rounded by `trace-ptq-fp4`, by the FP4 engine (the PTQ baseline);
+    ceiling) and, rounded by `trace-ptq-fp4`, by the FP4 engine (the PTQ baseline). Each
+    evaluation is a process of its own (`--evaluate`), started by the worker that trained the run,
+    so the runs' evaluations go on beside each other and beside training (2026-12-04 on one
+    H200: one at a time in the main process, 85-205 s each, they held up a seed by minutes);
 (d) the report: <out>/rl_experiment_<date>_<gpu|cpu>.{md,json,png}.
 
 Resuming. Everything finished is recorded in a state file (`--state`, default <runs>/state.json)
@@ -205,19 +208,18 @@ class TimeUp(Exception):
     """The time limit stopped a unit of work; it resumes in the next session."""
 
 
-def trace_rl(args: list[str], log: Path, deadline: Deadline, verbose: bool) -> None:
-    """`python -m megatron_trace.cli <args>` with its output in `log` (and on the terminal with
-    --verbose); stopped (SIGTERM, then SIGKILL, its own process group) when the deadline comes:
-    TimeUp. RuntimeError naming the log's tail when it fails."""
+def run_process(cmd: list[str], what: str, log: Path, deadline: Deadline, verbose: bool) -> None:
+    """Run `cmd` with its output in `log` (and on the terminal with --verbose); stopped (SIGTERM,
+    then SIGKILL, its own process group) when the deadline comes: TimeUp. RuntimeError naming the
+    log's tail when it fails. `what` names it in both."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.setdefault("OMP_NUM_THREADS", "1")
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("a") as f:
-        f.write(f"\n$ trace-rl {' '.join(args)}\n")
+        f.write(f"\n$ {what}\n")
         f.flush()
-        proc = subprocess.Popen([sys.executable, "-m", "megatron_trace.cli", *args], cwd=ROOT, env=env,
-                                stdout=None if verbose else f, stderr=subprocess.STDOUT if not verbose else None,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=None if verbose else f,
+                                stderr=subprocess.STDOUT if not verbose else None, start_new_session=True)
         try:
             rc = proc.wait(timeout=max(1.0, deadline.left()) if math.isfinite(deadline.left()) else None)
         except subprocess.TimeoutExpired:
@@ -227,10 +229,15 @@ def trace_rl(args: list[str], log: Path, deadline: Deadline, verbose: bool) -> N
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-            raise TimeUp(f"trace-rl {args[0]} stopped at the time limit") from None
+            raise TimeUp(f"{what} stopped at the time limit") from None
     if rc:
         tail = "\n".join(log.read_text().splitlines()[-30:]) if not verbose else ""
-        raise RuntimeError(f"trace-rl {' '.join(args[:1])} failed (exit {rc}); log {log}:\n{tail}")
+        raise RuntimeError(f"{what} failed (exit {rc}); log {log}:\n{tail}")
+
+
+def trace_rl(args: list[str], log: Path, deadline: Deadline, verbose: bool) -> None:
+    """`python -m megatron_trace.cli <args>` through `run_process`."""
+    run_process([sys.executable, "-m", "megatron_trace.cli", *args], f"trace-rl {args[0]}", log, deadline, verbose)
 
 
 def tool(main, argv: list[str]) -> None:
@@ -240,6 +247,42 @@ def tool(main, argv: list[str]) -> None:
     except SystemExit as e:
         if e.code not in (None, 0):
             raise RuntimeError(f"{main.__name__} {' '.join(argv)}: {e}") from None
+
+
+def evaluate_model(s: Settings, kind: str, model_dir: Path, work: Path, calib: Path) -> dict:
+    """The accuracy of the Megatron checkpoint `model_dir` served as `kind` ("bf16": converted to
+    HF, BF16 engine; "ptq-fp4": that HF model rounded by trace-ptq-fp4, FP4 engine; "fp4-export":
+    trace-export-fp4, FP4 engine) on the settings' held-out problems; intermediate files in `work`."""
+    import torch
+
+    from megatron_trace.checkpoint.cli import convert_megatron_main, export_main, ptq_main
+    from megatron_trace.checkpoint.fp4_export import load_fp4_export
+    from megatron_trace.rl.evaluate import eval_engine, evaluate, hf_state
+
+    t = time.time()
+    task = make_chain_task(s)
+    max_new_tokens = task.max_response_tokens()
+    hf, fp4 = work / "hf", work / f"{kind}-modelopt"
+    if kind in ("bf16", "ptq-fp4") and not (hf / "config.json").exists():
+        tool(convert_megatron_main, ["--megatron", str(model_dir), "--out", str(hf), "--overwrite"])
+    if kind == "ptq-fp4":
+        tool(ptq_main, ["--hf", str(hf), "--out", str(fp4), "--format", "modelopt", "--calib", str(calib),
+                        "--overwrite"])
+    elif kind == "fp4-export":
+        tool(export_main, ["--megatron", str(model_dir), "--out", str(fp4), "--format", "modelopt", "--calib",
+                           str(calib), "--overwrite"])
+    cfg, state = hf_state(hf) if kind == "bf16" else load_fp4_export(fp4)
+    problems = task.eval_problems(s.eval_n, s.eval_seed)
+    backend = eval_engine(cfg, "bf16" if kind == "bf16" else "fp4", min(len(problems), 512), task.prompt_tokens(),
+                          max_new_tokens)
+    backend.update_weights(state, 0)
+    del state
+    result = evaluate(backend, task, problems, max_new_tokens, keep_examples=4).as_dict()
+    del backend
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    result["wall_s"] = time.time() - t
+    return result
 
 
 # -- the experiment -----------------------------------------------------------------------------
@@ -370,60 +413,34 @@ class Experiment:
         return path
 
     def evaluate(self, kind: str, model_dir: Path, work: Path) -> dict:
-        """Serve the Megatron checkpoint `model_dir` as `kind` says and measure its accuracy. Any
-        error is a RuntimeError naming the model, its traceback in the log: the trainers still
-        running go on (an evaluation once stopped every run of a session)."""
-        try:
-            return self._evaluate(kind, model_dir, work)
-        except (TimeUp, RuntimeError):
-            raise
-        except Exception as e:
-            import traceback
-
-            traceback.print_exc(file=sys.stdout)
-            raise RuntimeError(f"evaluating {model_dir} as {kind}: {type(e).__name__}: {e}") from e
-
-    def _evaluate(self, kind: str, model_dir: Path, work: Path) -> dict:
-        import torch
-
-        from megatron_trace.checkpoint.cli import convert_megatron_main, export_main, ptq_main
-        from megatron_trace.checkpoint.fp4_export import load_fp4_export
-        from megatron_trace.rl.evaluate import eval_engine, evaluate, hf_state
-
-        t = time.time()
-        hf, fp4 = work / "hf", work / f"{kind}-modelopt"
-        if kind in ("bf16", "ptq-fp4") and not (hf / "config.json").exists():
-            tool(convert_megatron_main, ["--megatron", str(model_dir), "--out", str(hf), "--overwrite"])
-        if kind == "ptq-fp4":
-            tool(ptq_main, ["--hf", str(hf), "--out", str(fp4), "--format", "modelopt", "--calib",
-                            str(self.calib_file()), "--overwrite"])
-        elif kind == "fp4-export":
-            tool(export_main, ["--megatron", str(model_dir), "--out", str(fp4), "--format", "modelopt", "--calib",
-                               str(self.calib_file()), "--overwrite"])
-        cfg, state = hf_state(hf) if kind == "bf16" else load_fp4_export(fp4)
-        problems = self.task.eval_problems(self.s.eval_n, self.s.eval_seed)
-        backend = eval_engine(cfg, "bf16" if kind == "bf16" else "fp4", min(len(problems), 512),
-                              self.task.prompt_tokens(), self.max_new_tokens)
-        backend.update_weights(state, 0)
-        del state
-        result = evaluate(backend, self.task, problems, self.max_new_tokens, keep_examples=4).as_dict()
-        del backend
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        result["wall_s"] = time.time() - t
-        return result
+        """Serve the Megatron checkpoint `model_dir` as `kind` says and measure its accuracy, in a
+        process of its own (`--evaluate`: several run at once beside the trainers). Its failure
+        is a RuntimeError naming the model and the log's tail: the trainers still running go on
+        (an evaluation once stopped every run of a session)."""
+        with self.lock:
+            calib = self.calib_file()
+        work.mkdir(parents=True, exist_ok=True)
+        result = work / f"{kind}.result.json"
+        result.unlink(missing_ok=True)
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--evaluate", kind, str(model_dir), str(work),
+               str(calib), str(result), "--settings", json.dumps(asdict(self.s))]
+        run_process(cmd, f"evaluating {model_dir} as {kind}", work / f"{kind}.log", self.deadline, self.args.verbose)
+        return json.loads(result.read_text())
 
     def evaluate_run(self, entry: dict, model_dir: Path, work: Path) -> None:
         for kind in eval_kinds(entry["mode"]):
             if kind in entry["eval"]:
                 continue
             self.check_time(f"evaluating {entry['mode']} as {kind}", self.eval_estimate(kind))
-            entry["eval"][kind] = self.evaluate(kind, model_dir, work)
+            result = self.evaluate(kind, model_dir, work)
+            with self.lock:
+                entry["eval"][kind] = result
             self.save()
         shutil.rmtree(work, ignore_errors=True)
 
     def eval_estimate(self, kind: str) -> float:
-        seen = [e["eval"][kind]["wall_s"] for e in self.state["runs"].values() if kind in e.get("eval", {})]
+        with self.lock:
+            seen = [e["eval"][kind]["wall_s"] for e in self.state["runs"].values() if kind in e.get("eval", {})]
         return 1.2 * max(seen) if seen else 0.0
 
     # -- all of it -----------------------------------------------------------------------------
@@ -449,10 +466,21 @@ class Experiment:
             model = self.final_model(mode, seed)
         return entry, model
 
+    def train_and_evaluate(self, mode: str, seed: int) -> dict:
+        """A run trained and evaluated (in one worker: its evaluations run beside the others'
+        training and evaluations); its entry. Not evaluated once another unit failed."""
+        entry, model = self.train_run(mode, seed)
+        if self.failed:
+            raise RuntimeError(f"not evaluated: {self.failed}")
+        self.evaluate_run(entry, model, self.runs / f"{mode}-s{seed}" / "eval")
+        if not self.args.keep_checkpoints:
+            shutil.rmtree(self.runs / f"{mode}-s{seed}" / "checkpoints", ignore_errors=True)
+        return entry
+
     def run(self, modes: list[str], seeds: list[int]) -> bool:
         """Every stage still to do; False when the time limit stopped it or a unit failed. Up to
-        --parallel trainers run at once (one GPU is far from busy with one small model); the runs
-        they finish are evaluated here, one at a time, while the others train."""
+        --parallel runs are trained and then evaluated at once (one GPU is far from busy with one
+        small model), each in processes of its own."""
         from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
         from tqdm import tqdm
@@ -472,7 +500,7 @@ class Experiment:
         if stopped or self.failed:
             todo = sft_eval_todo = []
         with ThreadPoolExecutor(max_workers=max(1, self.args.parallel)) as pool:
-            running = {pool.submit(self.train_run, mode, seed): (mode, seed) for mode, seed in todo}
+            running = {pool.submit(self.train_and_evaluate, mode, seed): (mode, seed) for mode, seed in todo}
             bar.set_postfix_str(f"{len(running)} runs, up to {self.args.parallel} at once")
             try:  # the SFT model is evaluated while the first runs train
                 for kind in sft_eval_todo:
@@ -495,12 +523,7 @@ class Experiment:
                 for fut in done:
                     mode, seed = running.pop(fut)
                     try:
-                        entry, model = fut.result()
-                        if stopped or self.failed:  # no evaluation after a stop: report in time
-                            continue
-                        self.evaluate_run(entry, model, self.runs / f"{mode}-s{seed}" / "eval")
-                        if not self.args.keep_checkpoints:
-                            shutil.rmtree(self.runs / f"{mode}-s{seed}" / "checkpoints", ignore_errors=True)
+                        entry = fut.result()
                         bar.update(1)
                         tqdm.write(run_line(entry))
                     except TimeUp as e:
@@ -839,7 +862,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="RL runs trained at once (separate processes on the same GPU; default 1)")
     ap.add_argument("--verbose", action="store_true", help="show the trainers' own output (else in <run>/log.txt)")
     ap.add_argument("--report-only", action="store_true", help="write the report from the state, run nothing")
+    ap.add_argument("--evaluate", nargs=5, metavar=("KIND", "MODEL", "WORK", "CALIB", "RESULT"),
+                    help="internal: one evaluation (the experiment runs these as processes of their own); "
+                    "with --settings, the JSON of the settings")
+    ap.add_argument("--settings", help="internal: the settings of --evaluate, as JSON")
     args = ap.parse_args(argv)
+    if args.evaluate:
+        kind, model, work, calib, result = args.evaluate
+        out = evaluate_model(Settings(**json.loads(args.settings)), kind, Path(model), Path(work), Path(calib))
+        write_json(Path(result), out)
+        return 0
     if args.min_start is None:
         args.min_start = 10.0 if args.smoke else 60.0
     values = asdict(defaults) | (SMOKE if args.smoke else {})

@@ -91,19 +91,42 @@ def test_the_report_from_a_recorded_state(rx, tmp_path):
     assert next(tmp_path.glob("rl_experiment_*.png")).stat().st_size > 10_000
 
 
-def test_a_failing_evaluation_is_a_runtime_error_naming_the_model(rx, tmp_path, capsys):
+def test_a_failing_evaluation_is_a_runtime_error_naming_the_model(rx, tmp_path):
     """Any error of an evaluation (here an HF directory whose config.json is empty, met when the
-    engine is built) reaches the experiment as a RuntimeError naming the model and the kind, its
-    traceback in the log: the experiment records it and its trainers go on (a MemoryError of the
-    calibration engine once ended a whole session's runs)."""
+    engine is built) reaches the experiment as a RuntimeError naming the model and the kind, with
+    its process's traceback: the experiment records it and its trainers go on (a MemoryError of
+    the calibration engine once ended a whole session's runs)."""
     import argparse
+    import re
 
     s = rx.Settings(**(asdict(rx.Settings()) | rx.SMOKE))
-    args = argparse.Namespace(runs=str(tmp_path / "runs"), state=None, resume_from=[], time_limit=None, reserve=45)
+    args = argparse.Namespace(runs=str(tmp_path / "runs"), state=None, resume_from=[], time_limit=None, reserve=45,
+                              verbose=False)
     exp = rx.Experiment(args, s)
     work = tmp_path / "work"
     (work / "hf").mkdir(parents=True)
     (work / "hf" / "config.json").write_text("{}")  # converted already, as the experiment sees it
-    with pytest.raises(RuntimeError, match=rf"evaluating {tmp_path / 'model'} as bf16: \w+Error"):
-        exp.evaluate("bf16", tmp_path / "model", work)
-    assert "Traceback" in capsys.readouterr().out
+    model = tmp_path / "model"
+    with pytest.raises(RuntimeError, match=rf"evaluating {re.escape(str(model))} as bf16 failed \(exit 1\)") as e:
+        exp.evaluate("bf16", model, work)
+    assert "Traceback" in str(e.value) and re.search(r"\w+Error", str(e.value))
+
+
+def test_the_smoke_experiment_trains_and_evaluates_every_run(tmp_path):
+    """`--smoke` end to end (about a minute on 2 cores): SFT, two modes trained two at once, each
+    run then evaluated in processes of its own beside the other's training, the SFT model
+    evaluated too; the report written."""
+    import subprocess
+
+    runs = tmp_path / "runs"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "rl_experiment.py"), "--smoke", "--runs", str(runs),
+                           "--parallel", "2"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    state = json.loads((runs / "state.json").read_text())
+    assert {k: sorted(v["eval"]) for k, v in state["runs"].items()} == {
+        "bf16/s0": ["bf16", "ptq-fp4"], "trace-all/s0": ["fp4-export"]}
+    assert all(v["rl_done"] and len(v["metrics"]) == 3 for v in state["runs"].values())
+    assert sorted(state["sft"]["eval"]) == ["bf16", "ptq-fp4"]
+    for ev in [e for v in state["runs"].values() for e in v["eval"].values()] + list(state["sft"]["eval"].values()):
+        assert ev["total"] == 16 and 0 <= ev["correct"] <= 16 and ev["wall_s"] > 0
+    assert next((runs / "report").glob("rl_experiment_*_cpu.md")).read_text().count("seed 0") >= 1
