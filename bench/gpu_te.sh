@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Transformer Engine 2.20.2 on the GPU machine (device tool, nvidia-h200), for issue 26's GPU tests.
+# Not run yet (2026-12-04): written for the next session's device time.
+#   bash bench/te_h200/build_bundle.sh .te      # here, once
+# TE's core wheel travels in pieces, one device call each, onto one warm machine (calls chained
+# without a pause: an idle machine is given back after 30 s):
+#   carry [".te/core.part00"]: bash bench/gpu_te.sh part      ... one call per piece (54 MiB + the repo's 5)
+#   carry [".te/whl", ".te/SHA256", ".te/CORE_NAME", ".whl"]: bash bench/gpu_te.sh install test
+# part keeps what arrived (a warm machine keeps ignored folders, so .te/ fills up piece by piece);
+# install joins the pieces (checksum), installs TE's core and Python and the carried wheels into
+# /tmp/site, builds the torch extension there (sm_90 only, MAX_JOBS=16) and imports
+# transformer_engine.pytorch; test runs tests/megatron_trace/te (TESTS narrows) with TE real.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+for step in "$@"; do
+  case $step in
+    part)
+      ls -la .te/ ; du -sh .te ;;
+    install)
+      core=/tmp/te/$(cat .te/CORE_NAME); mkdir -p /tmp/te
+      cat .te/core.part* > "$core" && (cd /tmp/te && sha256sum -c "$OLDPWD/.te/SHA256") || exit 1
+      rm -rf /tmp/site; mkdir -p /tmp/site
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$core" .te/whl/*.whl .whl/*.whl || exit 1
+      python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . >/dev/null || exit 1
+      export PYTHONPATH=/tmp/site
+      cudnn=$(python3 -c 'import nvidia.cudnn, os; print(os.path.dirname(nvidia.cudnn.__file__))' 2>/dev/null || true)
+      export NVTE_FRAMEWORK=pytorch NVTE_CUDA_ARCHS=90 MAX_JOBS=16 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+      [ -n "$cudnn" ] && export CUDNN_PATH=$cudnn CPATH=$cudnn/include:${CPATH:-}
+      mkdir -p /tmp/te/build && tar xzf .te/whl/transformer_engine_torch-2.20.2.tar.gz -C /tmp/te/build
+      start=$SECONDS
+      (cd /tmp/te/build/transformer_engine_torch-2.20.2 && \
+        python3 -m pip install -v --no-index --no-deps --no-build-isolation --target /tmp/site .) \
+        > "$OUT/te_build.log" 2>&1
+      echo "transformer_engine_torch build rc=$? in $((SECONDS - start)) s"; tail -n 20 "$OUT/te_build.log"
+      python3 -c 'import transformer_engine.pytorch as te, transformer_engine; print("TE", transformer_engine.__version__, te.Linear)' ;;
+    test)
+      export PYTHONPATH=/tmp/site
+      python3 -m pytest -q -p no:cacheprovider -rs ${TESTS:-tests/megatron_trace/te} 2>&1 | tee "$OUT/te_tests.log" | tail -n 30 ;;
+    *)
+      echo "unknown step $step (part, install, test)"; exit 2 ;;
+  esac
+done
