@@ -19,9 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from trace_kernels.fp4 import QTensor
-from trace_kernels.fp4.formats import Format
-
-AMAX_PER_GLOBAL_SCALE = 6 * 448  # TE's amax / TRACE's g (E2M1 max x E4M3 max)
+from trace_kernels.fp4.formats import NVFP4_GLOBAL_DENOM, Format
 
 
 def round_up(x: int, multiple: int) -> int:
@@ -73,7 +71,7 @@ def to_te_nvfp4(q: QTensor, *, swizzle: bool = False) -> TENVFP4Rowwise:
     if swizzle:
         scales = swizzle_scales(scales)
     g = rows.global_scale.reshape(-1 if q.is_row_scaled else 1)
-    return TENVFP4Rowwise(rows.codes, scales, g * AMAX_PER_GLOBAL_SCALE, q.is_row_scaled, swizzle, q.shape)
+    return TENVFP4Rowwise(rows.codes, scales, g * NVFP4_GLOBAL_DENOM, q.is_row_scaled, swizzle, q.shape)
 
 
 def from_te_nvfp4(f: TENVFP4Rowwise) -> QTensor:
@@ -85,7 +83,7 @@ def from_te_nvfp4(f: TENVFP4Rowwise) -> QTensor:
         raise ValueError(f"TE NVFP4 scale_inv {tuple(scales.shape)} for {m} rows of {k}: "
                          f"expected {te_scale_shape(m, k)}")
     lead = tuple(f.shape[:-1])
-    g = f.amax_rowwise / AMAX_PER_GLOBAL_SCALE
+    g = f.amax_rowwise / NVFP4_GLOBAL_DENOM
     g = g.reshape(*lead, 1) if f.row_scaled_nvfp4 else g.reshape(())
     return QTensor(f.rowwise_data.reshape(*lead, k // 2),
                    scales[:m, : k // 16].contiguous().view(torch.float8_e4m3fn).reshape(*lead, k // 16),

@@ -55,9 +55,8 @@ class TraceNVFP4Quantizer(IdentityQuantizer):
         with torch.no_grad():
             x = x.detach()
             if self.what is Treatment.FP4_WEIGHT:
-                if site is None:
-                    return fake_quantize(x, "nvfp4", scale="tensor", check_finite=False)
-                return fake_quantize(x, "nvfp4", scale="tensor", global_amax=site.weight_amax(x), check_finite=False)
+                amax = None if site is None else site.weight_amax(x)
+                return fake_quantize(x, "nvfp4", scale="tensor", global_amax=amax, check_finite=False)
             x_RK = x.reshape(-1, x.shape[-1])
             if site is None:
                 return fake_quant_rows(x_RK).reshape(x.shape)
