@@ -8,9 +8,11 @@ the per-rank results (anything torch.save can write).
 
 from __future__ import annotations
 
+import multiprocessing.connection
 import os
 import socket
 import tempfile
+import time
 import traceback
 
 import torch
@@ -43,7 +45,7 @@ def _worker(rank, fn, world, port, layout, kwargs, outdir):
         result = {"ok": fn(rank, **kwargs)}
     except Exception:  # noqa: BLE001 - reported to the parent, which raises
         result = {"error": traceback.format_exc()}
-    torch.save(result, os.path.join(outdir, f"{rank}.pt"))
+    save_result(result, outdir, rank)
     try:
         destroy_model_parallel_cpu()
         dist.destroy_process_group()
@@ -63,14 +65,52 @@ def spawn(fn, layout: dict, **kwargs) -> list:
     return run_workers(_worker, world, (fn, world, _free_port(), layout, kwargs))
 
 
-def run_workers(worker, world: int, args: tuple) -> list:
+def save_result(result: dict, outdir: str, rank: int) -> None:
+    """A rank's {"ok": ...} or {"error": ...} to outdir/<rank>.pt, written atomically: the parent
+    reads a rank's file as its final word even when the process dies afterwards."""
+    path = os.path.join(outdir, f"{rank}.pt")
+    torch.save(result, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def run_workers(worker, world: int, args: tuple, grace_s: float = 60.0) -> list:
     """worker(rank, *args, outdir) on `world` spawned processes, each saving {"ok": result} or
-    {"error": traceback} to outdir/<rank>.pt; the results in rank order, RuntimeError with every
-    failing rank's traceback."""
+    {"error": traceback} with `save_result`; the results in rank order, RuntimeError with every
+    failing rank's traceback.
+
+    A rank that saved its result and then died in teardown (a signal from a library's exit
+    handlers, seen with gloo and DeepSpeed's threads) still counts as finished. Once a rank has
+    failed (an error saved, or an exit without a result), the others get `grace_s` seconds to
+    finish before they are killed: they may be waiting in a collective the failed rank left."""
     with tempfile.TemporaryDirectory() as outdir:
-        mp.start_processes(worker, args=(*args, outdir), nprocs=world, start_method="spawn", join=True)
-        results = [torch.load(os.path.join(outdir, f"{r}.pt"), weights_only=False) for r in range(world)]
-    errors = [f"rank {r}:\n{res['error']}" for r, res in enumerate(results) if "error" in res]
+        ctx = mp.start_processes(worker, args=(*args, outdir), nprocs=world, start_method="spawn", join=False)
+        procs, results, exits = ctx.processes, [None] * world, [None] * world
+        failed_at = None
+        while any(e is None for e in exits):
+            live = [p.sentinel for p, e in zip(procs, exits, strict=True) if e is None]
+            timeout = None if failed_at is None else max(0.0, failed_at + grace_s - time.monotonic())
+            multiprocessing.connection.wait(live, timeout)
+            for r, p in enumerate(procs):
+                if exits[r] is None and p.exitcode is not None:
+                    exits[r] = p.exitcode
+                    path = os.path.join(outdir, f"{r}.pt")
+                    if os.path.exists(path):
+                        results[r] = torch.load(path, weights_only=False)
+                    if (results[r] is None or "error" in results[r]) and failed_at is None:
+                        failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() >= failed_at + grace_s:
+                for r, p in enumerate(procs):
+                    if exits[r] is None:
+                        p.kill()
+                        p.join()
+                        exits[r] = "killed"
+    errors = []
+    for r, (res, code) in enumerate(zip(results, exits, strict=True)):
+        if res is None:
+            why = f"exit code {code}" if code != "killed" else f"killed {grace_s:.0f} s after another rank failed"
+            errors.append(f"rank {r}: no result ({why})")
+        elif "error" in res:
+            errors.append(f"rank {r}:\n{res['error']}")
     if errors:
         raise RuntimeError("\n".join(errors))
     return [res["ok"] for res in results]

@@ -33,7 +33,7 @@ import traceback
 
 import torch
 
-from megatron_trace.megatron.spawn import _free_port, run_workers
+from megatron_trace.megatron.spawn import _free_port, run_workers, save_result
 
 
 def cpu_environment() -> None:
@@ -106,7 +106,7 @@ def _worker(rank, fn, world, port, kwargs, outdir):
         result = {"ok": fn(rank, **kwargs)}
     except Exception:  # noqa: BLE001 - reported to the parent, which raises
         result = {"error": traceback.format_exc()}
-    torch.save(result, os.path.join(outdir, f"{rank}.pt"))
+    save_result(result, outdir, rank)
     with contextlib.suppress(Exception):  # best-effort teardown; the result is already saved
         torch.distributed.destroy_process_group()
 

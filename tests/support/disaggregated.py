@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import datetime
 import os
-import tempfile
 import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from megatron_trace.megatron.spawn import _free_port, world_size
+from megatron_trace.megatron.spawn import _free_port, run_workers, save_result, world_size
 
 
 def _worker(rank, trainer_fn, engine_fn, trainers, world, ports, layout, kwargs, outdir):
@@ -40,7 +38,7 @@ def _worker(rank, trainer_fn, engine_fn, trainers, world, ports, layout, kwargs,
             result = {"ok": engine_fn(rank, bridge, **kwargs)}
     except Exception:  # noqa: BLE001 - reported to the parent, which raises
         result = {"error": traceback.format_exc()}
-    torch.save(result, os.path.join(outdir, f"{rank}.pt"))
+    save_result(result, outdir, rank)
 
 
 def spawn_job(trainer_fn, engine_fn, layout: dict, engines: int = 1, **kwargs) -> list:
@@ -49,11 +47,5 @@ def spawn_job(trainer_fn, engine_fn, layout: dict, engines: int = 1, **kwargs) -
     trainers = world_size(layout)
     layout.pop("dp", None)
     world = trainers + engines
-    with tempfile.TemporaryDirectory() as outdir:
-        mp.start_processes(_worker, args=(trainer_fn, engine_fn, trainers, world, (_free_port(), _free_port()), layout,
-                                          kwargs, outdir), nprocs=world, start_method="spawn", join=True)
-        results = [torch.load(os.path.join(outdir, f"{r}.pt"), weights_only=False) for r in range(world)]
-    errors = [f"rank {r}:\n{res['error']}" for r, res in enumerate(results) if "error" in res]
-    if errors:
-        raise RuntimeError("\n".join(errors))
-    return [res["ok"] for res in results]
+    return run_workers(_worker, world, (trainer_fn, engine_fn, trainers, world, (_free_port(), _free_port()), layout,
+                                        kwargs))
