@@ -9,7 +9,8 @@
 # part keeps what arrived (a warm machine keeps ignored folders, so .te/ fills up piece by piece);
 # install joins the pieces (checksum), installs TE's core and Python and the carried wheels into
 # /tmp/site, builds the torch extension there (sm_90 only, MAX_JOBS=16) and imports
-# transformer_engine.pytorch; test runs tests/megatron_trace/te (TESTS narrows) with TE real.
+# transformer_engine.pytorch; test runs tests/megatron_trace/te (TESTS narrows) with TE real; bench
+# times the training step on the TE spec against the local spec (bench/train_step.py --transformer-impl).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
@@ -37,7 +38,13 @@ for step in "$@"; do
     test)
       export PYTHONPATH=/tmp/site
       python3 -m pytest -q -p no:cacheprovider -rs ${TESTS:-tests/megatron_trace/te} 2>&1 | tee "$OUT/te_tests.log" | tail -n 30 ;;
+    bench)  # training step, TE spec vs local spec, Qwen3-30B-A3B shape (4 layers), in one process
+      export PYTHONPATH=/tmp/site
+      python3 bench/train_step.py --model qwen3-30b-a3b --layers 4 --tokens 16384 --seq-len 2048 \
+        --modes bf16,fp4-rne,fp4-guided --transformer-impl local,transformer_engine --record 2>&1 \
+        | tr '\r' '\n' | grep -v '%|' | tee "$OUT/te_train_step.log" | tail -n 20
+      cp bench/results/train_step_te.* "$OUT/" ;;
     *)
-      echo "unknown step $step (part, install, test)"; exit 2 ;;
+      echo "unknown step $step (part, install, test, bench)"; exit 2 ;;
   esac
 done

@@ -156,6 +156,27 @@ def shape_parser(doc: str) -> argparse.ArgumentParser:
     return ap
 
 
+def step_ratios(rows: list[dict]) -> list[str]:
+    """The step-time ratios of one run: fp4-rne / bf16 and fp4-guided / fp4-rne per layer
+    implementation and micro-batch count, and transformer_engine / local per mode."""
+    out = []
+    for impl in dict.fromkeys(r["impl"] for r in rows):
+        for mb in sorted({r["micro_batches"] for r in rows}):
+            by = {r["mode"]: r["step_s"] for r in rows if r["micro_batches"] == mb and r["impl"] == impl}
+            if "fp4-rne" in by and "bf16" in by:
+                out.append(f"{impl}, {mb} micro-batch(es): fp4-rne / bf16 = {by['fp4-rne'] / by['bf16']:.3f} "
+                           "(goal <= 1.10)")
+            if "fp4-guided" in by and "fp4-rne" in by:
+                out.append(f"{impl}, {mb} micro-batch(es): fp4-guided / fp4-rne = "
+                           f"{by['fp4-guided'] / by['fp4-rne']:.3f} (goal <= 1.03)")
+    local = {(r["mode"], r["micro_batches"]): r["step_s"] for r in rows if r["impl"] == "local"}
+    for r in rows:
+        if r["impl"] == "transformer_engine" and (r["mode"], r["micro_batches"]) in local:
+            out.append(f"{r['mode']}, {r['micro_batches']} micro-batch(es): transformer_engine / local = "
+                       f"{r['step_s'] / local[r['mode'], r['micro_batches']]:.3f}")
+    return out
+
+
 def main() -> None:
     ap = shape_parser(__doc__)
     ap.add_argument("--modes", default="bf16,fp4-rne,fp4-guided", help="trainer precisions")
@@ -165,6 +186,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--sequential-experts", action="store_true", help="SequentialMLP instead of grouped GEMMs")
+    ap.add_argument("--transformer-impl", default="local",
+                    help="comma list of Megatron's layer implementations: local, transformer_engine (TE's linears "
+                         "under TRACE's recipe; a GPU with TE)")
     ap.add_argument("--record", action="store_true")
     args = ap.parse_args()
     if args.tokens % args.seq_len:
@@ -175,15 +199,12 @@ def main() -> None:
 
     from megatron_trace.megatron.model import build_model, set_precision
     from megatron_trace.megatron.qat import cached_weights
+    from megatron_trace.megatron.trainer import linears_for
     from megatron_trace.model_config import PRESETS
 
     cfg = PRESETS[args.model].replace(num_layers=args.layers)
     dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    model = build_model(cfg, "bf16", grouped_gemm=not args.sequential_experts)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, **({"fused": True} if dev.type == "cuda" else {}))
     ids, pos, psp, labels = packed_batch(cfg, args.tokens, args.seq_len, dev)
-    guidance, captured = own_guidance(model, ids, pos, psp, cfg)
-    print(f"guided forward reproduces every captured code: {reproduces(model, ids, pos, psp, guidance, captured)}")
 
     def sync():
         if dev.type == "cuda":
@@ -191,66 +212,73 @@ def main() -> None:
 
     rows = []
     gpu = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+    for impl in args.transformer_impl.split(","):
+        model = build_model(cfg, "bf16", grouped_gemm=not args.sequential_experts, linears=linears_for(impl))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-6, **({"fused": True} if dev.type == "cuda" else {}))
+        guidance, captured = own_guidance(model, ids, pos, psp, cfg)
+        print(f"{impl}: guided forward reproduces every captured code: "
+              f"{reproduces(model, ids, pos, psp, guidance, captured)}")
 
-    def step(mode, micro_batches):
-        with cached_weights():
-            for _ in range(micro_batches):
-                loss = model(ids, pos, None, labels=labels, packed_seq_params=psp,
-                             guidance=guidance if mode == "fp4-guided" else None).float().mean()
-                loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        def step(mode, micro_batches, model=model, opt=opt, guidance=guidance):
+            with cached_weights():
+                for _ in range(micro_batches):
+                    loss = model(ids, pos, None, labels=labels, packed_seq_params=psp,
+                                 guidance=guidance if mode == "fp4-guided" else None).float().mean()
+                    loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
 
-    for mb in (int(v) for v in args.micro_batches.split(",")):
-        for mode in args.modes.split(","):
-            set_precision(model, mode)
-            times = []
-            for i in tqdm(range(args.warmup + args.steps), desc=f"{mode} x{mb}", leave=False):
-                sync()
-                t0 = time.perf_counter()
-                step(mode, mb)
-                sync()
-                if i >= args.warmup:
-                    times.append(time.perf_counter() - t0)
-            t = statistics.median(times)
-            peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None
-            step_tokens = args.tokens * mb
-            rows.append({"mode": mode, "step_s": t, "tokens_per_s": step_tokens / t, "gpu": gpu,
-                         "date": datetime.date.today().isoformat(), "model": args.model, "layers": args.layers,
-                         "tokens": args.tokens, "micro_batches": mb, "seq_len": args.seq_len,
-                         "experts": "sequential" if args.sequential_experts else "grouped", "peak_gib": peak})
-            print(f"{mode:6s} x{mb} step {t * 1e3:9.1f} ms   {step_tokens / t:10.0f} tokens/s", flush=True)
-    if args.profile and dev.type == "cuda":
-        from torch.profiler import ProfilerActivity, profile
-        for mode in args.modes.split(","):
-            set_precision(model, mode)
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                step(mode, 1)
-                sync()
-            print(f"--- {mode}: top CUDA kernels of one step")
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
-    ratios = []
-    for mb in sorted({r["micro_batches"] for r in rows}):
-        by = {r["mode"]: r["step_s"] for r in rows if r["micro_batches"] == mb}
-        if "fp4-rne" in by and "bf16" in by:
-            ratios.append(f"{mb} micro-batch(es): fp4-rne / bf16 = {by['fp4-rne'] / by['bf16']:.3f} (goal <= 1.25)")
-        if "fp4-guided" in by and "fp4-rne" in by:
-            ratios.append(f"{mb} micro-batch(es): fp4-guided / fp4-rne = {by['fp4-guided'] / by['fp4-rne']:.3f} "
-                          "(goal <= 1.10)")
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        for mb in (int(v) for v in args.micro_batches.split(",")):
+            for mode in args.modes.split(","):
+                set_precision(model, mode)
+                times = []
+                for i in tqdm(range(args.warmup + args.steps), desc=f"{impl} {mode} x{mb}", leave=False):
+                    sync()
+                    t0 = time.perf_counter()
+                    step(mode, mb)
+                    sync()
+                    if i >= args.warmup:
+                        times.append(time.perf_counter() - t0)
+                t = statistics.median(times)
+                peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None
+                step_tokens = args.tokens * mb
+                rows.append({"mode": mode, "impl": impl, "step_s": t, "tokens_per_s": step_tokens / t, "gpu": gpu,
+                             "date": datetime.date.today().isoformat(), "model": args.model, "layers": args.layers,
+                             "tokens": args.tokens, "micro_batches": mb, "seq_len": args.seq_len,
+                             "experts": "sequential" if args.sequential_experts else "grouped", "peak_gib": peak})
+                print(f"{impl:18s} {mode:10s} x{mb} step {t * 1e3:9.1f} ms   {step_tokens / t:10.0f} tokens/s",
+                      flush=True)
+        if args.profile and dev.type == "cuda":
+            from torch.profiler import ProfilerActivity, profile
+            for mode in args.modes.split(","):
+                set_precision(model, mode)
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    step(mode, 1)
+                    sync()
+                print(f"--- {impl} {mode}: top CUDA kernels of one step")
+                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+        del model, opt, step
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    ratios = step_ratios(rows)
     print("\n".join(ratios))
     if args.record:
         RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / "train_step.json").write_text(json.dumps(rows, indent=1) + "\n")
+        name = "train_step" if args.transformer_impl == "local" else "train_step_te"
+        (RESULTS / f"{name}.json").write_text(json.dumps(rows, indent=1) + "\n")
         cmd = "python bench/train_step.py " + " ".join(sys.argv[1:])
         lines = [f"# Training step time, {rows[0]['date']}, {gpu}", "", f"`{cmd}`", "",
                  f"{args.model} at full width, {args.layers} layers, micro-batches of {args.tokens} tokens "
                  f"(packed sequences of {args.seq_len}), {rows[0]['experts']} experts; a step is forward + backward "
                  "of each micro-batch and one AdamW step (FP4 weights quantized once per step).",
-                 "", "| mode | micro-batches | step (ms) | tokens/s | peak GiB |", "|---|---|---|---|---|"]
-        lines += [f"| {r['mode']} | {r['micro_batches']} | {r['step_s'] * 1e3:.1f} | {r['tokens_per_s']:.0f} | "
-                  f"{_gib(r['peak_gib'])} |" for r in rows]
+                 "", "| layer implementation | mode | micro-batches | step (ms) | tokens/s | peak GiB |",
+                 "|---|---|---|---|---|---|"]
+        lines += [f"| {r['impl']} | {r['mode']} | {r['micro_batches']} | {r['step_s'] * 1e3:.1f} | "
+                  f"{r['tokens_per_s']:.0f} | {_gib(r['peak_gib'])} |" for r in rows]
         lines += ["", *[f"- {r}" for r in ratios], ""]
-        (RESULTS / "train_step.md").write_text("\n".join(lines))
+        (RESULTS / f"{name}.md").write_text("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -227,6 +227,11 @@ class TrainerSection(Section):
 
     backend: Literal["megatron", "deepspeed"] = "megatron"
     """`megatron` or `deepspeed` (needs model.hf; dist.tp / ep / pp / etp stay 1)."""
+    transformer_impl: Literal["local", "transformer_engine"] = "local"
+    """Megatron's layer implementation (its own setting of that name): `local` (TRACE's FP4 linears
+    on Megatron's local backend; no TE needed) or `transformer_engine` (TE's linears and grouped
+    experts under TRACE's TE recipe, docs/notes/te-fp4-recipe.md; a GPU with TE >= 2.19; GQA models,
+    not MLA)."""
     deepspeed: dict = field(default_factory=dict)
     """DeepSpeed's own config, passed through as its JSON (e.g. `{zero_optimization: {stage: 3},
     bf16: {enabled: true}}`); TRACE adds the batch keys it owns and, unless the config has its own
@@ -236,6 +241,8 @@ class TrainerSection(Section):
         require(all(isinstance(k, str) for k in self.deepspeed), "trainer.deepspeed", "a mapping with string keys")
         require(not self.deepspeed or self.backend == "deepspeed", "trainer.deepspeed",
                 f"empty unless trainer.backend is deepspeed (it is {self.backend!r}: the options would be ignored)")
+        require(self.transformer_impl == "local" or self.backend == "megatron", "trainer.transformer_impl",
+                f"local with trainer.backend={self.backend} (Megatron's setting; DeepSpeed runs transformers' model)")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -26,16 +26,21 @@ class TraceSequentialMLP(SequentialMLP):
         return (out * permuted_probs.unsqueeze(-1)).to(out.dtype), None
 
 
-class TraceGroupedMLP(TraceSequentialMLP):
+class GroupedExpertSites:
+    """Routed experts run as grouped GEMMs whose two FP4 sites, `fc1_site` and `fc2_site`, see
+    every local expert at once (`all_experts=True`; set by `model.attach_sites`)."""
+
+    fc1_site: FP4Site | None = None
+    fc2_site: FP4Site | None = None
+
+
+class TraceGroupedMLP(GroupedExpertSites, TraceSequentialMLP):
     """All local experts as two grouped GEMMs (`torch._grouped_mm`, on the GPU and the CPU).
 
     Its FP4 sites see every local expert at once (`all_experts=True`): fc2 rows are per-row
     scaled, so quantizing them together is the same as per expert; weights are quantized per
     expert with each expert's own global scale. (fc1 inputs arrive quantized, per token.)
     """
-
-    fc1_site: FP4Site | None = None
-    fc2_site: FP4Site | None = None
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         x = permuted_local_hidden_states

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-from .qat import FP4Site
+from .qat import SiteHolder
 
 
-class _FP4LinearMixin:
-    fp4_site: FP4Site | None = None
+class _FP4LinearMixin(SiteHolder):
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         site = self.fp4_site

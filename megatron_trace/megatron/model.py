@@ -20,13 +20,12 @@ from ..model_config import ModelConfig
 from ..modes import TrainerPrecision
 from . import context
 from .attention import FP4CoreAttention
-from .experts import TraceGroupedMLP
-from .linear import _FP4LinearMixin
+from .experts import GroupedExpertSites
 from .mla import TraceMLASelfAttention
 from .moe import TraceMoELayer
 from .norm import LatentNorm
-from .qat import FP4Site, Shard
-from .spec import trace_block_spec
+from .qat import FP4Site, Shard, SiteHolder
+from .spec import LOCAL_LINEARS, Linears, trace_block_spec
 
 
 def transformer_config(model_cfg: ModelConfig, *, dispatcher: str = "alltoall", recompute: str | None = None,
@@ -113,20 +112,23 @@ class TraceGPTModel(GPTModel):
 
 
 def build_model(model_cfg: ModelConfig, precision: TrainerPrecision | str = TrainerPrecision.BF16, *,
-                grouped_gemm: bool = False, **config_overrides) -> TraceGPTModel:
+                grouped_gemm: bool = False, linears: Linears = LOCAL_LINEARS, **config_overrides) -> TraceGPTModel:
     """This rank's pipeline stage of the model, under the current Megatron parallel state.
 
     Args:
         cfg: architecture. precision: a TrainerPrecision ("bf16", "fp4-rne" or "fp4-guided").
-        grouped_gemm: run the experts as grouped GEMMs (`torch._grouped_mm`) instead of in turn.
+        grouped_gemm: run the experts as grouped GEMMs (`torch._grouped_mm`, or TE's grouped
+            linears) instead of in turn.
+        linears: the linear modules (spec.LOCAL_LINEARS, or TE's: `megatron_trace.te.spec.te_linears()`).
         config_overrides: passed to `transformer_config` (dispatcher, recompute, params_dtype,
             or TransformerConfig fields).
     Returns:
         TraceGPTModel with every FP4 site attached (see `attach_sites`).
     """
-    tcfg = transformer_config(model_cfg, **config_overrides)
+    tcfg = transformer_config(model_cfg, **{**linears.config, **config_overrides})
     model = TraceGPTModel(
-        config=tcfg, transformer_layer_spec=trace_block_spec(tcfg, grouped_gemm), vocab_size=model_cfg.vocab_size,
+        config=tcfg, transformer_layer_spec=trace_block_spec(tcfg, grouped_gemm, linears),
+        vocab_size=model_cfg.vocab_size,
         max_sequence_length=model_cfg.max_position_embeddings, pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=model_cfg.tie_word_embeddings,
         position_embedding_type="none", parallel_output=True,  # RoPE: in FP4CoreAttention (attention.py says why)
@@ -172,12 +174,12 @@ def attach_sites(model: torch.nn.Module) -> None:
             continue
         mlp.tokens = seq
         mlp.fc1_input = FP4Site(name="fc1", layer=li, tokens=seq)
-        for e, expert in enumerate(mlp.experts.local_experts):
+        for e, expert in enumerate(getattr(mlp.experts, "local_experts", ())):  # TE's grouped experts: none
             expert.linear_fc1.fp4_site = FP4Site(name="fc1", layer=li, weight_group=etp_group, expert=e,
                                                  quantizes_input=False)
             expert.linear_fc2.fp4_site = FP4Site(name="fc2", layer=li, weight_group=etp_group, row_group=etp_group,
                                                  cols=etp, expert=e)
-        if isinstance(mlp.experts, TraceGroupedMLP):
+        if isinstance(mlp.experts, GroupedExpertSites):
             mlp.experts.fc1_site = FP4Site(name="fc1", layer=li, weight_group=etp_group, all_experts=True,
                                            quantizes_input=False)
             mlp.experts.fc2_site = FP4Site(name="fc2", layer=li, weight_group=etp_group, row_group=etp_group, cols=etp,
@@ -188,9 +190,8 @@ def attach_sites(model: torch.nn.Module) -> None:
             shared.linear_fc2.fp4_site = FP4Site(name="shared_fc2", layer=li, weight_group=tp_group,
                                                  row_group=tp_group, cols=tp)
     missing = [name for name, m in model.named_modules()
-               if (isinstance(m, _FP4LinearMixin) and m.fp4_site is None)
+               if (isinstance(m, SiteHolder) and m.fp4_site is None)
                or (isinstance(m, FP4CoreAttention) and m.caches_kv and m.k_site is None)
-               or (isinstance(m, LatentNorm) and m.fp4_site is None)
                or (isinstance(m, TraceMLASelfAttention) and m.qkv_input is None)]
     if missing:
         raise RuntimeError(f"FP4 modules without a site (they would stay in BF16): {missing}")
@@ -217,13 +218,13 @@ def fp4_sites(model: torch.nn.Module) -> list[FP4Site]:
     """Every FP4 site of the model (the audit's view of the trainer)."""
     sites = []
     for m in model.modules():
-        if isinstance(m, (_FP4LinearMixin, LatentNorm)):
+        if isinstance(m, SiteHolder) and not m.fp4_site.all_experts:  # TE's grouped linears: their experts'
             sites.append(m.fp4_site)
         elif isinstance(m, TraceMLASelfAttention):
             sites.append(m.qkv_input)
         elif isinstance(m, FP4CoreAttention) and m.caches_kv:
             sites += [m.k_site, m.v_site]
-        elif isinstance(m, TraceGroupedMLP):
+        elif isinstance(m, GroupedExpertSites):
             sites += [m.fc1_site, m.fc2_site]
         elif isinstance(m, TraceMoELayer):
             sites.append(m.fc1_input)
@@ -242,17 +243,17 @@ def fp4_site_weights(model: torch.nn.Module) -> list[tuple[FP4Site, list[str]]]:
         return [f"{layer_prefix}.experts.local_experts.{e}.linear_{fc}.weight" for e in range(c.num_experts)]
     out = []
     for name, m in model.named_modules():
-        if isinstance(m, _FP4LinearMixin):
-            out.append((m.fp4_site, [name + ".weight"]))
-        elif isinstance(m, LatentNorm):
+        if isinstance(m, LatentNorm):
             out.append((m.fp4_site, [KV_CACHE]))
+        elif isinstance(m, SiteHolder) and not m.fp4_site.all_experts:
+            out.append((m.fp4_site, [name + ".weight"]))
         elif isinstance(m, TraceMLASelfAttention):
             down = ("linear_q_down_proj", "linear_kv_down_proj") if c.q_lora_rank else ("linear_q_proj",
                                                                                       "linear_kv_down_proj")
             out.append((m.qkv_input, [f"{name}.{d}.weight" for d in down]))
         elif isinstance(m, FP4CoreAttention) and m.caches_kv:
             out += [(m.k_site, [KV_CACHE]), (m.v_site, [KV_CACHE])]
-        elif isinstance(m, TraceGroupedMLP):
+        elif isinstance(m, GroupedExpertSites):
             layer = name.removesuffix(".experts")
             out += [(m.fc1_site, experts(layer, "fc1")), (m.fc2_site, experts(layer, "fc2"))]
         elif isinstance(m, TraceMoELayer):

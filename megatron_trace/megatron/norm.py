@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from .qat import FP4Site
+from .qat import SiteHolder
 
 
 class TraceRMSNorm(torch.nn.RMSNorm):
@@ -23,12 +23,10 @@ class TraceRMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = config.sequence_parallel
 
 
-class LatentNorm(TraceRMSNorm):
+class LatentNorm(SiteHolder, TraceRMSNorm):
     """MLA's `kv_a_layernorm`. Its output, the compressed KV latent, is what the engine's KV cache
     stores (docs/design.md section 3.1), so it passes through the `kv` site: NVFP4 with one global
     scale per token row, as the engine quantizes it into the cache. `kv_b` then reads it as is."""
-
-    fp4_site: FP4Site | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x)

@@ -18,7 +18,7 @@ zero gradient where an element was clipped (`trace_kernels.fp4.fake_quantize`).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -129,15 +129,20 @@ def fake_quant_rows(x_RK: torch.Tensor, guidance: RowGuidance | None = None, gro
 observers: list = []
 
 
-def _observe(site: FP4Site, x_RK: torch.Tensor, guidance: RowGuidance | None, group) -> None:
+def quant_rows(x_RK: torch.Tensor, guidance: RowGuidance | None = None, group=None) -> QTensor:
+    """The QTensor of `fake_quant_rows` (same arguments): codes, block scales and per-row global
+    scales [R, 1] of the rows x_RK [R, K]; no autograd."""
     x = x_RK.detach()
     if guidance is not None:
-        q: QTensor = quantize_guided(x, *guidance.resolve(x), check_finite=False)
-    else:
-        amax = all_reduce_max(x.abs().amax(-1, keepdim=True).float(), group)
-        q = quantize(x, "nvfp4", scale="row", global_amax=amax, check_finite=False)
+        return quantize_guided(x, *guidance.resolve(x), check_finite=False)
+    amax = all_reduce_max(x.abs().amax(-1, keepdim=True).float(), group)
+    return quantize(x, "nvfp4", scale="row", global_amax=amax, check_finite=False)
+
+
+def _observe(site: FP4Site, x_RK: torch.Tensor, guidance: RowGuidance | None, group) -> None:
+    q = quant_rows(x_RK, guidance, group)
     for fn in observers:
-        fn(site, x, q, guidance)
+        fn(site, x_RK.detach(), q, guidance)
 
 
 @dataclass
@@ -152,6 +157,13 @@ class Shard:
             raise GuidanceFormatError(f"{total} does not split evenly over {self.size} ranks")
         n = total // self.size
         return self.rank * n, (self.rank + 1) * n
+
+
+class SiteHolder:
+    """A module that quantizes at one FP4 site, `fp4_site` (set by `model.attach_sites`): the
+    local spec's FP4 linears, TRACE's TE linears, MLA's latent norm."""
+
+    fp4_site: FP4Site | None = None
 
 
 @dataclass(kw_only=True)
@@ -228,6 +240,19 @@ class FP4Site:
             _observe(self, x_RK, guidance, self.row_group)
         return fake_quant_rows(x_RK, guidance, self.row_group).reshape(x.shape)
 
+    def weight_codes(self, w: torch.Tensor) -> QTensor:
+        """The QTensor whose values `quantize_weight` gives for this rank's weight shard [N, K]
+        (an active site: one global scale over the whole logical tensor)."""
+        return quantize(w.detach(), "nvfp4", global_amax=self.weight_amax(w), check_finite=False)
+
+    def input_codes(self, x_RK: torch.Tensor) -> QTensor:
+        """The QTensor whose values `quantize_input` gives for rows x_RK [R, K] (an active site
+        that quantizes its input), observers told as there."""
+        guidance = self.guidance_rows(x_RK) if self.precision is TrainerPrecision.FP4_GUIDED else None
+        if observers:
+            _observe(self, x_RK, guidance, self.row_group)
+        return quant_rows(x_RK, guidance, self.row_group)
+
     def guidance_rows(self, x_RK: torch.Tensor, mb: context.MicroBatchGuidance | None = None) -> RowGuidance | None:
         """The guidance of `mb` (default: the active micro-batch's) for this rank's rows and
         columns of x_RK, or None if it has none. Expert sites read the rows the MoE layer
@@ -248,6 +273,21 @@ class FP4Site:
                 f"layer {self.layer} site {self.name}: guidance for {rg.num_rows} rows x {rg.num_cols} columns, "
                 f"but this rank quantizes {x_RK.shape[0]} x {x_RK.shape[1]}")
         return rg
+
+    def for_expert(self, expert: int) -> FP4Site:
+        """The site of local expert `expert` alone, from a site of all local experts (a grouped
+        GEMM that quantizes each expert's rows on their own, as TE's GroupedLinear does)."""
+        if not self.all_experts:
+            raise ValueError(f"layer {self.layer} site {self.name}: for_expert needs a site of all local experts")
+        return replace(self, all_experts=False, expert=expert)
+
+    def expert_guidance_rows(self, mb: context.MicroBatchGuidance | None = None) -> int | None:
+        """How many rows the guidance of `mb` (default: the active micro-batch's) has for this
+        expert site; None when it has none (not an expert site, or no guidance for the layer)."""
+        mb = context.active() if mb is None else mb
+        if self.expert is None or mb is None or self.layer not in mb.expert_rows:
+            return None
+        return mb.expert_rows[self.layer][1][self.expert]
 
     def _local_rows(self, rg: RowGuidance, num_tokens: int) -> RowGuidance:
         if self.tokens is not None and self.tokens.size > 1:

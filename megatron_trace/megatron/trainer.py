@@ -15,7 +15,27 @@ from ..model_config import ModelConfig
 from ..modes import TrainerPrecision
 from . import model as model_lib
 from .schedule import MicroBatch, run_microbatches
+from .spec import LOCAL_LINEARS, Linears
 from .sync import trainer_buckets
+
+
+def linears_for(transformer_impl: str) -> Linears:
+    """The linears of Megatron's `transformer_impl`: "local" (TRACE's FP4 linears) or
+    "transformer_engine" (TE's, `te.spec`; RuntimeError naming what is missing where TE cannot run)."""
+    if transformer_impl == "local":
+        return LOCAL_LINEARS
+    if transformer_impl != "transformer_engine":
+        raise ValueError(f"transformer_impl must be 'local' or 'transformer_engine', got {transformer_impl!r}")
+    if not torch.cuda.is_available():
+        raise RuntimeError("trainer.transformer_impl=transformer_engine needs a GPU: Transformer Engine's modules "
+                           "do not run on the CPU (use trainer.transformer_impl=local there)")
+    try:
+        from ..te.spec import te_linears
+    except (ImportError, RuntimeError) as e:  # TE's Python without its core library raises RuntimeError
+        raise RuntimeError("trainer.transformer_impl=transformer_engine needs Transformer Engine >= 2.19 with its "
+                           "PyTorch extension (TRACE pins 2.20.2; bench/gpu_te.sh installs it on a GPU machine): "
+                           f"{type(e).__name__}: {e}") from e
+    return te_linears()
 
 
 class MegatronTrainer:
@@ -27,16 +47,18 @@ class MegatronTrainer:
     scales_gradients = True  # Megatron's DDP rescales reduced gradients before the step (scale_grads)
 
     def __init__(self, model: torch.nn.Module, model_cfg: ModelConfig, optim: OptimSection | None = None,
-                 optimizer=None):
+                 optimizer=None, linears: Linears = LOCAL_LINEARS):
         self.model, self.model_cfg, self.optim = model, model_cfg, optim or OptimSection()
-        self.optimizer = optimizer
+        self.optimizer, self.linears = optimizer, linears
 
     @classmethod
     def build(cls, model_cfg: ModelConfig, optim: OptimSection, *, recompute: str | None = None,
-              hf: str = "", megatron: str = "") -> MegatronTrainer:
+              hf: str = "", megatron: str = "", transformer_impl: str = "local") -> MegatronTrainer:
         """This rank's model in BF16 compute (as the engine), its weights from the HF checkpoint
-        `hf` or the Megatron checkpoint `megatron` (random otherwise)."""
-        model = model_lib.build_model(model_cfg, "bf16", grouped_gemm=True, recompute=recompute)
+        `hf` or the Megatron checkpoint `megatron` (random otherwise), its linears Megatron's
+        `transformer_impl` ("local" or "transformer_engine")."""
+        linears = linears_for(transformer_impl)
+        model = model_lib.build_model(model_cfg, "bf16", grouped_gemm=True, recompute=recompute, linears=linears)
         if hf:
             from ..checkpoint.hf import HFCheckpoint
             from .weights import load_full_state_dict
@@ -44,7 +66,7 @@ class MegatronTrainer:
             load_full_state_dict(model, HFCheckpoint(hf))
         elif megatron:
             load_model(model, megatron)
-        return cls(model, model_cfg, optim)
+        return cls(model, model_cfg, optim, linears=linears)
 
     # -- layout -------------------------------------------------------------------------------
     @property
@@ -120,7 +142,7 @@ class MegatronTrainer:
     def reference(self, path: Path, resumed: bool) -> MegatronTrainer:
         """The frozen reference of the KL penalty: this model as it is now, kept at `path` (a
         Megatron checkpoint) so that a resumed run penalises against the same one."""
-        reference = model_lib.build_model(self.model_cfg, "bf16", grouped_gemm=True)
+        reference = model_lib.build_model(self.model_cfg, "bf16", grouped_gemm=True, linears=self.linears)
         if resumed and path.exists():
             load_model(reference, path)
         else:
@@ -130,4 +152,4 @@ class MegatronTrainer:
             save_model(reference, self.model_cfg, path)  # collective: its first step orders the removal above
         for p in reference.parameters():
             p.requires_grad_(False)
-        return MegatronTrainer(reference, self.model_cfg)
+        return MegatronTrainer(reference, self.model_cfg, linears=self.linears)

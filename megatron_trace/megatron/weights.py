@@ -52,10 +52,21 @@ def _split_rule(name: str) -> tuple[str | None, int, bool]:
     return None, 0, False
 
 
+# TE's grouped experts (te/spec.py) hold expert i's weight as `experts.linear_fc1.weight{i}`
+_TE_GROUPED = re.compile(r"\.experts\.linear_(fc[12])\.weight(\d+)$")
+
+
+def canonical_name(local_name: str) -> str:
+    """A parameter's name as the local spec spells it: TE's grouped-expert weights
+    (`mlp.experts.linear_fc1.weight3`) become `mlp.experts.local_experts.3.linear_fc1.weight`;
+    every other name is already so."""
+    return _TE_GROUPED.sub(lambda m: f".experts.local_experts.{m.group(2)}.linear_{m.group(1)}.weight", local_name)
+
+
 def global_name(local_name: str, model: torch.nn.Module) -> str:
-    """The full-state-dict key of one of this rank's parameters."""
+    """The full-state-dict key of one of this rank's parameters (the local spec's spelling)."""
     offset = get_transformer_layer_offset(model.config)
-    name = _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", local_name)
+    name = _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", canonical_name(local_name))
     if ".local_experts." in name:
         n_local = model.config.num_moe_experts // ps.get_expert_model_parallel_world_size()
         first = ps.get_expert_model_parallel_rank() * n_local

@@ -82,4 +82,5 @@ def build_trainer(cfg: TrainConfig, model_cfg: ModelConfig) -> Trainer:
     from ..megatron.trainer import MegatronTrainer
 
     return MegatronTrainer.build(model_cfg, cfg.optim, recompute=None if cfg.dist.recompute == "none"
-                                 else cfg.dist.recompute, hf=cfg.model.hf, megatron=cfg.model.megatron)
+                                 else cfg.dist.recompute, hf=cfg.model.hf, megatron=cfg.model.megatron,
+                                 transformer_impl=cfg.trainer.transformer_impl)

@@ -41,10 +41,26 @@ def test_defaults_yaml_and_overrides_combine(tmp_path):
     ("rollout.backend=vllm", "rollout.backend must be one of builtin, sglang or a dotted path"),
     ("rollout.sglang={mem_fraction_static: 0.5}", "rollout.sglang must be empty unless rollout.backend is sglang"),
     ("model.hf=/nowhere", "model.hf must be an HF checkpoint directory"),
+    ("trainer.transformer_impl=te", r"trainer.transformer_impl must be one of \['local', 'transformer_engine'\]"),
 ])
 def test_a_bad_setting_is_an_error_that_names_it(override, message):
     with pytest.raises(ValueError, match=message):
         load_config(None, [override])
+
+
+def test_transformer_engine_layers_are_megatrons_and_need_a_gpu():
+    with pytest.raises(ValueError, match="trainer.transformer_impl must be local with trainer.backend=deepspeed"):
+        load_config(None, ["trainer.backend=deepspeed", "trainer.transformer_impl=transformer_engine"])
+    from megatron_trace.megatron.trainer import linears_for
+
+    assert linears_for("local").name == "local"
+    with pytest.raises(ValueError, match="'local' or 'transformer_engine', got 'te'"):
+        linears_for("te")
+    import torch
+
+    if not torch.cuda.is_available():  # TE's modules refuse the CPU: said before any model is built
+        with pytest.raises(RuntimeError, match="transformer_impl=transformer_engine needs a GPU"):
+            linears_for("transformer_engine")
 
 
 def test_yaml_values_of_the_wrong_type_are_refused_not_converted(tmp_path):

@@ -168,9 +168,9 @@ class CodeChecker:
 
 
 def run_layout(rank, *, cfg, sd, batches, modes, dispatcher="alltoall", recompute=None, backward=False,
-               params_dtype=torch.bfloat16, grouped_gemm=False, checkpoint=None):
-    """Build this rank's stage, load `sd` (or the Megatron checkpoint directory `checkpoint`), and
-    for each of this data-parallel rank's batches
+               params_dtype=torch.bfloat16, grouped_gemm=False, checkpoint=None, transformer_impl="local"):
+    """Build this rank's stage (on Megatron's `transformer_impl`), load `sd` (or the Megatron
+    checkpoint directory `checkpoint`), and for each of this data-parallel rank's batches
     (batches[dp_rank::dp_size]; a batch is a dict with "seqs" and, for trace mode, "guidance",
     "sample_ids", "codes") run each mode's forward, and backward after the last mode.
 
@@ -189,10 +189,11 @@ def run_layout(rank, *, cfg, sd, batches, modes, dispatcher="alltoall", recomput
     from megatron_trace.megatron import qat
     from megatron_trace.megatron.context import MicroBatchGuidance
     from megatron_trace.megatron.model import build_model, set_precision
+    from megatron_trace.megatron.trainer import linears_for
     from megatron_trace.megatron.weights import global_name, load_full_state_dict
 
     model = build_model(cfg, "bf16", dispatcher=dispatcher, recompute=recompute, params_dtype=params_dtype,
-                        grouped_gemm=grouped_gemm)
+                        grouped_gemm=grouped_gemm, linears=linears_for(transformer_impl))
     if checkpoint is None:
         load_full_state_dict(model, sd)
     else:

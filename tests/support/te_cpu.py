@@ -17,11 +17,15 @@ these shims (measured 2026-12-04 on 2.20.2):
   attributes are placeholders (enum members get distinct integers). Its `DType` mirrors the
   Python `DType` members, which `constants.py` asserts at import. Nothing here calls into it:
   a test that reached a C++ kernel would fail on a placeholder.
-- `transformer_engine.pytorch`, `.tensor` and `.tensor.storage` as bare packages (their
-  `__init__` imports every module, the attention and ONNX paths among them, in an order whose
-  cycles only the real extension's import resolves).
-- `transformer_engine.pytorch.export` -> `is_in_onnx_export_mode() = False` (the real one
-  imports onnxscript).
+- `NVTE_Fused_Attn_Backend` of the stand-in: an enum mirroring the Python `FusedAttnBackend`
+  members, which `cpp_extensions/fused_attn.py` asserts at import.
+- `transformer_engine.pytorch.export` -> `is_in_onnx_export_mode() = False`, `assert_warmed_up`
+  a no-op, `onnx_export` None (the real module imports onnxscript).
+
+With these, all of `transformer_engine.pytorch` imports, and so does Megatron's TE extension
+(`megatron.core.extensions.transformer_engine`) and TRACE's TE layer spec (`megatron_trace.te.spec`):
+the spec's structure is tested on the CPU. TE's modules themselves refuse to be built without
+CUDA ("TransformerEngine needs CUDA."), so nothing runs in them here.
 """
 
 from __future__ import annotations
@@ -38,6 +42,10 @@ import types
 import warnings
 
 TE_VERSION = "2.20.2"
+# Modules that see TE when imported inside `te_importable()`: gone from sys.modules afterwards, so
+# that code imported later finds no TE (megatron-core decides HAVE_TE once, at import).
+_LEAVES_WITH_TE = ("transformer_engine", "megatron.", "megatron_trace.")
+_REIMPORTED_WITH_TE = ("megatron.core.extensions.transformer_engine",)
 
 
 class _Placeholders(type):
@@ -62,12 +70,6 @@ class _ExtensionStandIn(types.ModuleType):
         return value
 
 
-def _bare_package(name: str, root: str) -> None:
-    module = types.ModuleType(name)
-    module.__path__ = [os.path.join(root, *name.split("."))]
-    sys.modules[name] = module
-
-
 def te_python_dir() -> str:
     """Where the Makefile puts TE's Python (`$(VENV)/te-python`), or $TRACE_TE_PYTHON."""
     return os.environ.get("TRACE_TE_PYTHON") or os.path.join(sys.prefix, "te-python")
@@ -89,7 +91,12 @@ def te_importable():
     if dists[0].version != TE_VERSION:
         raise ImportError(f"transformer_engine {dists[0].version} in {root}, "
                           f"the tests are written against {TE_VERSION}")
+    # TRACE's Megatron modules (and the megatron-core they use) imported without TE first: only
+    # what needs TE is imported inside, and removed again below
+    importlib.import_module("megatron_trace.megatron.model")
     saved_path, saved_env = list(sys.path), os.environ.get("NVTE_PROJECT_BUILDING")
+    # megatron-core's TE extension, imported without TE, holds stand-ins: imported again inside
+    saved_modules = {n: sys.modules.pop(n) for n in list(sys.modules) if n.startswith(_REIMPORTED_WITH_TE)}
     before = set(sys.modules)
     sys.path.insert(0, root)
     os.environ["NVTE_PROJECT_BUILDING"] = "1"
@@ -103,8 +110,20 @@ def te_importable():
         else:
             os.environ["NVTE_PROJECT_BUILDING"] = saved_env
         for name in set(sys.modules) - before:
-            if name.startswith(("transformer_engine", "transformer_engine_torch")):
-                del sys.modules[name]
+            if name.startswith(_LEAVES_WITH_TE):
+                _unbind(name, sys.modules.pop(name))
+        for name, module in saved_modules.items():
+            sys.modules[name] = module
+            parent, _, child = name.rpartition(".")
+            if parent in sys.modules:  # `import a.b as m` reads the attribute of the package a
+                setattr(sys.modules[parent], child, module)
+
+
+def _unbind(name: str, module: types.ModuleType) -> None:
+    """Drop the attribute through which a removed module was still reachable from its package."""
+    parent, _, child = name.rpartition(".")
+    if parent in sys.modules and getattr(sys.modules[parent], child, None) is module:
+        delattr(sys.modules[parent], child)
 
 
 @functools.cache
@@ -126,16 +145,22 @@ def _shim(root: str) -> None:
         import transformer_engine.common as common
 
     common.load_framework_extension = lambda *args, **kwargs: None
-    for name in ("transformer_engine.pytorch", "transformer_engine.pytorch.tensor",
-                 "transformer_engine.pytorch.tensor.storage"):
-        _bare_package(name, root)
+    with open(os.path.join(root, "transformer_engine", "pytorch", "cpp_extensions", "fused_attn.py")) as f:
+        source = f.read()
+    backend = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "FusedAttnBackend")
+    tex.NVTE_Fused_Attn_Backend = enum.IntEnum(
+        "NVTE_Fused_Attn_Backend", ["NVTE_" + t.targets[0].id for t in backend.body if isinstance(t, ast.Assign)])
     export = types.ModuleType("transformer_engine.pytorch.export")
     export.is_in_onnx_export_mode = lambda: False
+    export.assert_warmed_up = lambda *args, **kwargs: None
+    export.onnx_export = None
     sys.modules[export.__name__] = export
 
 
 def _import() -> types.SimpleNamespace:
     from importlib import metadata
+
+    pytorch = importlib.import_module("transformer_engine.pytorch")
 
     quantization = importlib.import_module("transformer_engine.pytorch.quantization")
     reference = importlib.import_module("transformer_engine.pytorch.custom_recipes.reference_nvfp4")
@@ -147,7 +172,8 @@ def _import() -> types.SimpleNamespace:
     version = metadata.version("transformer_engine")
     # TRACE's recipe subclasses TE's classes: imported in the same block, so its bases are these
     recipe = importlib.import_module("megatron_trace.te.recipe")
-    return types.SimpleNamespace(recipe=recipe,
+    spec = importlib.import_module("megatron_trace.te.spec")
+    return types.SimpleNamespace(recipe=recipe, spec=spec, pytorch=pytorch,
         version=version, QuantizerRole=quantization.QuantizerRole, NVFP4QuantizerRef=reference.NVFP4QuantizerRef,
         Fp4Formats=utils.Fp4Formats, cast_to_fp4x2=reference.cast_to_fp4x2, cast_from_fp4x2=reference.cast_from_fp4x2,
         recover_swizzled_scales=reference.NVFP4QuantizerRef._recover_swizzled_scales,

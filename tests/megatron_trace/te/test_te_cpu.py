@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from megatron_trace.guidance.codec import GuidanceFormatError
 from megatron_trace.te.nvfp4_storage import (
     from_te_nvfp4,
     swizzle_scales,
@@ -18,6 +19,7 @@ from megatron_trace.te.nvfp4_storage import (
     unswizzle_scales,
 )
 from megatron_trace.te.roles import Role, Slot, Treatment, parse_role, treatment
+from tests.support.guidance import CODINGS, matmul_two_orders, record_for
 from tests.support.te_cpu import te
 from trace_kernels.fp4 import dequantize, quantize
 
@@ -285,3 +287,276 @@ def test_a_weight_site_reduces_its_amax_over_the_logical_tensor():
     torch.testing.assert_close(held, dequantize(quantize(w, "nvfp4", global_amax=amax), torch.bfloat16),
                                rtol=0, atol=0)
     assert not torch.equal(held, q.quantize(w).dequantize())  # without the site: the local amax
+
+
+# -- a quantizer at its FP4 site: the local spec's math, TE's grouped GEMM padding dropped --------
+def _at_site(site, fn):
+    token = TE.recipe.active_site.set(site)
+    try:
+        return fn()
+    finally:
+        TE.recipe.active_site.reset(token)
+
+
+def _expert_input_quantizers(num_gemms):
+    """The input slots of a GroupedLinear of `num_gemms` GEMMs, tagged as TRACE's module tags them."""
+    qs = []
+    for i in range(num_gemms):
+        q = TE.recipe.trace_fp4_quantizer_factory(TE.QuantizerRole(module_type="grouped_linear", tensor_type="input"))
+        q.gemm = i
+        qs.append(q)
+    return qs
+
+
+@pytest.mark.parametrize("coding, scale_coding", [CODINGS[0], CODINGS[1]])
+def test_grouped_expert_inputs_follow_the_engines_guidance_past_tes_padding(coding, scale_coding):
+    """fc2 of grouped experts: TE quantizes each expert's rows with its own slot, padded to 16
+    rows; each slot takes its expert's guidance rows (the MoE layer's dispatched rows) and leaves
+    the padding zero. The result equals the local spec's site quantizing all experts at once, and
+    follows the engine where round-to-nearest on the trainer's rows would not."""
+    from megatron_trace.guidance.rows import RowGuidance
+    from megatron_trace.megatron import context
+    from megatron_trace.megatron.qat import FP4Site
+    from megatron_trace.modes import TrainerPrecision
+
+    counts = [5, 0, 11, 8]
+    engine, trainer = matmul_two_orders(sum(counts), 96, 128, seed=4)
+    rows = RowGuidance.from_record(record_for(engine, coding, site="fc2", layer=2, scale_coding=scale_coding)[0])
+    mb = context.MicroBatchGuidance(num_tokens=sum(counts))
+    mb.expert_rows[2] = (rows, counts)
+    site = FP4Site(name="fc2", layer=2, precision=TrainerPrecision.FP4_GUIDED, all_experts=True)
+    context.activate(mb)
+    try:
+        want = site.quantize_input(trainer)  # the local spec's TraceGroupedMLP
+        got = []
+        for q, x in zip(_expert_input_quantizers(len(counts)), trainer.split(counts), strict=True):
+            pad = -len(x) % 16
+            padded = torch.cat([x, torch.zeros(pad, x.shape[1], dtype=x.dtype)])
+            held = _at_site(site, lambda q=q, padded=padded: q.quantize(padded).dequantize())
+            assert torch.equal(held[len(x):], torch.zeros_like(held[len(x):]))
+            got.append(held[: len(x)])
+        with pytest.raises(GuidanceFormatError, match="expert 2: guidance for 11 rows, but TE's GEMM quantizes 8"):
+            _at_site(site, lambda: _expert_input_quantizers(4)[2].quantize(trainer[:8]))
+    finally:
+        context.activate(None)
+    torch.testing.assert_close(torch.cat(got), want, rtol=0, atol=0)
+    rne = dequantize(quantize(trainer, "nvfp4", scale="row"), torch.bfloat16)
+    assert not torch.equal(torch.cat(got), rne)  # the guidance decided some codes
+
+
+def test_sites_that_do_not_quantize_pass_values_through():
+    """The experts' fc1 input was quantized per token before dispatch (the MoE layer's fc1_input
+    site): TE's slot must not quantize it again. A BF16 site leaves weights and inputs as they are."""
+    from megatron_trace.megatron.qat import FP4Site
+    from megatron_trace.modes import TrainerPrecision
+
+    x = torch.randn(32, 64, dtype=torch.bfloat16)
+    fc1 = FP4Site(name="fc1", layer=0, precision=TrainerPrecision.FP4_GUIDED, all_experts=True,
+                  quantizes_input=False)
+    (q,) = _expert_input_quantizers(1)
+    assert torch.equal(_at_site(fc1, lambda: q.quantize(x).dequantize()), x)
+    bf16 = FP4Site(name="qkv", layer=0, precision=TrainerPrecision.BF16)
+    w = TE.recipe.trace_fp4_quantizer_factory("linear_weight")
+    assert torch.equal(_at_site(bf16, lambda: w.quantize(x).dequantize()), x)
+    assert not torch.equal(w.quantize(x).dequantize(), x)  # no site: quantized
+
+
+# -- the TE layer spec (structure only: TE's modules need CUDA to be built) ----------------------
+def _tiny_config(**kw):
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                             num_moe_experts=4, moe_ffn_hidden_size=32, ffn_hidden_size=64, moe_layer_freq=[0, 1],
+                             moe_shared_expert_intermediate_size=32, qk_layernorm=True, gated_linear_unit=True,
+                             activation_func=F.silu, add_bias_linear=False, **kw)
+
+
+def _classes(spec) -> list[str]:
+    """Every class and builder a (nested) Megatron spec names, in a fixed order."""
+    import dataclasses
+    import functools
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if isinstance(spec, ModuleSpec):
+        return [spec.module.__name__, *_classes(spec.submodules)]
+    if isinstance(spec, functools.partial):
+        return [spec.func.__name__, *(c for v in spec.keywords.values() for c in _classes(v))]
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        return [c for f in dataclasses.fields(spec) for c in _classes(getattr(spec, f.name))]
+    if isinstance(spec, list):
+        return [c for s in spec for c in _classes(s)]
+    return [spec.__name__] if isinstance(spec, type) or callable(spec) and hasattr(spec, "__name__") else []
+
+
+def test_the_te_spec_is_the_local_spec_with_tes_linears():
+    """Layer by layer the TE spec names the local spec's modules (TRACE's norms, core attention
+    with the K/V sites, MoE layer with replay and guidance dispatch), with TE's linears in place of
+    TRACE's local FP4 linears and TE's grouped MLP for the grouped experts; and Megatron accepts the
+    TE recipe's settings."""
+    from megatron_trace.megatron.spec import LOCAL_LINEARS, trace_layer_spec
+
+    def block(config, grouped, linears):  # a dense layer and a MoE layer
+        return [trace_layer_spec(config, moe, grouped, linears) for moe in (False, True)]
+
+    linears = TE.spec.te_linears()
+    assert linears.config == {"transformer_impl": "transformer_engine", "fp4": "e2m1", "fp4_recipe": "custom",
+                              "fp4_quantizer_factory": TE.spec.FACTORY}
+    module, _, name = TE.spec.FACTORY.rpartition(".")
+    assert getattr(TE.recipe, name) is TE.recipe.trace_fp4_quantizer_factory and module == TE.recipe.__name__
+    config = _tiny_config(**linears.config)
+    local = _classes(block(_tiny_config(**LOCAL_LINEARS.config), True, LOCAL_LINEARS))
+    te_spec = _classes(block(config, True, linears))
+    swap = {"FP4ColumnParallelLinear": "TraceTEColumnParallelLinear",
+            "FP4RowParallelLinear": "TraceTERowParallelLinear", "TraceGroupedMLP": "TraceTEGroupedMLP"}
+    grouped = local.index("TraceGroupedMLP")
+    # the local grouped experts name their per-expert linears; TE's grouped MLP its two grouped linears
+    assert local[grouped + 1: grouped + 3] == ["FP4ColumnParallelLinear", "FP4RowParallelLinear"]
+    want = [swap.get(c, c) for c in local[:grouped + 1]] + ["TraceTEColumnParallelGroupedLinear",
+                                                            "TraceTERowParallelGroupedLinear"]
+    want += [swap.get(c, c) for c in local[grouped + 3:]]
+    assert te_spec == want
+    assert "TraceRMSNorm" in te_spec and "FP4CoreAttention" in te_spec and "TraceMoELayer" in te_spec
+    sequential = _classes(block(config, False, linears))
+    assert "TraceSequentialMLP" in sequential and "TraceTEGroupedMLP" not in sequential
+    with pytest.raises(ValueError, match="multi-head latent attention .* local spec only"):
+        block(_tiny_config(multi_latent_attention=True, **linears.config), True, linears)
+
+
+def test_te_modules_tell_the_recipe_their_site():
+    """A TE linear's forward runs with its site active; a column-parallel one takes the whole
+    micro-batch's rows (TE gathers sequence-parallel inputs before a custom quantizer sees them);
+    TE's grouped MLP keeps its expert sites on its two grouped linears."""
+    from megatron_trace.megatron.qat import FP4Site, Shard
+
+    seen = []
+
+    class Base:  # the next class in the MRO: records which site is active while it runs
+        def forward(self, x):
+            seen.append(TE.recipe.active_site.get())
+            return x
+
+    class Column(TE.spec._SiteScoped, Base):
+        gathers_input = True
+
+    class Row(TE.spec._SiteScoped, Base, torch.nn.Module):
+        pass
+
+    site = FP4Site(name="qkv", layer=1, tokens=Shard(1, 2))
+    col, row = Column(), Row()
+    col.fp4_site, row.fp4_site = site, site
+    assert col.fp4_site.tokens is None and col.fp4_site.layer == 1 and row.fp4_site is site
+    assert col.forward(3) == 3 and row.forward(4) == 4
+    assert seen == [col.fp4_site, site] and TE.recipe.active_site.get() is None
+    assert issubclass(TE.spec.TraceTEColumnParallelLinear, TE.spec._SiteScoped)
+    assert TE.spec.TraceTEColumnParallelLinear.gathers_input and not TE.spec.TraceTERowParallelLinear.gathers_input
+    assert TE.spec.TraceTEColumnParallelGroupedLinear.gathers_input is False  # its input arrives dispatched
+    # TE's grouped MLP (built bare: TE's own __init__ needs CUDA) keeps its sites on its linears
+    mlp = TE.spec.TraceTEGroupedMLP.__new__(TE.spec.TraceTEGroupedMLP)
+    torch.nn.Module.__init__(mlp)
+    mlp.linear_fc1, mlp.linear_fc2 = Row(), Row()
+    fc1, fc2 = FP4Site(name="fc1", layer=2, all_experts=True), FP4Site(name="fc2", layer=2, all_experts=True)
+    mlp.fc1_site, mlp.fc2_site = fc1, fc2
+    assert mlp.linear_fc1.fp4_site is fc1 and mlp.linear_fc2.fp4_site is fc2 and mlp.fc2_site is fc2
+
+
+def test_tes_grouped_expert_weights_get_the_local_specs_names():
+    from megatron_trace.megatron.weights import canonical_name
+
+    assert (canonical_name("decoder.layers.3.mlp.experts.linear_fc1.weight12")
+            == "decoder.layers.3.mlp.experts.local_experts.12.linear_fc1.weight")
+    assert (canonical_name("decoder.layers.0.mlp.experts.linear_fc2.weight0")
+            == "decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight")
+    for name in ("decoder.layers.0.mlp.experts.local_experts.2.linear_fc1.weight",
+                 "decoder.layers.0.mlp.shared_experts.linear_fc1.weight", "decoder.layers.0.mlp.router.weight",
+                 "decoder.layers.0.self_attention.linear_qkv.weight"):
+        assert canonical_name(name) == name
+
+
+# -- the native (Blackwell) storage: the same codes as TE's NVFP4TensorStorage --------------------
+def _native(what):
+    q = TE.recipe.TraceNVFP4Quantizer(what, native=True)
+    q.internal = True  # as TE's modules set their quantizers
+    return q
+
+
+def _decoded(storage, m, k):
+    """TE's documented decode of a row-wise NVFP4 storage (te_dequantize above), float32 [m, k]."""
+    return te_dequantize(storage._rowwise_data, storage._rowwise_scale_inv, storage._amax_rowwise, m, k,
+                         storage._row_scaled_nvfp4)
+
+
+def test_native_storage_holds_the_codes_of_the_emulated_path(monkeypatch):
+    """At active sites the native quantizers give TE's NVFP4 storage of TRACE's codes: TE's decode
+    of it is the emulated path's values (weights per tensor, inputs per row, a guided expert's
+    rows past TE's padding); the fc1 experts' site and BF16 sites stay on the emulated storage
+    for both operands; a cached weight is re-quantized in place."""
+    from megatron_trace.guidance.rows import RowGuidance
+    from megatron_trace.megatron import context
+    from megatron_trace.megatron.qat import FP4Site
+    from megatron_trace.modes import TrainerPrecision
+
+    torch.manual_seed(3)
+    w = torch.randn(64, 96, dtype=torch.bfloat16) * torch.logspace(-1, 1, 96).to(torch.bfloat16)
+    x = torch.randn(40, 96, dtype=torch.bfloat16) * torch.logspace(-2, 2, 40)[:, None].to(torch.bfloat16)
+    site = FP4Site(name="proj", layer=0, precision=TrainerPrecision.FP4_RNE)
+    for what, t, row_scaled in ((Treatment.FP4_WEIGHT, w, False), (Treatment.FP4_INPUT, x, True)):
+        native = _at_site(site, lambda what=what, t=t: _native(what).quantize(t))
+        emulated = _at_site(site, lambda what=what, t=t: TE.recipe.TraceNVFP4Quantizer(what).quantize(t).dequantize())
+        assert isinstance(native, TE.NVFP4TensorStorage) and native._row_scaled_nvfp4 is row_scaled
+        torch.testing.assert_close(_decoded(native, *t.shape).bfloat16(), emulated, rtol=2 ** -8, atol=0)
+        assert not torch.equal(emulated, t)
+
+    # a guided expert's rows, padded by TE's grouped GEMM
+    counts = [5, 11]
+    engine, trainer = matmul_two_orders(sum(counts), 96, 128, seed=6)
+    rows = RowGuidance.from_record(record_for(engine, site="fc2", layer=1)[0])
+    mb = context.MicroBatchGuidance(num_tokens=sum(counts))
+    mb.expert_rows[1] = (rows, counts)
+    experts = FP4Site(name="fc2", layer=1, precision=TrainerPrecision.FP4_GUIDED, all_experts=True)
+    padded = torch.cat([trainer[5:], torch.zeros(5, 128, dtype=trainer.dtype)])  # expert 1: 11 rows + 5
+    q = _native(Treatment.FP4_INPUT)
+    q.gemm = 1
+    context.activate(mb)
+    try:
+        native = _at_site(experts, lambda: q.quantize(padded))
+        want = experts.quantize_input(trainer)[5:]  # the local spec's grouped experts
+    finally:
+        context.activate(None)
+    decoded = _decoded(native, 16, 128)
+    torch.testing.assert_close(decoded[:11].bfloat16(), want, rtol=2 ** -8, atol=0)
+    assert torch.equal(decoded[11:], torch.zeros(5, 128))
+
+    # sites whose GEMM stays emulated, for both of its operands
+    fc1 = FP4Site(name="fc1", layer=0, precision=TrainerPrecision.FP4_GUIDED, all_experts=True, quantizes_input=False)
+    bf16 = FP4Site(name="qkv", layer=0, precision=TrainerPrecision.BF16)
+    for s in (fc1, bf16):
+        for what, t in ((Treatment.FP4_WEIGHT, w), (Treatment.FP4_INPUT, x)):
+            held = _at_site(s, lambda what=what, t=t: _native(what).quantize(t))
+            assert isinstance(held, TE.IdentityTensorStorage), (s.name, what)
+
+    # a cached weight updated in place
+    wq = _native(Treatment.FP4_WEIGHT)
+    held = _at_site(site, lambda: wq.quantize(w))
+    data = held._rowwise_data
+    _at_site(site, lambda: wq.update_quantized(w * 3, held))
+    assert held._rowwise_data is data
+    fresh = _at_site(site, lambda: wq.quantize(w * 3))
+    assert torch.equal(held._rowwise_data, fresh._rowwise_data) and torch.equal(held._amax_rowwise,
+                                                                                fresh._amax_rowwise)
+
+
+def test_the_factory_goes_native_only_with_the_dequantized_backward(monkeypatch):
+    monkeypatch.delenv("NVTE_BACKWARD_OVERRIDE", raising=False)
+    monkeypatch.setenv("TRACE_TE_NATIVE_NVFP4", "0")
+    assert not TE.recipe.trace_fp4_quantizer_factory("linear_weight").native
+    monkeypatch.setenv("TRACE_TE_NATIVE_NVFP4", "1")
+    with pytest.raises(ValueError, match="NVTE_BACKWARD_OVERRIDE=dequantized"):
+        TE.recipe.trace_fp4_quantizer_factory("linear_weight")
+    assert type(TE.recipe.trace_fp4_quantizer_factory("linear_output")) is TE.IdentityQuantizer
+    monkeypatch.setenv("NVTE_BACKWARD_OVERRIDE", "dequantized")
+    assert TE.recipe.trace_fp4_quantizer_factory("linear_input").native
+    monkeypatch.setenv("TRACE_TE_NATIVE_NVFP4", "yes")
+    with pytest.raises(ValueError, match="TRACE_TE_NATIVE_NVFP4 must be 0 or 1"):
+        TE.recipe.trace_fp4_quantizer_factory("linear_input")

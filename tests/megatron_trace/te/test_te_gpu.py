@@ -63,3 +63,77 @@ def test_te_grouped_linear_runs_traces_fp4_math():
         torch.testing.assert_close(x.grad[lo: lo + splits[i]], dyi @ wq, rtol=1.6e-2, atol=1e-2)
         if splits[i]:
             torch.testing.assert_close(w.grad, dyi.t() @ fp4_rows(xi), rtol=1.6e-2, atol=1e-2)
+
+
+# -- a tiny Megatron MoE on the TE spec against the local spec ----------------------------------
+# The scenario of tests/megatron_trace/megatron/test_model_qat.py (an independent float32 engine
+# records dense guidance and routed experts at every site of every layer), run on both specs.
+from megatron_trace.megatron.spawn import spawn  # noqa: E402
+from tests.megatron_trace.megatron import test_model_qat as qat_case  # noqa: E402
+from tests.support import scenarios as sc  # noqa: E402
+
+MODES = ["bf16", "fp4-rne", "fp4-guided"]
+
+
+@pytest.fixture(scope="module")
+def case():
+    sd = sc.random_full_state_dict(qat_case.CFG)
+    return sd, qat_case._batches(sd, "dense")
+
+
+def _run(sd, batches, impl, **kw):
+    strip = [{k: v for k, v in b.items() if k != "engine_logits"} for b in batches]
+    return qat_case._merge(spawn(sc.run_layout, {}, cfg=qat_case.CFG, sd=sd, batches=strip, modes=MODES,
+                                 backward=True, grouped_gemm=True, transformer_impl=impl, **kw))
+
+
+@pytest.fixture(scope="module")
+def runs(case):
+    sd, batches = case
+    return _run(sd, batches, "local"), _run(sd, batches, "transformer_engine")
+
+
+def test_te_spec_reproduces_the_engines_codes_at_every_guided_site(runs):
+    """trace mode on TE's linears: every (layer, site) gets the engine's codes and scales."""
+    _, te_run = runs
+    qat_case._assert_engine_codes(te_run)
+
+
+def test_te_spec_computes_what_the_local_spec_does(case, runs):
+    """The same weights: logits of every mode and the gradients agree with the local spec up to
+    BF16 reduction order (TE's GEMMs against torch's), and FP4 really changes them."""
+    local, te_run = runs
+    for b in local:
+        for mode in MODES:
+            torch.testing.assert_close(te_run[b]["logits"][mode], local[b]["logits"][mode], atol=0.05, rtol=0.01)
+        assert not torch.equal(te_run[b]["logits"]["fp4-rne"], te_run[b]["logits"]["bf16"])
+        assert all(te_run[b]["finite"])
+        assert set(te_run[b]["grads"]) == set(local[b]["grads"])  # TE's grouped weights under the local names
+        for name, g in te_run[b]["grads"].items():
+            ref_g = local[b]["grads"][name]
+            err = (g - ref_g).norm() / ref_g.norm().clamp_min(1e-12)
+            assert err < 0.05, f"gradient of {name} differs by {float(err):.3f} (relative)"
+
+
+def _save(rank, *, cfg, sd, directory, transformer_impl):
+    from megatron_trace.checkpoint.dist import save_model
+    from megatron_trace.megatron.model import build_model
+    from megatron_trace.megatron.trainer import linears_for
+    from megatron_trace.megatron.weights import load_full_state_dict
+
+    model = build_model(cfg, "bf16", grouped_gemm=True, linears=linears_for(transformer_impl))
+    load_full_state_dict(model, sd)
+    save_model(model, cfg, directory)
+
+
+def test_checkpoints_move_between_the_te_and_local_specs(case, runs, tmp_path):
+    """A distributed checkpoint written by the TE spec loads into the local spec (and back) with
+    the same logits: runs can switch transformer_impl."""
+    sd, batches = case
+    local, te_run = runs
+    for writer, reader, want in (("transformer_engine", "local", local), ("local", "transformer_engine", te_run)):
+        directory = tmp_path / writer
+        spawn(_save, {}, cfg=qat_case.CFG, sd=sd, directory=str(directory), transformer_impl=writer)
+        got = _run(None, batches[:1], reader, checkpoint=str(directory))
+        torch.testing.assert_close(got[0]["logits"]["fp4-guided"], want[0]["logits"]["fp4-guided"], atol=1e-3,
+                                   rtol=0, msg=f"written by {writer}, read by {reader}")

@@ -1,0 +1,146 @@
+"""TRACE's Megatron layer spec on Transformer Engine's linears (`trainer.transformer_impl=transformer_engine`).
+
+The spec is the local one (megatron/spec.py: TRACE's RMSNorms, the core attention with the K/V
+sites, the MoE layer with routing replay and guidance dispatch) with Megatron's TE wrappers for
+the linears: `TEColumnParallelLinear` (QKV, fc1 of dense and shared experts),
+`TERowParallelLinear` (output projection, fc2) and TE's grouped linears for the routed experts
+(`TraceTEGroupedMLP`). `te_linears().config` is Megatron's own selection: `transformer_impl=
+"transformer_engine"`, and TE's autocast with TRACE's recipe (`fp4="e2m1"`, `fp4_recipe="custom"`,
+`fp4_quantizer_factory` = `recipe.trace_fp4_quantizer_factory`).
+
+- QKV reads TRACE's RMSNorm output (TEColumnParallelLinear, not TE's fused
+  TELayerNormColumnParallelLinear): the FP4 codes are decided on the norm's BF16 output, which
+  TRACE's norm gives as the engine's does; another norm kernel would move codes at rounding points.
+- Each TE linear sets `recipe.active_site` to its FP4 site around its forward, so the recipe's
+  quantizers use the site's precision, weight amax group and guidance rows; a grouped linear
+  also tells each input quantizer which expert (GEMM) it serves.
+- Under sequence parallelism TE all-gathers a column-parallel input in high precision before a
+  custom recipe's quantizer sees it (`distributed.gather_along_first_dim`), so those sites take
+  the whole micro-batch's rows (per-row scales: the same values as quantizing each shard).
+- Multi-head latent attention stays on the local spec.
+
+Written against TE 2.20.2 and megatron-core 0.19. TE's modules need CUDA: on the CPU the spec's
+structure is tested (tests/support/te_cpu.py imports TE's Python), on a GPU with TE built
+tests/megatron_trace/te/test_te_gpu.py runs it against the local spec.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import partial
+
+import torch.nn.functional as F
+from megatron.core.extensions.transformer_engine import (
+    TEColumnParallelGroupedLinear,
+    TEColumnParallelLinear,
+    TERowParallelGroupedLinear,
+    TERowParallelLinear,
+)
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
+
+from ..megatron.experts import GroupedExpertSites, TraceSequentialMLP
+from ..megatron.qat import FP4Site, SiteHolder
+from ..megatron.spec import Linears
+from .recipe import TraceNVFP4Quantizer, active_site
+
+FACTORY = "megatron_trace.te.recipe.trace_fp4_quantizer_factory"
+
+
+class _SiteScoped(SiteHolder):
+    """A TE linear whose forward runs with its FP4 site active (`recipe.active_site`)."""
+
+    gathers_input = False  # column-parallel: TE all-gathers a sequence-parallel input first
+
+    @property
+    def fp4_site(self) -> FP4Site | None:
+        return self.__dict__.get("_fp4_site")
+
+    @fp4_site.setter
+    def fp4_site(self, site: FP4Site | None) -> None:
+        if site is not None and self.gathers_input and site.tokens is not None:
+            site = replace(site, tokens=None)
+        self.__dict__["_fp4_site"] = site
+
+    def forward(self, *args, **kwargs):
+        token = active_site.set(self.fp4_site)
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            active_site.reset(token)
+
+
+class _GroupedSiteScoped(_SiteScoped):
+    def _get_quantizers(self):
+        # TE's GroupedLinear quantizes expert i's rows with input quantizer i (after building them)
+        quantizers = super()._get_quantizers()
+        for i, q in enumerate(quantizers[0]):
+            if isinstance(q, TraceNVFP4Quantizer):
+                q.gemm = i
+        return quantizers
+
+
+class TraceTEColumnParallelLinear(_SiteScoped, TEColumnParallelLinear):
+    """Megatron's TEColumnParallelLinear at an FP4 site (QKV; fc1 of dense and shared experts)."""
+
+    gathers_input = True
+
+
+class TraceTERowParallelLinear(_SiteScoped, TERowParallelLinear):
+    """Megatron's TERowParallelLinear at an FP4 site (output projection; fc2)."""
+
+
+class TraceTEColumnParallelGroupedLinear(_GroupedSiteScoped, TEColumnParallelGroupedLinear):
+    """The routed experts' fc1 as one TE grouped linear (its input arrives quantized per token)."""
+
+
+class TraceTERowParallelGroupedLinear(_GroupedSiteScoped, TERowParallelGroupedLinear):
+    """The routed experts' fc2 as one TE grouped linear."""
+
+
+def _held_by(linear: str) -> property:
+    """The FP4 site of the submodule `linear` (read and set through it)."""
+    return property(lambda self: getattr(self, linear).fp4_site,
+                    lambda self, site: setattr(getattr(self, linear), "fp4_site", site))
+
+
+class TraceTEGroupedMLP(GroupedExpertSites, TEGroupedMLP):
+    """Megatron's TEGroupedMLP with TRACE's expert sites and the engines' gate placement: the
+    router's weight scales the fc2 output (as TraceGroupedMLP does, experts.py says why), not
+    the fc1 activation. Each expert's rows are padded as TEGroupedMLP pads them under an FP4
+    recipe; the recipe's quantizers leave the padding out of the guidance rows."""
+
+    fc1_site = _held_by("linear_fc1")
+    fc2_site = _held_by("linear_fc2")
+
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+        """x [rows, H] (rows grouped by local expert, `tokens_per_expert` int [E] of them), the
+        router's weights [rows] -> ([rows, H] in x's dtype, None)."""
+        x, counts = permuted_local_hidden_states, tokens_per_expert.tolist()
+        padding = getattr(self, "quantization_padding", None)  # set by TEGroupedMLP under an FP4 recipe
+        splits = counts
+        if padding is not None:
+            x, splits = padding(x, counts)
+        h, _ = self.linear_fc1(x, splits)
+        gate, up = h.chunk(2, dim=-1)
+        out, _ = self.linear_fc2(F.silu(gate) * up, splits)
+        if padding is not None:
+            out = self.quantization_unpadding(out, counts)
+        return (out * permuted_probs.unsqueeze(-1)).to(out.dtype), None
+
+
+def _te_experts(grouped_gemm: bool):
+    if grouped_gemm:
+        return partial(TraceTEGroupedMLP, submodules=GroupedMLPSubmodules(
+            linear_fc1=TraceTEColumnParallelGroupedLinear, linear_fc2=TraceTERowParallelGroupedLinear))
+    return partial(TraceSequentialMLP, submodules=MLPSubmodules(
+        linear_fc1=TraceTEColumnParallelLinear, linear_fc2=TraceTERowParallelLinear, activation_func=None))
+
+
+def te_linears() -> Linears:
+    """TE's linears for `model.build_model(linears=...)`, with the TransformerConfig settings that
+    put TRACE's recipe on them. Always on: a site in BF16 precision passes values through."""
+    return Linears("transformer_engine", TraceTEColumnParallelLinear, TraceTERowParallelLinear, _te_experts,
+                   mla=False, config={"transformer_impl": "transformer_engine", "fp4": "e2m1", "fp4_recipe": "custom",
+                                      "fp4_quantizer_factory": FACTORY})
+
