@@ -37,6 +37,12 @@ def test_the_te_import_leaves_no_te_behind():
     assert TE.version == "2.20.2"
     assert importlib.util.find_spec("transformer_engine") is None
     assert not [m for m in sys.modules if m.startswith("transformer_engine")]
+    # Megatron's TE extension was imported with TE inside; outside, megatron-core still sees none
+    import megatron.core.extensions.transformer_engine as extension
+    import megatron.core.fp4_utils as fp4_utils
+
+    assert TE.spec.TraceTEColumnParallelLinear.__mro__[3].__module__ == extension.__name__
+    assert not extension.HAVE_TE and not fp4_utils.HAVE_TE
 
 
 # -- roles ---------------------------------------------------------------------------------------
