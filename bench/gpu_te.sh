@@ -26,7 +26,9 @@ for step in "$@"; do
       python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . >/dev/null || exit 1
       export PYTHONPATH=/tmp/site
       cudnn=$(python3 -c 'import nvidia.cudnn, os; print(os.path.dirname(nvidia.cudnn.__file__))' 2>/dev/null || true)
-      export NVTE_FRAMEWORK=pytorch NVTE_CUDA_ARCHS=90 MAX_JOBS=16 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+      # FORCE_BUILD: setup.py would first try to download a prebuilt wheel from GitHub (no network there)
+      export NVTE_FRAMEWORK=pytorch NVTE_CUDA_ARCHS=90 MAX_JOBS=16 NVTE_PYTORCH_FORCE_BUILD=TRUE \
+        CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
       [ -n "$cudnn" ] && export CUDNN_PATH=$cudnn CPATH=$cudnn/include:${CPATH:-}
       mkdir -p /tmp/te/build && tar xzf .te/whl/transformer_engine_torch-2.20.2.tar.gz -C /tmp/te/build
       start=$SECONDS
