@@ -139,8 +139,7 @@ def quant_rows(x_RK: torch.Tensor, guidance: RowGuidance | None = None, group=No
     return quantize(x, "nvfp4", scale="row", global_amax=amax, check_finite=False)
 
 
-def _observe(site: FP4Site, x_RK: torch.Tensor, guidance: RowGuidance | None, group) -> None:
-    q = quant_rows(x_RK, guidance, group)
+def _observe(site: FP4Site, x_RK: torch.Tensor, q: QTensor, guidance: RowGuidance | None) -> None:
     for fn in observers:
         fn(site, x_RK.detach(), q, guidance)
 
@@ -235,10 +234,13 @@ class FP4Site:
         if not self.active or not self.quantizes_input or x.numel() == 0:
             return x
         x_RK = x.reshape(-1, x.shape[-1])
-        guidance = self.guidance_rows(x_RK) if self.precision is TrainerPrecision.FP4_GUIDED else None
+        guidance = self._input_guidance(x_RK)
         if observers:
-            _observe(self, x_RK, guidance, self.row_group)
+            _observe(self, x_RK, quant_rows(x_RK, guidance, self.row_group), guidance)
         return fake_quant_rows(x_RK, guidance, self.row_group).reshape(x.shape)
+
+    def _input_guidance(self, x_RK: torch.Tensor) -> RowGuidance | None:
+        return self.guidance_rows(x_RK) if self.precision is TrainerPrecision.FP4_GUIDED else None
 
     def weight_codes(self, w: torch.Tensor) -> QTensor:
         """The QTensor whose values `quantize_weight` gives for this rank's weight shard [N, K]
@@ -248,10 +250,10 @@ class FP4Site:
     def input_codes(self, x_RK: torch.Tensor) -> QTensor:
         """The QTensor whose values `quantize_input` gives for rows x_RK [R, K] (an active site
         that quantizes its input), observers told as there."""
-        guidance = self.guidance_rows(x_RK) if self.precision is TrainerPrecision.FP4_GUIDED else None
-        if observers:
-            _observe(self, x_RK, guidance, self.row_group)
-        return quant_rows(x_RK, guidance, self.row_group)
+        guidance = self._input_guidance(x_RK)
+        q = quant_rows(x_RK, guidance, self.row_group)
+        _observe(self, x_RK, q, guidance)  # the codes themselves: no second quantization for observers
+        return q
 
     def guidance_rows(self, x_RK: torch.Tensor, mb: context.MicroBatchGuidance | None = None) -> RowGuidance | None:
         """The guidance of `mb` (default: the active micro-batch's) for this rank's rows and

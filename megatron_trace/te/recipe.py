@@ -22,6 +22,7 @@ TE's own classes.
 from __future__ import annotations
 
 import contextvars
+import functools
 import os
 
 import torch
@@ -131,14 +132,10 @@ class TraceNVFP4Quantizer(IdentityQuantizer):
             raise NotImplementedError("TRACE's native NVFP4 path holds internal storages (what TE's modules ask "
                                       "for); an FP4 primary weight (fp8_model_init) is not supported")
         f = to_te_nvfp4(q)
-        # TE's own quantizer describing the layout; building one needs CUDA (its RHT matrix), so
-        # without a GPU (the CPU tests) the storage holds none, which TE's storage class allows
-        layout = (NVFP4Quantizer(rowwise=True, columnwise=False, row_scaled_nvfp4=f.row_scaled_nvfp4)
-                  if torch.cuda.is_available() else None)
         return NVFP4TensorStorage(
             rowwise_data=f.rowwise_data, rowwise_scale_inv=f.rowwise_scale_inv, columnwise_data=None,
             columnwise_scale_inv=None, amax_rowwise=f.amax_rowwise, amax_columnwise=None,
-            fp4_dtype=TE_FLOAT4_E2M1, quantizer=layout, with_gemm_swizzled_scales=False,
+            fp4_dtype=TE_FLOAT4_E2M1, quantizer=_layout(f.row_scaled_nvfp4), with_gemm_swizzled_scales=False,
             row_scaled_nvfp4=f.row_scaled_nvfp4)
 
     def update_quantized(self, src: torch.Tensor, dst, *, noop_flag: torch.Tensor | None = None):
@@ -151,6 +148,16 @@ class TraceNVFP4Quantizer(IdentityQuantizer):
 
     def is_requantization_safe(self) -> bool:
         return False  # requantizing FP4 grid values with another scale moves them
+
+
+@functools.cache
+def _layout(row_scaled: bool) -> NVFP4Quantizer | None:
+    """TE's own quantizer describing a row-wise storage's layout, built once per kind (it builds an
+    RHT matrix on the current CUDA device); without a GPU (the CPU tests) None, which TE's
+    storage class allows."""
+    if not torch.cuda.is_available():
+        return None
+    return NVFP4Quantizer(rowwise=True, columnwise=False, row_scaled_nvfp4=row_scaled)
 
 
 def _guided_rows(site: FP4Site, x_RK: torch.Tensor) -> int | None:
