@@ -493,7 +493,7 @@ def _decoded(storage, m, k):
                          storage._row_scaled_nvfp4)
 
 
-def test_native_storage_holds_the_codes_of_the_emulated_path(monkeypatch):
+def test_native_storage_holds_the_codes_of_the_emulated_path():
     """At active sites the native quantizers give TE's NVFP4 storage of TRACE's codes: TE's decode
     of it is the emulated path's values (weights per tensor, inputs per row, a guided expert's
     rows past TE's padding); the fc1 experts' site and BF16 sites stay on the emulated storage
