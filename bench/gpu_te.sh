@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Transformer Engine 2.20.2 on the GPU machine (device tool, nvidia-h200), for issue 26's GPU tests.
-# Not run yet (2026-12-04): written for the next session's device time.
+# First run on 2026-12-05 (bench/results/te_*_2026-12-05_h200.*).
 #   bash bench/te_h200/build_bundle.sh .te      # here, once
 # TE's core wheel travels in pieces, one device call each, onto one warm machine (calls chained
 # without a pause: an idle machine is given back after 30 s):
 #   carry [".te/core.part00"]: bash bench/gpu_te.sh part      ... one call per piece (54 MiB + the repo's 5)
 #   carry [".te/whl", ".te/SHA256", ".te/CORE_NAME", ".whl"]: bash bench/gpu_te.sh install test
+# install builds TE's torch extension (90 s on 16 cores) and returns its wheel in $OUT: put it in .te/ext/
+# and carry that too, and later machines skip the build.
 # part keeps what arrived (a warm machine keeps ignored folders, so .te/ fills up piece by piece);
 # install joins the pieces (checksum), installs TE's core and Python and the carried wheels into
 # /tmp/site, builds the torch extension there (sm_90 only, MAX_JOBS=16) and imports
@@ -30,16 +32,26 @@ for step in "$@"; do
       export NVTE_FRAMEWORK=pytorch NVTE_CUDA_ARCHS=90 MAX_JOBS=16 NVTE_PYTORCH_FORCE_BUILD=TRUE \
         CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
       [ -n "$cudnn" ] && export CUDNN_PATH=$cudnn CPATH=$cudnn/include:${CPATH:-}
-      mkdir -p /tmp/te/build && tar xzf .te/whl/transformer_engine_torch-2.20.2.tar.gz -C /tmp/te/build
-      start=$SECONDS
-      (cd /tmp/te/build/transformer_engine_torch-2.20.2 && \
-        python3 -m pip install -v --no-index --no-deps --no-build-isolation --target /tmp/site .) \
-        > "$OUT/te_build.log" 2>&1
-      echo "transformer_engine_torch build rc=$? in $((SECONDS - start)) s"; tail -n 20 "$OUT/te_build.log"
+      # the extension's wheel: carried in .te/ext/ (built on an earlier machine), else built here;
+      # unpacked into TE's package (pip --target would not merge it into an existing folder)
+      ext=$(ls .te/ext/transformer_engine_torch-*.whl 2>/dev/null | head -n 1)
+      if [ -z "$ext" ]; then
+        mkdir -p /tmp/te/build /tmp/te/wheel && tar xzf .te/whl/transformer_engine_torch-2.20.2.tar.gz -C /tmp/te/build
+        start=$SECONDS
+        (cd /tmp/te/build/transformer_engine_torch-2.20.2 && \
+          python3 -m pip wheel -v --no-index --no-deps --no-build-isolation -w /tmp/te/wheel .) \
+          > "$OUT/te_build.log" 2>&1
+        echo "transformer_engine_torch build rc=$? in $((SECONDS - start)) s"; tail -n 5 "$OUT/te_build.log"
+        ext=$(ls /tmp/te/wheel/transformer_engine_torch-*.whl) && cp "$ext" "$OUT/"
+      fi
+      python3 -m zipfile -e "$ext" /tmp/site || exit 1
       python3 -c 'import transformer_engine.pytorch as te, transformer_engine; print("TE", transformer_engine.__version__, te.Linear)' ;;
     test)
       export PYTHONPATH=/tmp/site
       python3 -m pytest -q -p no:cacheprovider -rs ${TESTS:-tests/megatron_trace/te} 2>&1 | tee "$OUT/te_tests.log" | tail -n 30 ;;
+    diff)  # the first modules whose outputs differ between the TE and local specs, per mode
+      export PYTHONPATH=/tmp/site
+      python3 bench/te_h200/spec_diff.py 2>&1 | grep -v Warning | tee "$OUT/te_spec_diff.log" | tail -n 60 ;;
     bench)  # training step, TE spec vs local spec, Qwen3-30B-A3B shape (4 layers), in one process
       export PYTHONPATH=/tmp/site
       python3 bench/train_step.py --model qwen3-30b-a3b --layers 4 --tokens 16384 --seq-len 2048 \
@@ -47,6 +59,6 @@ for step in "$@"; do
         | tr '\r' '\n' | grep -v '%|' | tee "$OUT/te_train_step.log" | tail -n 20
       cp bench/results/train_step_te.* "$OUT/" ;;
     *)
-      echo "unknown step $step (part, install, test, bench)"; exit 2 ;;
+      echo "unknown step $step (part, install, test, diff, bench)"; exit 2 ;;
   esac
 done

@@ -344,7 +344,7 @@ def block_clip_bound(q: QTensor) -> torch.Tensor:
         u = e8m0_to_float(r.block_scales)
     else:
         u = e4m3_to_float(r.block_scales) * r.global_scale
-    return (CLIP_THRESHOLD * u).reshape(*q.shape[:-1], -1)
+    return (CLIP_THRESHOLD * u).reshape(*q.shape[:-1], q.shape[-1] // q.block_size)  # explicit: 0 rows
 
 
 def ste_mask(x: torch.Tensor, q: QTensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from ..config import OptimSection
 from ..model_config import ModelConfig
 from ..modes import TrainerPrecision
 from . import model as model_lib
+from .qat import cached_weights
 from .schedule import MicroBatch, run_microbatches
 from .spec import LOCAL_LINEARS, Linears
 from .sync import trainer_buckets
@@ -85,9 +86,11 @@ class MegatronTrainer:
 
     def run_microbatches(self, batches: list[MicroBatch], loss_fn, *, forward_only: bool = False) -> list[dict]:
         """`megatron.schedule.run_microbatches` through the DDP wrapper when training (gradients
-        accumulate in its buffers until `step`)."""
+        accumulate in its buffers until `step`). The weights do not change within the call, so
+        each FP4 weight is quantized once for all its micro-batches (`qat.cached_weights`)."""
         model = self.model if forward_only else self._require_optimizer().ddp
-        return run_microbatches(model, batches, loss_fn, forward_only=forward_only)
+        with cached_weights():
+            return run_microbatches(model, batches, loss_fn, forward_only=forward_only)
 
     # -- optimizer ----------------------------------------------------------------------------
     def start_phase(self, lr: float) -> None:

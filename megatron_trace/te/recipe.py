@@ -42,6 +42,10 @@ TE_FLOAT4_E2M1 = DType.kFloat4E2M1
 
 # The FP4 site of the TE module now running (set around its forward).
 active_site: contextvars.ContextVar[FP4Site | None] = contextvars.ContextVar("trace_te_active_site", default=None)
+# True while a TE linear runs on input rows TRACE has quantized already (the grouped experts' fc2:
+# TraceTEGroupedMLP quantizes every expert's rows in one pass, not one quantizer call per expert).
+input_prequantized: contextvars.ContextVar[bool] = contextvars.ContextVar("trace_te_input_prequantized",
+                                                                          default=False)
 
 
 class TraceNVFP4Quantizer(IdentityQuantizer):
@@ -83,7 +87,8 @@ class TraceNVFP4Quantizer(IdentityQuantizer):
         return site
 
     def goes_native(self, site: FP4Site | None) -> bool:
-        return self.native and site is not None and site.active and site.quantizes_input
+        return (self.native and site is not None and site.active and site.quantizes_input
+                and not (self.what is Treatment.FP4_INPUT and input_prequantized.get()))
 
     def fake_quantize(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] (bf16/fp16/fp32) on the FP4 grid, same shape and dtype, no autograd edge.
@@ -91,7 +96,7 @@ class TraceNVFP4Quantizer(IdentityQuantizer):
         With an active site this is the local spec's math at that site (`FP4Site.quantize_weight`
         / `quantize_input`: its precision, weight amax group, guidance rows, observers); an
         expert's rows past the guidance's count are padding TE's grouped GEMM added, quantized
-        unguided (zero rows stay zero)."""
+        unguided (zero rows stay zero). Inputs quantized upstream (`input_prequantized`) pass."""
         site = self.site()
         with torch.no_grad():
             x = x.detach()
@@ -99,6 +104,8 @@ class TraceNVFP4Quantizer(IdentityQuantizer):
                 if site is None:
                     return fake_quantize(x, "nvfp4", scale="tensor", check_finite=False)
                 return site.quantize_weight(x)
+            if input_prequantized.get():
+                return x
             if site is None:
                 return fake_quant_rows(x.reshape(-1, x.shape[-1])).reshape(x.shape)
             x_RK = x.reshape(-1, x.shape[-1])

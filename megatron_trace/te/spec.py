@@ -26,9 +26,11 @@ tests/megatron_trace/te/test_te_gpu.py runs it against the local spec.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 from functools import partial
 
+import torch
 import torch.nn.functional as F
 from megatron.core.extensions.transformer_engine import (
     TEColumnParallelGroupedLinear,
@@ -42,7 +44,7 @@ from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupe
 from ..megatron.experts import GroupedExpertSites, TraceSequentialMLP
 from ..megatron.qat import FP4Site, SiteHolder
 from ..megatron.spec import Linears
-from .recipe import TraceNVFP4Quantizer, active_site
+from .recipe import TraceNVFP4Quantizer, active_site, input_prequantized, native_nvfp4_default
 
 FACTORY = "megatron_trace.te.recipe.trace_fp4_quantizer_factory"
 
@@ -113,6 +115,13 @@ class TraceTEGroupedMLP(GroupedExpertSites, TEGroupedMLP):
     fc1_site = _held_by("linear_fc1")
     fc2_site = _held_by("linear_fc2")
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # The fc2 input is quantized here in one pass over all experts' rows (per-row scales: the
+        # same values as per expert), not by TE's one quantizer call per expert, except on the
+        # native path, where TE's quantizers must produce the FP4 storage themselves.
+        self.prequantize_fc2 = not native_nvfp4_default()
+
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         """x [rows, H] (rows grouped by local expert, `tokens_per_expert` int [E] of them), the
         router's weights [rows] -> ([rows, H] in x's dtype, None)."""
@@ -123,10 +132,29 @@ class TraceTEGroupedMLP(GroupedExpertSites, TEGroupedMLP):
             x, splits = padding(x, counts)
         h, _ = self.linear_fc1(x, splits)
         gate, up = h.chunk(2, dim=-1)
-        out, _ = self.linear_fc2(F.silu(gate) * up, splits)
+        act = F.silu(gate) * up
+        site = self.fc2_site
+        if not (self.prequantize_fc2 and site is not None and site.active):
+            out, _ = self.linear_fc2(act, splits)
+        else:
+            token = input_prequantized.set(True)
+            try:
+                out, _ = self.linear_fc2(_quantize_real_rows(site, act, counts, splits), splits)
+            finally:
+                input_prequantized.reset(token)
         if padding is not None:
             out = self.quantization_unpadding(out, counts)
         return (out * permuted_probs.unsqueeze(-1)).to(out.dtype), None
+
+
+def _quantize_real_rows(site: FP4Site, act: torch.Tensor, counts: list[int], splits: list[int]) -> torch.Tensor:
+    """`site.quantize_input` of the dispatched rows (counts[i] of expert i) inside act [sum(splits), F],
+    where TE's padding put splits[i] >= counts[i] rows per expert; padding rows (zeros) stay as they are."""
+    if list(splits) == list(counts):
+        return site.quantize_input(act)
+    starts = [0, *itertools.accumulate(splits)][:-1]
+    idx = torch.cat([torch.arange(s, s + c) for s, c in zip(starts, counts, strict=True)]).to(act.device)
+    return act.index_put((idx,), site.quantize_input(act[idx]))
 
 
 def _te_experts(grouped_gemm: bool):
@@ -139,8 +167,13 @@ def _te_experts(grouped_gemm: bool):
 
 def te_linears() -> Linears:
     """TE's linears for `model.build_model(linears=...)`, with the TransformerConfig settings that
-    put TRACE's recipe on them. Always on: a site in BF16 precision passes values through."""
+    put TRACE's recipe on them. Always on: a site in BF16 precision passes values through.
+
+    TE's own weight cache is off (`disable_parameter_transpose_cache`): it holds a weight quantized
+    at the first micro-batch until Megatron's schedule says a new step began, so a forward outside
+    the schedule, or after a precision switch, would compute with a stale weight. TRACE's weight
+    cache (`qat.cached_weights`, keyed on the parameter's version) does that job for both specs."""
     return Linears("transformer_engine", TraceTEColumnParallelLinear, TraceTERowParallelLinear, _te_experts,
                    mla=False, config={"transformer_impl": "transformer_engine", "fp4": "e2m1", "fp4_recipe": "custom",
-                                      "fp4_quantizer_factory": FACTORY})
+                                      "fp4_quantizer_factory": FACTORY, "disable_parameter_transpose_cache": True})
 

@@ -262,6 +262,15 @@ def test_fake_quantize_forward_and_straight_through_gradient():
     assert torch.equal(x.grad, torch.arange(x.numel(), dtype=torch.float32).reshape(x.shape))
 
 
+@pytest.mark.parametrize("scale", ["row", "tensor"])
+def test_fake_quantize_of_no_rows(scale):
+    """An expert that got no tokens (TE's grouped linear quantizes its empty split) is no error."""
+    x = torch.zeros(0, 64, dtype=torch.bfloat16, requires_grad=True)
+    y = fake_quantize(x, scale=scale, global_amax=torch.tensor(1.0) if scale == "tensor" else None)
+    y.sum().backward()
+    assert y.shape == x.shape and y.dtype == x.dtype and x.grad.shape == x.shape
+
+
 def test_fake_quantize_gradient_is_zero_where_values_saturate():
     x = heavy_tailed(4, 64, seed=10)
     amax = x.abs().max() / 4  # a global scale too small for the tensor: large elements clip

@@ -350,6 +350,48 @@ def test_grouped_expert_inputs_follow_the_engines_guidance_past_tes_padding(codi
     assert not torch.equal(torch.cat(got), rne)  # the guidance decided some codes
 
 
+def test_the_grouped_mlp_quantizes_fc2_rows_in_one_pass_past_tes_padding():
+    """TraceTEGroupedMLP quantizes fc2's input for all experts at once inside TE's padded layout
+    (`_quantize_real_rows`), then TE's per-expert slots pass it through (`input_prequantized`):
+    the real rows get the local spec's guided values, the padding stays zero, gradients reach
+    every real row."""
+    from megatron_trace.guidance.rows import RowGuidance
+    from megatron_trace.megatron import context
+    from megatron_trace.megatron.qat import FP4Site
+    from megatron_trace.modes import TrainerPrecision
+
+    counts, splits = [5, 0, 11, 8], [16, 0, 16, 16]
+    engine, trainer = matmul_two_orders(sum(counts), 96, 128, seed=5)
+    rows = RowGuidance.from_record(record_for(engine, "dense", site="fc2", layer=1)[0])
+    mb = context.MicroBatchGuidance(num_tokens=sum(counts))
+    mb.expert_rows[1] = (rows, counts)
+    site = FP4Site(name="fc2", layer=1, precision=TrainerPrecision.FP4_GUIDED, all_experts=True)
+    parts = [torch.cat([x, torch.zeros(s - c, x.shape[1], dtype=x.dtype)])
+             for x, c, s in zip(trainer.split(counts), counts, splits, strict=True)]
+    padded = torch.cat(parts).requires_grad_()
+    real = torch.cat([torch.arange(s, s + c) for s, c in zip([0, 16, 16, 32], counts, strict=True)])
+    context.activate(mb)
+    try:
+        want = site.quantize_input(trainer)
+        got = TE.spec._quantize_real_rows(site, padded, counts, splits)
+        slots = _expert_input_quantizers(len(counts))
+        token = TE.recipe.input_prequantized.set(True)
+        try:
+            passed = _at_site(site, lambda: slots[2].quantize(got[16:32].detach()).dequantize())
+        finally:
+            TE.recipe.input_prequantized.reset(token)
+    finally:
+        context.activate(None)
+    assert torch.equal(got[real], want)
+    pad = torch.ones(len(padded), dtype=torch.bool)
+    pad[real] = False
+    assert torch.equal(got[pad], torch.zeros_like(got[pad]))
+    assert torch.equal(passed, got[16:32].detach())  # no second quantization by TE's slot
+    got.sum().backward()
+    assert torch.equal(padded.grad[real], torch.ones_like(padded.grad[real]))  # nothing clips here
+    assert not torch.equal(want, dequantize(quantize(trainer, "nvfp4", scale="row"), torch.bfloat16))
+
+
 def test_sites_that_do_not_quantize_pass_values_through():
     """The experts' fc1 input was quantized per token before dispatch (the MoE layer's fc1_input
     site): TE's slot must not quantize it again. A BF16 site leaves weights and inputs as they are."""
@@ -408,7 +450,8 @@ def test_the_te_spec_is_the_local_spec_with_tes_linears():
 
     linears = TE.spec.te_linears()
     assert linears.config == {"transformer_impl": "transformer_engine", "fp4": "e2m1", "fp4_recipe": "custom",
-                              "fp4_quantizer_factory": TE.spec.FACTORY}
+                              "fp4_quantizer_factory": TE.spec.FACTORY,
+                              "disable_parameter_transpose_cache": True}
     module, _, name = TE.spec.FACTORY.rpartition(".")
     assert getattr(TE.recipe, name) is TE.recipe.trace_fp4_quantizer_factory and module == TE.recipe.__name__
     config = _tiny_config(**linears.config)

@@ -105,7 +105,8 @@ def test_te_spec_computes_what_the_local_spec_does(case, runs):
     local, te_run = runs
     for b in local:
         for mode in MODES:
-            torch.testing.assert_close(te_run[b]["logits"][mode], local[b]["logits"][mode], atol=0.05, rtol=0.01)
+            torch.testing.assert_close(te_run[b]["logits"][mode], local[b]["logits"][mode], atol=0.05, rtol=0.01,
+                                       msg=lambda m, mode=mode, b=b: f"batch {b}, {mode}: {m}")
         assert not torch.equal(te_run[b]["logits"]["fp4-rne"], te_run[b]["logits"]["bf16"])
         assert all(te_run[b]["finite"])
         assert set(te_run[b]["grads"]) == set(local[b]["grads"])  # TE's grouped weights under the local names
