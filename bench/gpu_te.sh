@@ -55,7 +55,7 @@ for step in "$@"; do
     bench)  # training step, TE spec vs local spec, Qwen3-30B-A3B shape (4 layers), in one process
       export PYTHONPATH=/tmp/site
       python3 bench/train_step.py --model qwen3-30b-a3b --layers 4 --tokens 16384 --seq-len 2048 \
-        --modes bf16,fp4-rne,fp4-guided --transformer-impl local,transformer_engine --record 2>&1 \
+        --modes bf16,fp4-rne,fp4-guided --transformer-impl local,transformer_engine --record ${PROFILE:+--profile} 2>&1 \
         | tr '\r' '\n' | grep -v '%|' | tee "$OUT/te_train_step.log" | tail -n 20
       cp bench/results/train_step_te.* "$OUT/" ;;
     *)

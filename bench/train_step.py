@@ -254,11 +254,14 @@ def main() -> None:
             from torch.profiler import ProfilerActivity, profile
             for mode in args.modes.split(","):
                 set_precision(model, mode)
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                     step(mode, 1)
                     sync()
+                table = prof.key_averages()
                 print(f"--- {impl} {mode}: top CUDA kernels of one step")
-                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+                print(table.table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+                print(f"--- {impl} {mode}: top host operations of one step (self CPU time)")
+                print(table.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60))
         del model, opt, step
         if dev.type == "cuda":
             torch.cuda.empty_cache()

@@ -14,9 +14,8 @@ never run here: `TraceNVFP4Quantizer` says what is and is not covered).
 Which site a quantizer serves (weight amax groups, guidance rows) is the `active_site` of the
 module running (TRACE's TE modules, te/spec.py, set it around their forward); without one,
 weights get one global scale over the local tensor and inputs one per row, unguided.
-Not yet run inside TE's modules: that needs TE's extension, built on a GPU machine
-(docs/notes/te-fp4-recipe.md, bench/gpu_te.sh); the quantizers are tested on the CPU against
-TE's own classes.
+Tested on the CPU against TE's own classes, and inside TE's modules on an H200 with TE built
+there (bench/gpu_te.sh; what passed and what is open: docs/notes/te-fp4-recipe.md).
 """
 
 from __future__ import annotations
