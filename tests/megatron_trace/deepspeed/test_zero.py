@@ -29,12 +29,15 @@ VOCAB, SEQ, STEPS, RANKS = 128, 16, 3, 2
 ADAMW = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 STAGES = (1, 2, 3)
 VARIANTS = ("fp32", "bf16", "fp4")
-# ZeRO-3 vs one process, max |weight difference| after 3 steps (weights ~0.1, Adam steps ~1e-2).
-# Measured 9.5e-7 in fp32 and 6.3e-7 in fp4 (the note: 2.8e-7, 2.5e-6): the first backward's
-# gradients are within 7.5e-8 (fp4: 4.8e-8), bit-identical from the loss back to the last layer's
-# MoE block and apart from its attention on; Adam magnifies that where a gradient is near eps.
-# FP4 gets more room: a weight that crosses a rounding boundary moves its code by a whole step.
-ZERO3_ATOL = {"fp32": 2e-6, "fp4": 5e-6}
+# ZeRO-3 vs one process, |weight difference| after 3 steps (weights ~0.1, Adam steps ~1e-2): the
+# first backward's gradients are within 7.5e-8 (fp4: 4.8e-8), bit-identical from the loss back to
+# the last layer's MoE block and apart from its attention on; Adam magnifies that where a gradient
+# is near eps, and which few elements do so depends on the CPU's float kernels. Measured max
+# 9.5e-7 (fp32) and 6.3e-7 (fp4) on one Xeon, 7.0e-6 and 5.8e-6 on another (2026-12-05: 7 and 3
+# of 91,008 elements above 1e-6, mean 1.2e-8 and 3.2e-9). So: the mean stays at float32 noise,
+# at most 0.1% of the elements drift past 1e-6, none by 1% of one Adam step. A partitioning or
+# reduction fault moves many elements by a whole step (1e-2).
+ZERO3_MEAN, ZERO3_FEW, ZERO3_MAX = 1e-7, 1e-6, 1e-4
 
 
 def tiny_model(variant: str) -> Qwen3MoeForCausalLM:
@@ -163,7 +166,11 @@ def test_zero3_within_tolerance_of_one_process(zero, one_process, variant):
     runs = zero[3, variant]
     assert all(run["whole"] == 0 for run in runs)  # every parameter really partitioned
     assert_bitwise(runs[0]["weights"], runs[1]["weights"])  # the gathered weights are one model
-    assert max_diff(runs[0]["weights"], ref["weights"]) <= ZERO3_ATOL[variant]
+    d = torch.cat([(runs[0]["weights"][n].float() - ref["weights"][n].float()).abs().reshape(-1)
+                   for n in ref["weights"]])
+    assert float(d.mean()) <= ZERO3_MEAN, f"mean |difference| {float(d.mean()):.3g}"
+    assert int((d > ZERO3_FEW).sum()) <= d.numel() // 1000, f"{int((d > ZERO3_FEW).sum())} elements past {ZERO3_FEW}"
+    assert float(d.max()) <= ZERO3_MAX, f"max |difference| {float(d.max()):.3g}"
     first = torch.stack([run["losses"][0] for run in runs])
     assert torch.equal(first, torch.stack(ref["losses"][0]))  # same forward before any update
 
