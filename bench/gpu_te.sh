@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Transformer Engine 2.20.2 on the GPU machine (device tool, nvidia-h200), for issue 26's GPU tests.
-# First run on 2026-12-05 (bench/results/te_*_2026-12-05_h200.*).
+# First run on 2026-12-05 (bench/results/te_gpu_tests_2026-12-05a_h200.log, train_step_te_2026-12-05a_h200.*).
 #   bash bench/te_h200/build_bundle.sh .te      # here, once
 # TE's core wheel travels in pieces, one device call each, onto one warm machine (calls chained
 # without a pause: an idle machine is given back after 30 s):
 #   carry [".te/core.part00"]: bash bench/gpu_te.sh part      ... one call per piece (54 MiB + the repo's 5)
-#   carry [".te/whl", ".te/SHA256", ".te/CORE_NAME", ".whl"]: bash bench/gpu_te.sh install test
+#   carry [".te/whl", ".te/SHA256", ".te/CORE_NAME", ".whl"]: bash bench/gpu_te.sh install diff test bench
 # install builds TE's torch extension (90 s on 16 cores) and returns its wheel in $OUT: put it in .te/ext/
 # and carry that too, and later machines skip the build.
 # part keeps what arrived (a warm machine keeps ignored folders, so .te/ fills up piece by piece);

@@ -29,7 +29,6 @@ def _outputs(model, mode, ids, pos, psp, guidance):
                 seen[name] = t.detach().float().clone()
         hooks.append(m.register_forward_hook(hook))
     set_precision(model, mode)
-    model.set_is_first_microbatch()
     try:
         with torch.no_grad():
             model(ids, pos, None, packed_seq_params=psp, guidance=guidance if mode == "fp4-guided" else None)
