@@ -94,11 +94,19 @@ class _CachedSTE(torch.autograd.Function):
         return (None, None, *(g.unbind(0) if ctx.stacked else (g,)))
 
 
+def _memory_key(t: torch.Tensor) -> tuple:
+    """What a tensor's values are: its memory and view, shared by the parameter and every alias of
+    it (`w.detach()`, as TE's quantizers receive a weight). id() would not do: an alias is a new
+    object, and a freed alias's id is soon another weight's."""
+    return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype
+
+
 def _cached(params: list[torch.Tensor], compute, peers: tuple = ()):
     """compute() -> QTensor of the weight(s); cached as (dequantized weight, STE mask). `peers`:
     other tensors the result depends on (a shared global scale's)."""
-    key = tuple(id(p) for p in (*params, *peers))
-    version = tuple(p._version for p in (*params, *peers))
+    tensors = (*params, *peers)
+    key = tuple(_memory_key(t) for t in tensors)
+    version = tuple(t._version for t in tensors)  # aliases share the parameter's version counter
     hit = _weight_cache.get(key)
     if hit is None or hit[0] != version:
         with torch.no_grad():
@@ -106,7 +114,8 @@ def _cached(params: list[torch.Tensor], compute, peers: tuple = ()):
             q = compute(w)
             w_q = dequantize(q, w.dtype).reshape(w.shape)
             inside = ste_mask(w, q)
-        hit = _weight_cache[key] = (version, w_q, inside)
+        # the entry holds its tensors, so their memory is not freed and reused inside the scope
+        hit = _weight_cache[key] = (version, w_q, inside, tensors)
     return _CachedSTE.apply(hit[1], hit[2], *params)
 
 

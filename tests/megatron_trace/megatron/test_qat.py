@@ -56,3 +56,19 @@ def test_bf16_sites_leave_weights_alone():
     site = FP4Site(name="proj", layer=0)
     (w,) = _weights(shapes=((32, 32),))
     assert site.quantize_weight(w) is w
+
+
+def test_the_cache_knows_a_weight_by_its_memory_not_by_the_object_passed():
+    """TE's quantizers get `weight.detach()`, a new object per call whose id a freed alias of
+    another expert soon had: each expert must still get its own weight, and an alias of a
+    weight already quantized in the scope must find it."""
+    site = FP4Site(name="fc1", layer=0, precision=TrainerPrecision.FP4_RNE)
+    ws = _weights(seed=2, shapes=((64, 48),) * 4)
+    want = [dequantize(quantize(w.detach()), torch.bfloat16) for w in ws]
+    with cached_weights(), torch.no_grad():
+        first = [site.quantize_weight(w.detach()) for w in ws]
+        again = [site.quantize_weight(w.detach()) for w in ws]
+        assert all(torch.equal(a, b) for a, b in zip(first, want, strict=True))
+        assert all(a.data_ptr() == b.data_ptr() for a, b in zip(first, again, strict=True))  # quantized once
+        ws[0].mul_(2)  # an update through the parameter reaches its aliases' version counter
+        assert torch.equal(site.quantize_weight(ws[0].detach()), dequantize(quantize(ws[0].detach()), torch.bfloat16))

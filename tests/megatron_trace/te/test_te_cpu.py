@@ -295,6 +295,32 @@ def test_a_weight_site_reduces_its_amax_over_the_logical_tensor():
     assert not torch.equal(held, q.quantize(w).dequantize())  # without the site: the local amax
 
 
+
+def test_each_expert_weight_slot_gets_its_own_weight_under_the_trainers_cache():
+    """A grouped linear's weight slots inside `qat.cached_weights()` (the trainer's micro-batches):
+    each slot gets a new alias of its weight and must give back that expert's FP4 weight (the
+    cache once knew weights by the id of the object passed, which a freed alias passes on:
+    tests/megatron_trace/megatron/test_qat.py shows that case)."""
+    from megatron_trace.megatron.qat import FP4Site, cached_weights
+    from megatron_trace.modes import TrainerPrecision
+
+    recipe = TE.recipe
+    site = FP4Site(name="fc1", layer=0, precision=TrainerPrecision.FP4_RNE, all_experts=True, quantizes_input=False)
+    ws = [torch.nn.Parameter(torch.randn(32, 64, dtype=torch.bfloat16) * (i + 1)) for i in range(4)]
+    slots = [recipe.trace_fp4_quantizer_factory(TE.QuantizerRole(module_type="grouped_linear", tensor_type="weight"))
+             for _ in ws]
+    token = recipe.active_site.set(site)
+    try:
+        with cached_weights():
+            for _ in range(2):  # two micro-batches
+                held = [q.quantize(w.detach()).dequantize() for q, w in zip(slots, ws, strict=True)]
+                for w, h in zip(ws, held, strict=True):
+                    torch.testing.assert_close(h, dequantize(quantize(w.detach(), "nvfp4"), torch.bfloat16),
+                                               rtol=0, atol=0)
+    finally:
+        recipe.active_site.reset(token)
+
+
 # -- a quantizer at its FP4 site: the local spec's math, TE's grouped GEMM padding dropped --------
 def _at_site(site, fn):
     token = TE.recipe.active_site.set(site)
