@@ -5,7 +5,10 @@ the torch reference, bit for bit, for every format and mode.
 
 Throughput: quantize and dequantize of bf16 tensors, as achieved bytes/s (bf16 read once,
 codes and scales written once; the reverse for dequantize) over the device-copy bandwidth
-measured in the same run, beside the torch reference and torchao's NVFP4 quantizer.
+measured in the same run, beside the torch reference and torchao's NVFP4 quantizer; and the
+trainer's fake quantization (values and straight-through mask, RNE and guided) in one kernel
+against the three-step chain it replaced (quantize, dequantize, `ste_mask`), which the
+self-check also compares bit for bit.
 
     python bench/fp4_quantize.py                      # self-check + table for this device
     python bench/fp4_quantize.py --record             # also write bench/results/fp4_quantize_*.{md,json}
@@ -32,11 +35,14 @@ from tqdm import tqdm  # noqa: E402
 
 from trace_kernels.fp4 import (  # noqa: E402
     dequantize,
+    fake_quantize_guided_ste,
+    fake_quantize_ste,
     pack_bits,
     quantize,
     quantize_guided,
     unpack_codes,
 )
+from trace_kernels.fp4.api import ste_mask  # noqa: E402
 
 CASES = [("nvfp4", "row"), ("nvfp4", "tensor"), ("mxfp4", None)]
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -62,6 +68,39 @@ def self_check(device: str) -> list[str]:
             same = same and torch.equal(da.view(torch.int16), db.view(torch.int16))
             if not same:
                 failures.append(f"{fmt}/{scale}/{rounding}")
+    return failures + fake_self_check(x)
+
+
+def three_step_fake(x, guidance=None, backend="auto", **kw):
+    """The fake quantization chain before the fused kernel: (values, STE mask)."""
+    q = (quantize_guided(x, *guidance, backend=backend, check_finite=False) if guidance
+         else quantize(x, backend=backend, check_finite=False, **kw))
+    return dequantize(q, x.dtype, backend=backend), ste_mask(x, q)
+
+
+def fake_guidance(x):
+    q = quantize(x, scale="row")
+    return q.global_scale, q.block_scales, pack_bits(unpack_codes(q.codes) & 1)
+
+
+def fake_self_check(x) -> list[str]:
+    """The one-pass fake quantization against the three-step chain on the Triton backend: the
+    values' bits and the mask, dynamic and clipping global scales, RNE and guided."""
+    amax = x.float().abs().amax(-1, keepdim=True)
+    cases = {"row": dict(scale="row"), "row/given": dict(scale="row", global_amax=amax / 3),
+             "tensor": dict(scale="tensor"), "tensor/given": dict(global_amax=amax.max() / 3)}
+    failures = []
+    for name, kw in cases.items():
+        kw = dict(kw, backend="triton")
+        pairs = [(fake_quantize_ste(x, check_finite=False, **kw), three_step_fake(x, **kw))]
+        if name == "row":
+            guidance = fake_guidance(x)
+            x_t = (x.float() * 1.2).bfloat16()
+            pairs.append((fake_quantize_guided_ste(x_t, *guidance, backend="triton", check_finite=False),
+                          three_step_fake(x_t, guidance, backend="triton")))
+        for i, ((a, ma), (b, mb)) in enumerate(pairs):
+            if not (torch.equal(a.view(torch.int16), b.view(torch.int16)) and torch.equal(ma, mb)):
+                failures.append(f"fake/{name}{'/guided' if i else ''}")
     return failures
 
 
@@ -140,12 +179,29 @@ def run(sizes: list[tuple[int, int]], device: str) -> tuple[float, list[dict]]:
             t = time_fn(lambda: quantize_guided(x, *args, check_finite=False), device)
             row["guided_triton_us"] = t * 1e6
             row["guided_over_plain"] = t * 1e6 / row["quantize_triton_us"]
+        if fmt == "nvfp4" and "triton" in impls:
+            time_fake(row, x, scale, device)
         if ao is not None and fmt == "nvfp4" and scale == "tensor":
             t = time_fn(lambda: ao(x), device)
             row["quantize_torchao_us"] = t * 1e6
             row["quantize_torchao_frac"] = q_bytes / t / bw
         rows.append(row)
     return bw, rows
+
+
+def time_fake(row: dict, x, scale: str, device: str) -> None:
+    """Fake quantization (amax in the kernel for rows, aminmax for the tensor): the three-step
+    chain, the fused kernel with the mask and without; guided beside them for rows."""
+    row["fake_3step_us"] = time_fn(lambda: three_step_fake(x, scale=scale), device) * 1e6
+    row["fake_fused_us"] = time_fn(lambda: fake_quantize_ste(x, scale=scale, check_finite=False), device) * 1e6
+    row["fake_nomask_us"] = time_fn(
+        lambda: fake_quantize_ste(x, scale=scale, check_finite=False, with_mask=False), device) * 1e6
+    row["fake_speedup"] = row["fake_3step_us"] / row["fake_fused_us"]
+    if scale == "row":
+        guidance = fake_guidance(x)
+        row["fake_guided_3step_us"] = time_fn(lambda: three_step_fake(x, guidance), device) * 1e6
+        row["fake_guided_fused_us"] = time_fn(
+            lambda: fake_quantize_guided_ste(x, *guidance, check_finite=False), device) * 1e6
 
 
 def table(rows: list[dict]) -> str:
@@ -156,12 +212,14 @@ def table(rows: list[dict]) -> str:
                 "dequantize_triton", "dequantize_torch_ref"):
         if any(f"{key}_us" in r for r in rows):
             cols += [f"{key}_us", f"{key}_frac"]
+    cols += [c for c in ("fake_3step_us", "fake_fused_us", "fake_nomask_us", "fake_speedup", "fake_guided_3step_us",
+                         "fake_guided_fused_us") if any(c in r for r in rows)]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         cells = []
         for c in cols:
             v = r.get(c, "")
-            precise = (c.endswith("_frac") or c.endswith("_over_plain")) and v != ""
+            precise = (c.endswith("_frac") or c.endswith("_over_plain") or c.endswith("_speedup")) and v != ""
             cells.append(f"{v:.3f}" if precise else f"{v:.1f}" if isinstance(v, float) else str(v))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -187,7 +245,9 @@ def main() -> None:
               f"Measured copy bandwidth (read + write): {bw / 1e12:.3f} TB/s. `_frac` = achieved bytes/s "
               f"over it (bf16 in, packed codes + scales out, counted once). Quantize columns time "
               f"`check_finite=False`; `_checked` adds the NaN/Inf check (a host sync). Tensor-scaled "
-              f"NVFP4 includes its amax pass.\n\n"
+              f"NVFP4 includes its amax pass. `fake_*`: bf16 values and bool STE mask, the three-step "
+              f"chain (quantize, dequantize, ste_mask) against the fused kernel (`nomask`: values only); "
+              f"`fake_speedup` = 3step / fused.\n\n"
               f"Command: `python bench/fp4_quantize.py --record{' --sizes ' + args.sizes if args.sizes else ''}`\n")
     text = header + "\n" + table(rows) + "\n"
     print(text)

@@ -65,6 +65,41 @@ def _raise_nonfinite(where: str) -> None:
     raise ValueError(f"FP4 quantize input contains NaN or Inf ({where}); refusing to produce codes")
 
 
+def _check_quantize_args(x, fmt, scale, rounding, seed, global_amax, check_finite):
+    """`quantize`'s argument checks; returns (Format, row_scale, global_amax float32 on x's device
+    or None)."""
+    fmt = _parse_format(fmt)
+    _validate_input(x, fmt)
+    if fmt is Format.MXFP4 and scale is not None:
+        raise ValueError(f"mxfp4 has no global scale, so scale must be None (got {scale!r})")
+    scale = scale or "tensor"
+    if scale not in SCALE_MODES:
+        raise ValueError(f"unknown scale mode {scale!r}; choose one of {SCALE_MODES}")
+    if rounding not in ROUNDING_MODES:
+        raise ValueError(f"unknown rounding {rounding!r}; choose one of {ROUNDING_MODES}")
+    if seed is not None and rounding != "stochastic":
+        raise ValueError("seed is only used by rounding='stochastic'")
+    row_scale = fmt is Format.NVFP4 and scale == "row"
+    if global_amax is not None:
+        if fmt is not Format.NVFP4:
+            raise ValueError("global_amax applies only to nvfp4")
+        want = tuple(x.shape[:-1]) + (1,) if row_scale else ()
+        if tuple(global_amax.shape) != want:
+            raise ValueError(f"global_amax must have shape {want} for scale={scale!r} and x of shape "
+                             f"{tuple(x.shape)}, got {tuple(global_amax.shape)}")
+        if check_finite and not bool((torch.isfinite(global_amax) & (global_amax >= 0)).all()):
+            raise ValueError("global_amax must be a finite non-negative amax")
+        # On x's device: a CPU 0-d divisor would be a CUDA scalar, divided by reciprocal.
+        global_amax = global_amax.to(x.device, torch.float32)
+    return fmt, row_scale, global_amax
+
+
+def _tensor_amax(x_MK: torch.Tensor) -> torch.Tensor:
+    """max |x| as a 0-d float32 (NaN if any element is), in one pass over x."""
+    lo, hi = torch.aminmax(x_MK)
+    return torch.maximum(-lo, hi).float()
+
+
 def quantize(
     x: torch.Tensor,
     fmt: str | Format = "nvfp4",
@@ -105,34 +140,12 @@ def quantize(
         ValueError: unsupported dtype, format, scale, rounding or backend; a last dimension
             that is not a multiple of the block size; NaN or Inf in `x`.
     """
-    fmt = _parse_format(fmt)
-    _validate_input(x, fmt)
-    if fmt is Format.MXFP4 and scale is not None:
-        raise ValueError(f"mxfp4 has no global scale, so scale must be None (got {scale!r})")
-    scale = scale or "tensor"
-    if scale not in SCALE_MODES:
-        raise ValueError(f"unknown scale mode {scale!r}; choose one of {SCALE_MODES}")
-    if rounding not in ROUNDING_MODES:
-        raise ValueError(f"unknown rounding {rounding!r}; choose one of {ROUNDING_MODES}")
+    fmt, row_scale, global_amax = _check_quantize_args(x, fmt, scale, rounding, seed, global_amax, check_finite)
     stochastic = rounding == "stochastic"
-    if seed is not None and not stochastic:
-        raise ValueError("seed is only used by rounding='stochastic'")
     if stochastic and seed is None:
         seed = int(torch.randint(0, 2**62, ()).item())
     key = seed_key(seed) if stochastic else 0
     mx_rule = MXScaleRule(mx_scale_rule)
-    row_scale = fmt is Format.NVFP4 and scale == "row"
-    if global_amax is not None:
-        if fmt is not Format.NVFP4:
-            raise ValueError("global_amax applies only to nvfp4")
-        want = tuple(x.shape[:-1]) + (1,) if row_scale else ()
-        if tuple(global_amax.shape) != want:
-            raise ValueError(f"global_amax must have shape {want} for scale={scale!r} and x of shape "
-                             f"{tuple(x.shape)}, got {tuple(global_amax.shape)}")
-        if check_finite and not bool((torch.isfinite(global_amax) & (global_amax >= 0)).all()):
-            raise ValueError("global_amax must be a finite non-negative amax")
-        # On x's device: a CPU 0-d divisor would be a CUDA scalar, divided by reciprocal.
-        global_amax = global_amax.to(x.device, torch.float32)
 
     lead, k = x.shape[:-1], x.shape[-1]
     x_MK = x.reshape(-1, k).contiguous()
@@ -140,8 +153,7 @@ def quantize(
 
     if _use_triton(x, backend):
         if need_amax:
-            lo, hi = torch.aminmax(x_MK)
-            global_amax = torch.maximum(-lo, hi).float()
+            global_amax = _tensor_amax(x_MK)
         row_amax = global_amax.reshape(-1) if row_scale and global_amax is not None else None
         packed, scale_bytes, g, bad = triton_fp4.quantize_rows_triton(
             x_MK, fmt, row_scale, stochastic, key, None if row_scale else global_amax, mx_rule, row_amax=row_amax
@@ -356,18 +368,99 @@ def ste_mask(x: torch.Tensor, q: QTensor) -> torch.Tensor:
 
 
 class _FakeQuantizeSTE(torch.autograd.Function):
-    """quantize_fn(x) -> QTensor, then dequantize; gradient passes where x was not clipped."""
+    """fake_fn(x) -> (fake-quantized x, STE mask or None); the gradient passes where the mask is
+    set (the mask is None only where no gradient is wanted)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, quantize_fn, backend: str) -> torch.Tensor:
-        q = quantize_fn(x.detach())
-        ctx.save_for_backward(ste_mask(x, q))
-        return dequantize(q, x.dtype, backend=backend)
+    def forward(ctx, x: torch.Tensor, fake_fn) -> torch.Tensor:
+        out, inside = fake_fn(x.detach())
+        ctx.save_for_backward(inside)
+        return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (inside,) = ctx.saved_tensors
-        return grad * inside, None, None
+        return grad * inside, None
+
+
+def _wants_grad(x: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and x.requires_grad
+
+
+def _fusable(x: torch.Tensor, backend: str) -> bool:
+    """Whether x may take the one-pass BF16 fake quantization kernel (before its layout is checked)."""
+    return x.dtype == torch.bfloat16 and _use_triton(x, backend)
+
+
+def fake_quantize_ste(
+    x: torch.Tensor,
+    fmt: str | Format = "nvfp4",
+    scale: str | None = None,
+    rounding: str = "rne",
+    seed: int | None = None,
+    *,
+    global_amax: torch.Tensor | None = None,
+    mx_scale_rule: str | MXScaleRule = "floor",
+    backend: str = "auto",
+    check_finite: bool = True,
+    with_mask: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`fake_quantize`'s values and straight-through mask, without autograd.
+
+    BF16 NVFP4 with rounding="rne" on the Triton backend takes one kernel that reads x once and
+    writes the values and the mask (`triton_fp4.fake_quantize_bf16_triton`); anything else
+    quantizes, dequantizes and compares (`ste_mask`) in three steps. The results are the same.
+
+    Args:
+        x, fmt, scale, rounding, seed, global_amax, mx_scale_rule, backend, check_finite: as `quantize`.
+        with_mask: compute the mask (else None is returned for it).
+    Returns:
+        (dequantize(quantize(x, ...), x.dtype) of x's shape and dtype, bool mask of x's shape or None).
+    """
+    if rounding == "rne" and _parse_format(fmt) is Format.NVFP4 and _fusable(x, backend):
+        _validate_input(x, Format.NVFP4)
+        x_MK = x.reshape(-1, x.shape[-1]).contiguous()
+        if triton_fp4.fusable(x_MK):
+            _, row_scale, amax = _check_quantize_args(x, fmt, scale, rounding, seed, global_amax, check_finite)
+            if not row_scale and amax is None:
+                amax = _tensor_amax(x_MK)
+            out, mask, _, _, bad = triton_fp4.fake_quantize_bf16_triton(
+                x_MK, row_scale, None if row_scale else amax, amax.reshape(-1) if row_scale and amax is not None
+                else None, with_mask=with_mask)
+            if check_finite and bool(bad.any()):
+                _raise_nonfinite("detected by the Triton kernel")
+            return out.reshape(x.shape), None if mask is None else mask.reshape(x.shape)
+    q = quantize(x, fmt, scale, rounding, seed, global_amax=global_amax, mx_scale_rule=mx_scale_rule,
+                 backend=backend, check_finite=check_finite)
+    return dequantize(q, x.dtype, backend=backend), ste_mask(x, q) if with_mask else None
+
+
+def fake_quantize_guided_ste(x: torch.Tensor, global_scale: torch.Tensor, block_scales: torch.Tensor,
+                             mantissa_bits: torch.Tensor, *, backend: str = "auto", check_finite: bool = True,
+                             with_mask: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`fake_quantize_guided`'s values and straight-through mask, without autograd; one kernel
+    for BF16 x on the Triton backend, as `fake_quantize_ste`. Arguments as `quantize_guided`.
+
+    Returns:
+        (dequantize(quantize_guided(x, ...), x.dtype), bool mask of x's shape or None).
+    """
+    if _fusable(x, backend):
+        _validate_input(x, Format.NVFP4)
+        _check_guidance_shapes(x, global_scale, block_scales, mantissa_bits)
+        k = x.shape[-1]
+        x_MK = x.reshape(-1, k).contiguous()
+        bits_MP = mantissa_bits.reshape(-1, k // 8).contiguous()
+        if triton_fp4.fusable(x_MK, bits_MP):
+            if check_finite:
+                _check_guidance_values(global_scale, block_scales)
+            guidance = (global_scale.reshape(-1).contiguous(),
+                        block_scales.reshape(-1, k // 16).contiguous().view(torch.uint8), bits_MP)
+            out, mask, _, _, bad = triton_fp4.fake_quantize_bf16_triton(x_MK, guidance=guidance, with_mask=with_mask)
+            if check_finite and bool(bad.any()):
+                _raise_nonfinite("detected by the Triton kernel")
+            return out.reshape(x.shape), None if mask is None else mask.reshape(x.shape)
+    q = quantize_guided(x, global_scale, block_scales, mantissa_bits, backend=backend, check_finite=check_finite)
+    return dequantize(q, x.dtype, backend=backend), ste_mask(x, q) if with_mask else None
 
 
 def fake_quantize(x: torch.Tensor, fmt: str | Format = "nvfp4", scale: str | None = None,
@@ -376,15 +469,18 @@ def fake_quantize(x: torch.Tensor, fmt: str | Format = "nvfp4", scale: str | Non
 
     The gradient passes unchanged where the element was rounded and is zero where it was
     clipped: |x| >= 7 * block scale * g, beyond the rounding range of the largest code 6
-    (see `block_clip_bound`). Arguments as `quantize`.
+    (see `block_clip_bound`). Arguments as `quantize`; BF16 NVFP4 RNE on the GPU is one pass
+    (`fake_quantize_ste`).
 
     Returns:
         tensor of x's shape and dtype.
     """
-    def quantize_fn(t):
-        return quantize(t, fmt, scale, rounding, seed, **kwargs)
+    with_mask = _wants_grad(x)
 
-    return _FakeQuantizeSTE.apply(x, quantize_fn, kwargs.get("backend", "auto"))
+    def fake_fn(t):
+        return fake_quantize_ste(t, fmt, scale, rounding, seed, with_mask=with_mask, **kwargs)
+
+    return _FakeQuantizeSTE.apply(x, fake_fn)
 
 
 def fake_quantize_guided(x: torch.Tensor, global_scale: torch.Tensor, block_scales: torch.Tensor,
@@ -392,7 +488,9 @@ def fake_quantize_guided(x: torch.Tensor, global_scale: torch.Tensor, block_scal
     """`quantize_guided` then dequantize to x.dtype, with the straight-through backward of
     `fake_quantize` (zero gradient where x clipped under the given scales). Shapes as
     `quantize_guided`; returns x's shape and dtype."""
-    def quantize_fn(t):
-        return quantize_guided(t, global_scale, block_scales, mantissa_bits, **kwargs)
+    with_mask = _wants_grad(x)
 
-    return _FakeQuantizeSTE.apply(x, quantize_fn, kwargs.get("backend", "auto"))
+    def fake_fn(t):
+        return fake_quantize_guided_ste(t, global_scale, block_scales, mantissa_bits, with_mask=with_mask, **kwargs)
+
+    return _FakeQuantizeSTE.apply(x, fake_fn)

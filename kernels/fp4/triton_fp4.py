@@ -651,6 +651,36 @@ def _guided_pair_codes(x, a1, a2, a3, b1, b2, b3, bits, INTERPRET: tl.constexpr)
 
 
 @triton.jit
+def _bf16_bits(v, INTERPRET: tl.constexpr):
+    """BF16 bits (uint32, 0..0xFFFF) of float32 v rounded to nearest even, as `_bf16_rne` (the
+    interpreter) and the hardware cast (the GPU) round dequantize's output."""
+    if INTERPRET:
+        bits = v.to(tl.uint32, bitcast=True)
+        return (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    else:
+        return v.to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.uint32)
+
+
+@triton.jit
+def _dequant_pair(codes, s, g, INTERPRET: tl.constexpr):
+    """BF16 pairs (int32 words) of packed code bytes (uint8), as `_dequantize_kernel`:
+    bf16((e2m1 * s) * g), the low nibble in the low half. s, g: float32 broadcastable."""
+    c = codes.to(tl.int32)
+    lo = _bf16_bits((_e2m1_signed(c & 0xF) * s) * g, INTERPRET)
+    hi = _bf16_bits((_e2m1_signed(c >> 4) * s) * g, INTERPRET)
+    return (lo | (hi << 16)).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _inside_pair(x, bound):
+    """`ste_mask` of int32 words of BF16 pairs: |x| < bound (float32; false for NaN on either
+    side, as torch's compare), as two bool bytes in an int16, the low element in the low byte."""
+    a_lo = ((x & 0x7FFF) << 16).to(tl.float32, bitcast=True)
+    a_hi = (x & 0x7FFF0000).to(tl.float32, bitcast=True)
+    return ((a_lo < bound).to(tl.int32) | ((a_hi < bound).to(tl.int32) << 8)).to(tl.int16)
+
+
+@triton.jit
 def _max_u16x2(a, b):
     return tl.inline_asm_elementwise("max.u16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32, is_pure=True, pack=1)
 
@@ -665,7 +695,7 @@ def _max_lanes(a, b):
 def _quantize_bf16_kernel(
     x_ptr, codes_ptr, scales_ptr, g_ptr, bad_ptr, bits_ptr, NB, BPR,
     G_MODE: tl.constexpr, GUIDED: tl.constexpr, ROW_PROGRAM: tl.constexpr, BLOCK_B: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, FAKE: tl.constexpr = False, MASK_OUT: tl.constexpr = False, mask_ptr=None,
 ):
     """Row- or tensor-scaled NVFP4 (RNE) or guided codes of BF16 rows, the same values as
     `_quantize_kernel`, by threshold comparisons (see above).
@@ -675,6 +705,10 @@ def _quantize_bf16_kernel(
     half block), so per-block work (scales, thresholds) is done once per block. G_MODE as
     `_quantize_kernel` (G_ROW_AMAX needs ROW_PROGRAM). GUIDED: block scale bytes from
     scales_ptr, the mantissa bits from bits_ptr (int16: one word per block), g per row.
+    FAKE: codes_ptr (int32 words of BF16 pairs, [NB, 8]) receives the dequantized values instead
+    of packed codes, as `dequantize(q, torch.bfloat16)`: fake quantization in one pass. MASK_OUT
+    (with FAKE): mask_ptr (int16 words of two bool bytes, [NB, 8]) receives `ste_mask`, |x| <
+    7 * (s * g), s the stored scale byte's value.
     """
     pid = tl.program_id(0).to(tl.int64)
     if ROW_PROGRAM:
@@ -717,6 +751,18 @@ def _quantize_bf16_kernel(
         s, scale_byte = _nvfp4_block_scales(block_amax, g)
         tl.store(scales_ptr + b_idx, scale_byte.to(tl.uint8), mask=b_mask)
     u = s * g
+    if FAKE:
+        # The values and the bound from the scale byte as stored, as dequantize and ste_mask read
+        # it (the same value as s, except for blocks holding NaN under the interpreter).
+        if GUIDED:
+            s_q = s
+        else:
+            s_q = _e4m3_value(scale_byte.to(tl.uint8).to(tl.int32))
+        if G_MODE == 2 and not ROW_PROGRAM:
+            g_q = g[:, None]
+        else:
+            g_q = g
+        bound = (7.0 * (s_q * g))[:, None]  # block_clip_bound: fl32(7 * fl32(s * g))
 
     if GUIDED:
         a1, a2, a3, b1, b2, b3 = _guided_thresholds(u, INTERPRET)
@@ -734,7 +780,12 @@ def _quantize_bf16_kernel(
         else:
             codes = _rne_pair_codes(xh, t1[:, None], t2[:, None], t3[:, None], t4[:, None], t5[:, None],
                                     t6[:, None], t7[:, None], INTERPRET)
-        tl.store(codes_ptr + offs + 4 * h, codes, mask=mask)
+        if FAKE:
+            tl.store(codes_ptr + offs + 4 * h, _dequant_pair(codes, s_q[:, None], g_q, INTERPRET), mask=mask)
+            if MASK_OUT:
+                tl.store(mask_ptr + offs + 4 * h, _inside_pair(xh, bound), mask=mask)
+        else:
+            tl.store(codes_ptr + offs + 4 * h, codes, mask=mask)
     if G_MODE != 3:
         bad = tl.max((amax_bits >= 0x7F80).to(tl.int32), axis=0)
         tl.store(bad_ptr + pid, bad.to(tl.uint8))
@@ -764,20 +815,68 @@ def _bf16_launch(row_program: bool, m: int, nb: int, bpr: int, guided: bool = Fa
     return block_b, grid, warps
 
 
-def _quantize_bf16(x_MK, codes, scales, g, g_mode, bits=None):
-    """Launch `_quantize_bf16_kernel` over contiguous BF16 rows; returns the non-finite flags."""
+def _quantize_bf16(x_MK, codes, scales, g, g_mode, bits=None, mask=None):
+    """Launch `_quantize_bf16_kernel` over contiguous BF16 rows; returns the non-finite flags.
+    codes: packed codes uint8 [M, K/2], or bf16 [M, K] for the dequantized values (FAKE); mask:
+    bool [M, K] for the straight-through mask (FAKE only), or None."""
     m, k = x_MK.shape
     nb, bpr = m * k // 16, k // 16
+    fake = codes.dtype == torch.bfloat16
     row_program = g_mode == G_ROW_AMAX or (g_mode == G_ROW and k <= MAX_ROW_ELEMENTS)
     block_b, grid, warps = _bf16_launch(row_program, m, nb, bpr, bits is not None)
     bad = torch.empty((grid,), dtype=torch.uint8, device=x_MK.device)
     if grid:
+        out = codes.view(torch.int32) if fake else codes
         _quantize_bf16_kernel[(grid,)](
-            x_MK.view(torch.int32), codes, scales, g, bad, codes if bits is None else bits.view(torch.int16), nb, bpr,
+            x_MK.view(torch.int32), out, scales, g, bad, out if bits is None else bits.view(torch.int16), nb, bpr,
             G_MODE=g_mode, GUIDED=bits is not None, ROW_PROGRAM=row_program, BLOCK_B=block_b,
-            INTERPRET=_interpreting(), num_warps=warps, enable_fp_fusion=False,
+            INTERPRET=_interpreting(), FAKE=fake, MASK_OUT=mask is not None,
+            mask_ptr=None if mask is None else mask.view(torch.int16), num_warps=warps, enable_fp_fusion=False,
         )
     return bad
+
+
+def fusable(x_MK: torch.Tensor, bits: torch.Tensor | None = None) -> bool:
+    """Whether `fake_quantize_bf16_triton` takes these rows (and guidance mantissa bits)."""
+    return _bf16_fast_path(x_MK) and (bits is None or (bits.is_contiguous() and bits.data_ptr() % 2 == 0))
+
+
+def fake_quantize_bf16_triton(
+    x_MK: torch.Tensor,
+    row_scale: bool = True,
+    global_amax: torch.Tensor | None = None,
+    row_amax: torch.Tensor | None = None,
+    guidance: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    with_mask: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """NVFP4 fake quantization (RNE or guided) of BF16 rows and its straight-through mask, in one
+    pass: x read once, values and mask written once (`_quantize_bf16_kernel`, FAKE).
+
+    Args:
+        x_MK: bfloat16 [M, K], `fusable`.
+        row_scale, global_amax, row_amax: as `quantize_rows_triton` (without row_amax, rows of at
+            most MAX_ROW_ELEMENTS get their amax in the kernel).
+        guidance: (g float32 [M], scale bytes uint8 [M, K/16], mantissa bits uint8 [M, K/8]), as
+            `quantize_guided_rows_triton`; then row_scale, global_amax and row_amax are unused.
+        with_mask: also write the mask.
+    Returns:
+        (dequantized values bf16 [M, K], mask bool [M, K] or None, block scale bytes uint8 [M, K/16],
+         global scale float32 ([M] for rows, 0-d for tensor), non-finite flag uint8 per program).
+    """
+    if not fusable(x_MK, None if guidance is None else guidance[2]):
+        raise ValueError("fake_quantize_bf16_triton: rows must be contiguous 16-byte aligned bfloat16, K % 16 == 0, "
+                         "and mantissa bits contiguous and 2-byte aligned")
+    m, k = x_MK.shape
+    dev = x_MK.device
+    out = torch.empty((m, k), dtype=torch.bfloat16, device=dev)
+    mask = torch.empty((m, k), dtype=torch.bool, device=dev) if with_mask else None
+    if guidance is not None:
+        g, scales, bits = guidance
+        bad = _quantize_bf16(x_MK, out, scales, g, G_ROW, bits=bits, mask=mask)
+        return out, mask, scales, g, bad
+    scales = torch.empty((m, k // 16), dtype=torch.uint8, device=dev)
+    g, g_mode = _nvfp4_g(x_MK, row_scale, global_amax, row_amax)
+    return out, mask, scales, g, _quantize_bf16(x_MK, out, scales, g, g_mode, mask=mask)
 
 
 def _interpreting() -> bool:
@@ -800,6 +899,15 @@ def _row_scales(x_MK: torch.Tensor, row_amax: torch.Tensor | None) -> tuple[torc
         return torch.empty((m,), dtype=torch.float32, device=x_MK.device), G_ROW_AMAX
     row_amax = torch.linalg.vector_norm(x_MK, float("inf"), dim=-1, dtype=torch.float32)
     return nvfp4_global_scale(row_amax), G_ROW
+
+
+def _nvfp4_g(x_MK: torch.Tensor, row_scale: bool, global_amax: torch.Tensor | None,
+             row_amax: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """NVFP4's global scale(s) and G_MODE: from global_amax (0-d) for tensor scaling, else as
+    `_row_scales`."""
+    if not row_scale:
+        return nvfp4_global_scale(global_amax.to(x_MK.device)), G_TENSOR
+    return _row_scales(x_MK, row_amax)
 
 
 def _launch_grid(g_mode: int, m: int, nb: int, bs: int) -> tuple[int, int]:
@@ -840,10 +948,8 @@ def quantize_rows_triton(
     scales = torch.empty((m, bpr), dtype=torch.uint8, device=dev)
     if fmt is Format.MXFP4:
         g, g_mode = None, G_NONE
-    elif not row_scale:
-        g, g_mode = nvfp4_global_scale(global_amax.to(dev)), G_TENSOR
     else:
-        g, g_mode = _row_scales(x_MK, row_amax)
+        g, g_mode = _nvfp4_g(x_MK, row_scale, global_amax, row_amax)
     if fmt is Format.NVFP4 and not stochastic and _bf16_fast_path(x_MK):
         return codes, scales, g, _quantize_bf16(x_MK, codes, scales, g, g_mode)
     block_b, grid = _launch_grid(g_mode, m, nb, bs)

@@ -25,13 +25,12 @@ import torch.distributed as dist
 
 from trace_kernels.fp4 import (
     QTensor,
-    dequantize,
     fake_quantize,
     fake_quantize_guided,
+    fake_quantize_ste,
     quantize,
     quantize_guided,
 )
-from trace_kernels.fp4.api import ste_mask
 
 from ..guidance.codec import GuidanceFormatError
 from ..guidance.rows import RowGuidance
@@ -46,8 +45,24 @@ def all_reduce_max(t: torch.Tensor, group) -> torch.Tensor:
     return t
 
 
+def amax(t: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
+    """max |t| (over `dim`, default all) as float32, in one read of t with no temporary the size of
+    t (`t.abs().amax()` writes one); NaN where an element is NaN, as amax."""
+    return torch.linalg.vector_norm(t.detach(), float("inf"), dim=dim, keepdim=keepdim, dtype=torch.float32)
+
+
+def _sharded(group) -> bool:
+    return group is not None and dist.get_world_size(group) > 1
+
+
+def _row_amax(x_RK: torch.Tensor, group) -> torch.Tensor | None:
+    """Each row's amax [R, 1], all-reduced over `group`; None when no other rank holds columns of
+    the rows: the quantizer then takes each row's own amax (on the GPU, inside its kernel)."""
+    return all_reduce_max(amax(x_RK, -1, keepdim=True), group) if _sharded(group) else None
+
+
 def _expert_amax(w_ENK: torch.Tensor, group) -> torch.Tensor:
-    return all_reduce_max(w_ENK.detach().abs().amax(dim=(1, 2)).float().reshape(-1, 1), group)
+    return all_reduce_max(amax(w_ENK, (1, 2)).reshape(-1, 1), group)
 
 
 def fake_quant_expert_weights(w_ENK: torch.Tensor, group=None) -> torch.Tensor:
@@ -102,8 +117,9 @@ def _memory_key(t: torch.Tensor) -> tuple:
 
 
 def _cached(params: list[torch.Tensor], compute, peers: tuple = ()):
-    """compute() -> QTensor of the weight(s); cached as (dequantized weight, STE mask). `peers`:
-    other tensors the result depends on (a shared global scale's)."""
+    """compute(w) -> (fake-quantized weight(s), STE mask), w the parameter or the parameters
+    stacked (`fake_quantize_ste`); cached. `peers`: other tensors the result depends on (a shared
+    global scale's)."""
     tensors = (*params, *peers)
     key = tuple(_memory_key(t) for t in tensors)
     version = tuple(t._version for t in tensors)  # aliases share the parameter's version counter
@@ -111,11 +127,9 @@ def _cached(params: list[torch.Tensor], compute, peers: tuple = ()):
     if hit is None or hit[0] != version:
         with torch.no_grad():
             w = params[0] if len(params) == 1 else torch.stack(params)
-            q = compute(w)
-            w_q = dequantize(q, w.dtype).reshape(w.shape)
-            inside = ste_mask(w, q)
+            w_q, inside = compute(w)
         # the entry holds its tensors, so their memory is not freed and reused inside the scope
-        hit = _weight_cache[key] = (version, w_q, inside, tensors)
+        hit = _weight_cache[key] = (version, w_q.reshape(w.shape), inside.reshape(w.shape), tensors)
     return _CachedSTE.apply(hit[1], hit[2], *params)
 
 
@@ -129,8 +143,7 @@ def fake_quant_rows(x_RK: torch.Tensor, guidance: RowGuidance | None = None, gro
     if guidance is not None:
         g, s, bits = guidance.resolve(x_RK.detach())
         return fake_quantize_guided(x_RK, g, s, bits, check_finite=False)
-    amax = all_reduce_max(x_RK.detach().abs().amax(-1, keepdim=True).float(), group)
-    return fake_quantize(x_RK, "nvfp4", scale="row", global_amax=amax, check_finite=False)
+    return fake_quantize(x_RK, "nvfp4", scale="row", global_amax=_row_amax(x_RK, group), check_finite=False)
 
 
 # Callables (site, x_RK, trainer QTensor, guidance rows or None) told about every quantized
@@ -144,8 +157,7 @@ def quant_rows(x_RK: torch.Tensor, guidance: RowGuidance | None = None, group=No
     x = x_RK.detach()
     if guidance is not None:
         return quantize_guided(x, *guidance.resolve(x), check_finite=False)
-    amax = all_reduce_max(x.abs().amax(-1, keepdim=True).float(), group)
-    return quantize(x, "nvfp4", scale="row", global_amax=amax, check_finite=False)
+    return quantize(x, "nvfp4", scale="row", global_amax=_row_amax(x, group), check_finite=False)
 
 
 def _observe(site: FP4Site, x_RK: torch.Tensor, q: QTensor, guidance: RowGuidance | None) -> None:
@@ -215,15 +227,15 @@ class FP4Site:
             return w
         if _weight_cache is None:
             return fake_quantize(w, "nvfp4", scale="tensor", global_amax=self.weight_amax(w), check_finite=False)
-        return _cached([w], lambda t: quantize(t, "nvfp4", global_amax=self.weight_amax(t), check_finite=False),
-                       self.weight_peers)
+        return _cached([w], lambda t: fake_quantize_ste(t, "nvfp4", global_amax=self.weight_amax(t),
+                                                        check_finite=False), self.weight_peers)
 
     def weight_amax(self, w: torch.Tensor) -> torch.Tensor:
         """The amax of the whole logical tensor: over this shard, its peers' and the other shards."""
-        amax = w.detach().abs().amax().float()
+        m = amax(w)
         for peer in self.weight_peers:
-            amax = torch.maximum(amax, peer.detach().abs().amax().float())
-        return all_reduce_max(amax, self.weight_group)
+            m = torch.maximum(m, amax(peer))
+        return all_reduce_max(m, self.weight_group)
 
     def quantize_expert_weights(self, weights: list[torch.Tensor]) -> torch.Tensor:
         """Fake quant of the local experts' weights (each [N, K]) stacked to [E, N, K], one global
@@ -234,8 +246,8 @@ class FP4Site:
             return fake_quant_expert_weights(torch.stack(weights), self.weight_group)
 
         def compute(w_ENK):
-            return quantize(w_ENK.reshape(w_ENK.shape[0], -1), "nvfp4", scale="row",
-                            global_amax=_expert_amax(w_ENK, self.weight_group), check_finite=False)
+            return fake_quantize_ste(w_ENK.reshape(w_ENK.shape[0], -1), "nvfp4", scale="row",
+                                     global_amax=_expert_amax(w_ENK, self.weight_group), check_finite=False)
         return _cached(list(weights), compute)
 
     def quantize_input(self, x: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 import torch
 
-from megatron_trace.megatron.qat import FP4Site, cached_weights
+from megatron_trace.megatron.qat import FP4Site, amax, cached_weights
 from megatron_trace.modes import TrainerPrecision
 from trace_kernels.fp4 import dequantize, quantize
 
@@ -72,3 +72,17 @@ def test_the_cache_knows_a_weight_by_its_memory_not_by_the_object_passed():
         assert all(a.data_ptr() == b.data_ptr() for a, b in zip(first, again, strict=True))  # quantized once
         ws[0].mul_(2)  # an update through the parameter reaches its aliases' version counter
         assert torch.equal(site.quantize_weight(ws[0].detach()), dequantize(quantize(ws[0].detach()), torch.bfloat16))
+
+
+def test_one_pass_amax_equals_abs_amax_nan_included():
+    """`amax` replaced `t.abs().amax()` (which writes a full-size copy first): same values,
+    NaN propagating, for rows, experts and the whole tensor."""
+    w = torch.randn(3, 8, 32).bfloat16()
+    w[1, 2, 5] = float("nan")
+    w[2, 0, 0] = float("-inf")
+    for dim, keepdim in ((None, False), (-1, True), ((1, 2), False)):
+        want = w.abs().amax() if dim is None else w.abs().amax(dim, keepdim=keepdim)
+        got = amax(w, dim, keepdim)
+        assert got.dtype == torch.float32
+        assert torch.equal(got.isnan(), want.float().isnan())
+        assert torch.equal(got.nan_to_num(), want.float().nan_to_num())
