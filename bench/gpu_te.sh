@@ -6,6 +6,7 @@
 # without a pause: an idle machine is given back after 30 s):
 #   carry [".te/core.part00"]: bash bench/gpu_te.sh part      ... one call per piece (54 MiB + the repo's 5)
 #   carry [".te/whl", ".te/SHA256", ".te/CORE_NAME", ".whl"]: bash bench/gpu_te.sh install diff test bench
+# fp4 runs bench/fp4_quantize.py there too (the trainer's one-pass fake quantization, issue 28).
 # install builds TE's torch extension (90 s on 16 cores) and returns its wheel in $OUT: put it in .te/ext/
 # and carry that too, and later machines skip the build.
 # part keeps what arrived (a warm machine keeps ignored folders, so .te/ fills up piece by piece);
@@ -58,7 +59,11 @@ for step in "$@"; do
         --modes bf16,fp4-rne,fp4-guided --transformer-impl local,transformer_engine --record ${PROFILE:+--profile} 2>&1 \
         | tr '\r' '\n' | grep -v '%|' | tee "$OUT/te_train_step.log" | tail -n 20
       cp bench/results/train_step_te.* "$OUT/" ;;
+    fp4)  # the FP4 kernels beside it on the same machine: the trainer's one-pass fake quant, bit for bit and timed
+      export PYTHONPATH=/tmp/site; touch /tmp/fp4_mark
+      python3 bench/fp4_quantize.py --record 2>&1 | tr '\r' '\n' | grep -v '%|' | tee "$OUT/fp4_quantize.log" | tail -n 30
+      find bench/results -name 'fp4_quantize_*' -newer /tmp/fp4_mark -exec cp {} "$OUT/" \; ;;
     *)
-      echo "unknown step $step (part, install, test, diff, bench)"; exit 2 ;;
+      echo "unknown step $step (part, install, test, diff, bench, fp4)"; exit 2 ;;
   esac
 done

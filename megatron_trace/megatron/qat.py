@@ -92,6 +92,11 @@ def cached_weights():
         _weight_cache = outer
 
 
+def caching_weights() -> bool:
+    """Whether a `cached_weights` scope is open."""
+    return _weight_cache is not None
+
+
 class _CachedSTE(torch.autograd.Function):
     """Returns a cached fake-quantized weight; backward: grad * mask to the parameter(s)
     (stacked along dim 0 when there are several)."""
@@ -116,10 +121,12 @@ def _memory_key(t: torch.Tensor) -> tuple:
     return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype
 
 
-def _cached(params: list[torch.Tensor], compute, peers: tuple = ()):
+def _cached(params: list[torch.Tensor], compute, peers: tuple = (), each: bool = False):
     """compute(w) -> (fake-quantized weight(s), STE mask), w the parameter or the parameters
     stacked (`fake_quantize_ste`); cached. `peers`: other tensors the result depends on (a shared
-    global scale's)."""
+    global scale's). `each`: slice i of a stacked result is also parameter i's own entry (one
+    global scale per parameter, as `quantize_weight` gives it), so that a later call for one
+    expert's weight (TE's grouped linear quantizes expert by expert) finds it."""
     tensors = (*params, *peers)
     key = tuple(_memory_key(t) for t in tensors)
     version = tuple(t._version for t in tensors)  # aliases share the parameter's version counter
@@ -130,6 +137,9 @@ def _cached(params: list[torch.Tensor], compute, peers: tuple = ()):
             w_q, inside = compute(w)
         # the entry holds its tensors, so their memory is not freed and reused inside the scope
         hit = _weight_cache[key] = (version, w_q.reshape(w.shape), inside.reshape(w.shape), tensors)
+        if each and len(params) > 1 and not peers:
+            for p, p_q, p_inside in zip(params, hit[1], hit[2], strict=True):
+                _weight_cache[(_memory_key(p),)] = ((p._version,), p_q, p_inside, (p,))
     return _CachedSTE.apply(hit[1], hit[2], *params)
 
 
@@ -248,7 +258,7 @@ class FP4Site:
         def compute(w_ENK):
             return fake_quantize_ste(w_ENK.reshape(w_ENK.shape[0], -1), "nvfp4", scale="row",
                                      global_amax=_expert_amax(w_ENK, self.weight_group), check_finite=False)
-        return _cached(list(weights), compute)
+        return _cached(list(weights), compute, each=True)
 
     def quantize_input(self, x: torch.Tensor) -> torch.Tensor:
         """Fake-quantize x [..., K] row by row (a row is x's last dimension)."""

@@ -42,7 +42,7 @@ from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
 
 from ..megatron.experts import GroupedExpertSites, TraceSequentialMLP
-from ..megatron.qat import FP4Site, SiteHolder
+from ..megatron.qat import FP4Site, SiteHolder, caching_weights
 from ..megatron.spec import Linears
 from .recipe import TraceNVFP4Quantizer, active_site, input_prequantized, native_nvfp4_default
 
@@ -117,14 +117,16 @@ class TraceTEGroupedMLP(GroupedExpertSites, TEGroupedMLP):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        # The fc2 input is quantized here in one pass over all experts' rows (per-row scales: the
-        # same values as per expert), not by TE's one quantizer call per expert, except on the
-        # native path, where TE's quantizers must produce the FP4 storage themselves.
-        self.prequantize_fc2 = not native_nvfp4_default()
+        # On the emulated path the fc2 input (and, in the trainer, the expert weights) is quantized
+        # here in one pass over all experts (per-row or per-expert scales: the same values as per
+        # expert), not by TE's one quantizer call per expert. The native path leaves it to TE's
+        # quantizers, which must produce the FP4 storage themselves.
+        self.emulated = not native_nvfp4_default()
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         """x [rows, H] (rows grouped by local expert, `tokens_per_expert` int [E] of them), the
         router's weights [rows] -> ([rows, H] in x's dtype, None)."""
+        self._quantize_expert_weights_at_once()
         x, counts = permuted_local_hidden_states, tokens_per_expert.tolist()
         padding = getattr(self, "quantization_padding", None)  # set by TEGroupedMLP under an FP4 recipe
         splits = counts
@@ -134,7 +136,7 @@ class TraceTEGroupedMLP(GroupedExpertSites, TEGroupedMLP):
         gate, up = h.chunk(2, dim=-1)
         act = F.silu(gate) * up
         site = self.fc2_site
-        if not (self.prequantize_fc2 and site is not None and site.active):
+        if not (self.emulated and site is not None and site.active):
             out, _ = self.linear_fc2(act, splits)
         else:
             token = input_prequantized.set(True)
@@ -145,6 +147,18 @@ class TraceTEGroupedMLP(GroupedExpertSites, TEGroupedMLP):
         if padding is not None:
             out = self.quantization_unpadding(out, counts)
         return (out * permuted_probs.unsqueeze(-1)).to(out.dtype), None
+
+
+    def _quantize_expert_weights_at_once(self) -> None:
+        """In the trainer (a `qat.cached_weights` scope), fake-quantize each grouped linear's expert
+        weights in one pass: TE's weight slots, called expert by expert, then find their weight in
+        the cache instead of quantizing it alone (a few kernels per expert). The emulated path only."""
+        if not (self.emulated and caching_weights()):
+            return
+        with torch.no_grad():
+            for linear, site in ((self.linear_fc1, self.fc1_site), (self.linear_fc2, self.fc2_site)):
+                if site is not None and site.active:
+                    site.quantize_expert_weights([getattr(linear, f"weight{i}") for i in range(linear.num_gemms)])
 
 
 def _quantize_real_rows(site: FP4Site, act: torch.Tensor, counts: list[int], splits: list[int]) -> torch.Tensor:

@@ -86,3 +86,21 @@ def test_one_pass_amax_equals_abs_amax_nan_included():
         assert got.dtype == torch.float32
         assert torch.equal(got.isnan(), want.float().isnan())
         assert torch.equal(got.nan_to_num(), want.float().nan_to_num())
+
+
+def test_expert_weights_quantized_at_once_are_found_expert_by_expert():
+    """TE's grouped linear asks for each expert's weight alone: after the stacked pass each one
+    is found in the cache (a slice of the stacked result, not quantized again) with the values
+    of quantizing it alone; an expert updated since is quantized again."""
+    site = FP4Site(name="fc1", layer=0, precision=TrainerPrecision.FP4_RNE, all_experts=True)
+    ws = _weights(seed=3, shapes=((64, 48),) * 3)
+    with cached_weights(), torch.no_grad():
+        stacked = site.quantize_expert_weights(ws)
+        for i, w in enumerate(ws):
+            alone = site.quantize_weight(w.detach())
+            assert torch.equal(alone, dequantize(quantize(w.detach()), torch.bfloat16))
+            assert alone.data_ptr() == stacked[i].data_ptr()
+        ws[2].mul_(3)
+        again = site.quantize_weight(ws[2].detach())
+        assert torch.equal(again, dequantize(quantize(ws[2].detach()), torch.bfloat16))
+        assert again.data_ptr() != stacked[2].data_ptr()

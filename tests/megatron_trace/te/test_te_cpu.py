@@ -376,6 +376,44 @@ def test_grouped_expert_inputs_follow_the_engines_guidance_past_tes_padding(codi
     assert not torch.equal(torch.cat(got), rne)  # the guidance decided some codes
 
 
+def test_the_grouped_mlp_quantizes_its_expert_weights_at_once_in_the_trainer():
+    """In a `cached_weights` scope TraceTEGroupedMLP fake-quantizes every expert weight of fc1 and
+    fc2 in one pass before TE runs; TE's weight slots, expert by expert, then get those values (each
+    expert's own global scale). Outside the scope it leaves the weights to TE's slots."""
+    from megatron_trace.megatron import qat
+    from megatron_trace.megatron.qat import FP4Site, cached_weights
+    from megatron_trace.modes import TrainerPrecision
+
+    class Grouped(TE.spec._SiteScoped, torch.nn.Module):  # a grouped linear's parameters, as TE names them
+        def __init__(self, n, shape, seed):
+            super().__init__()
+            g = torch.Generator().manual_seed(seed)
+            self.num_gemms = n
+            for i in range(n):
+                w = torch.randn(*shape, generator=g) * (i + 1)
+                self.register_parameter(f"weight{i}", torch.nn.Parameter(w.bfloat16()))
+
+    mlp = TE.spec.TraceTEGroupedMLP.__new__(TE.spec.TraceTEGroupedMLP)
+    torch.nn.Module.__init__(mlp)
+    mlp.linear_fc1, mlp.linear_fc2, mlp.emulated = Grouped(3, (32, 64), 0), Grouped(3, (64, 16), 1), True
+    mlp.fc1_site = FP4Site(name="fc1", layer=0, precision=TrainerPrecision.FP4_RNE, all_experts=True,
+                           quantizes_input=False)
+    mlp.fc2_site = FP4Site(name="fc2", layer=0, precision=TrainerPrecision.FP4_RNE, all_experts=True)
+    mlp._quantize_expert_weights_at_once()  # no scope: nothing to do
+    with cached_weights():
+        mlp._quantize_expert_weights_at_once()
+        assert len(qat._weight_cache) == 2 + 6  # the two stacked passes, and each expert's weight
+        for linear in (mlp.linear_fc1, mlp.linear_fc2):
+            slot = TE.recipe.trace_fp4_quantizer_factory(
+                TE.QuantizerRole(module_type="grouped_linear", tensor_type="weight"))
+            for i in range(linear.num_gemms):
+                w = getattr(linear, f"weight{i}")
+                held = _at_site(linear.fp4_site, lambda w=w: slot.quantize(w.detach()).dequantize())
+                torch.testing.assert_close(held, dequantize(quantize(w.detach(), "nvfp4"), torch.bfloat16),
+                                           rtol=0, atol=0)
+        assert len(qat._weight_cache) == 8  # every slot found its weight
+
+
 def test_the_grouped_mlp_quantizes_fc2_rows_in_one_pass_past_tes_padding():
     """TraceTEGroupedMLP quantizes fc2's input for all experts at once inside TE's padded layout
     (`_quantize_real_rows`), then TE's per-expert slots pass it through (`input_prequantized`):
