@@ -6,8 +6,11 @@ Megatron selects it by name: `fp4="e2m1"`, `fp4_recipe="custom"`,
 On Hopper the quantized tensors are TE's `IdentityTensorStorage` holding TRACE's fake-quantized
 values (FP4 grid values in the input's dtype): TE's GEMMs consume them in BF16, which is the
 emulated FP4 math of TRACE's local spec, and TE's modules compute dgrad and wgrad from the
-quantized operands as TRACE's straight-through estimator does. One difference: TE's quantize
-backward passes every gradient, where TRACE's zeroes those of elements clipped by a guided scale.
+quantized operands as TRACE's straight-through estimator does. TE's quantize backward passes
+every gradient, where TRACE's zeroes those of clipped elements; so TRACE's TE modules (te/spec.py)
+quantize GEMM inputs themselves, with TRACE's backward, and the input slots pass them through
+(`input_prequantized`). Weights keep TE's backward: with a weight's own amax only blocks whose
+E4M3 scale underflows can clip.
 On Blackwell they are TE's native `NVFP4TensorStorage` of the same codes and scales (written,
 never run here: `TraceNVFP4Quantizer` says what is and is not covered).
 

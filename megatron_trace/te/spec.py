@@ -14,9 +14,14 @@ the linears: `TEColumnParallelLinear` (QKV, fc1 of dense and shared experts),
 - Each TE linear sets `recipe.active_site` to its FP4 site around its forward, so the recipe's
   quantizers use the site's precision, weight amax group and guidance rows; a grouped linear
   also tells each input quantizer which expert (GEMM) it serves.
-- Under sequence parallelism TE all-gathers a column-parallel input in high precision before a
-  custom recipe's quantizer sees it (`distributed.gather_along_first_dim`), so those sites take
-  the whole micro-batch's rows (per-row scales: the same values as quantizing each shard).
+- On Hopper (the emulated path) TRACE quantizes GEMM inputs before TE sees them, with the local
+  spec's straight-through backward: the plain linears their own rows (`_InputQuantizedFirst`),
+  the grouped experts all experts' fc2 rows at once, and in the trainer's cache scope the expert
+  weights at once (`TraceTEGroupedMLP`); TE's slots then pass them through. On the native path
+  TE's slots quantize (they must build the FP4 storage), and under sequence parallelism TE
+  all-gathers a column-parallel input in high precision before a custom recipe's quantizer
+  sees it (`distributed.gather_along_first_dim`), so those slots take the whole micro-batch's
+  rows (per-row scales: the same values as quantizing each shard).
 - Multi-head latent attention stays on the local spec.
 
 Written against TE 2.20.2 and megatron-core 0.19. TE's modules need CUDA: on the CPU the spec's
@@ -56,10 +61,12 @@ class _SiteScoped(SiteHolder):
 
     @property
     def fp4_site(self) -> FP4Site | None:
+        """The site TE's quantizer slots see (of the gathered rows where TE gathers the input)."""
         return self.__dict__.get("_fp4_site")
 
     @fp4_site.setter
     def fp4_site(self, site: FP4Site | None) -> None:
+        self.__dict__["_own_site"] = site  # the site of this rank's own input rows
         if site is not None and self.gathers_input and site.tokens is not None:
             site = replace(site, tokens=None)
         self.__dict__["_fp4_site"] = site
@@ -72,6 +79,27 @@ class _SiteScoped(SiteHolder):
             active_site.reset(token)
 
 
+class _InputQuantizedFirst(_SiteScoped):
+    """A plain TE linear (one GEMM) whose input rows TRACE fake-quantizes before TE sees them, on
+    the emulated path: the local spec's `quantize_input` of this rank's rows (before TE's
+    sequence-parallel gather; per-row scales give the same values as after it), with its
+    straight-through backward, which zeroes the gradient of elements a guided scale clipped (TE's
+    quantizer slot would pass every gradient). TE's input slot then passes the rows through
+    (`recipe.input_prequantized`). The native path leaves the input to TE's slot, which must
+    produce the FP4 storage itself."""
+
+    def forward(self, x, *args, **kwargs):
+        site = self.__dict__.get("_own_site")
+        if site is None or not (site.active and site.quantizes_input) or native_nvfp4_default():
+            return super().forward(x, *args, **kwargs)
+        x = site.quantize_input(x)
+        token = input_prequantized.set(True)
+        try:
+            return super().forward(x, *args, **kwargs)
+        finally:
+            input_prequantized.reset(token)
+
+
 class _GroupedSiteScoped(_SiteScoped):
     def _get_quantizers(self):
         # TE's GroupedLinear quantizes expert i's rows with input quantizer i (after building them)
@@ -82,13 +110,13 @@ class _GroupedSiteScoped(_SiteScoped):
         return quantizers
 
 
-class TraceTEColumnParallelLinear(_SiteScoped, TEColumnParallelLinear):
+class TraceTEColumnParallelLinear(_InputQuantizedFirst, TEColumnParallelLinear):
     """Megatron's TEColumnParallelLinear at an FP4 site (QKV; fc1 of dense and shared experts)."""
 
     gathers_input = True
 
 
-class TraceTERowParallelLinear(_SiteScoped, TERowParallelLinear):
+class TraceTERowParallelLinear(_InputQuantizedFirst, TERowParallelLinear):
     """Megatron's TERowParallelLinear at an FP4 site (output projection; fc2)."""
 
 

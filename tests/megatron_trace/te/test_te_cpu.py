@@ -41,7 +41,8 @@ def test_the_te_import_leaves_no_te_behind():
     import megatron.core.extensions.transformer_engine as extension
     import megatron.core.fp4_utils as fp4_utils
 
-    assert TE.spec.TraceTEColumnParallelLinear.__mro__[3].__module__ == extension.__name__
+    te_linear = next(c for c in TE.spec.TraceTEColumnParallelLinear.__mro__ if c.__name__ == "TEColumnParallelLinear")
+    assert te_linear.__module__ == extension.__name__
     assert not extension.HAVE_TE and not fp4_utils.HAVE_TE
 
 
@@ -572,6 +573,52 @@ def test_te_modules_tell_the_recipe_their_site():
     fc1, fc2 = FP4Site(name="fc1", layer=2, all_experts=True), FP4Site(name="fc2", layer=2, all_experts=True)
     mlp.fc1_site, mlp.fc2_site = fc1, fc2
     assert mlp.linear_fc1.fp4_site is fc1 and mlp.linear_fc2.fp4_site is fc2 and mlp.fc2_site is fc2
+
+
+def test_te_linears_get_their_input_quantized_by_trace_with_traces_backward():
+    """On the emulated path TRACE's plain TE linears fake-quantize their own input rows first (the
+    local spec's `quantize_input`: guidance rows of this rank's sequence-parallel shard, TRACE's
+    straight-through mask) and tell TE's slots to pass them (`input_prequantized`); a site that
+    does not quantize leaves the input to TE as it is."""
+    from megatron_trace.guidance.rows import RowGuidance
+    from megatron_trace.megatron import context
+    from megatron_trace.megatron.qat import FP4Site, Shard
+    from megatron_trace.modes import TrainerPrecision
+
+    seen = []
+
+    class Base(torch.nn.Module):  # TE's linear, next in the MRO: records what it was given
+        def forward(self, x):
+            seen.append((x, TE.recipe.input_prequantized.get(), TE.recipe.active_site.get()))
+            return x * 1.0
+
+    class Column(TE.spec._InputQuantizedFirst, Base):
+        gathers_input = True
+
+    engine, trainer = matmul_two_orders(24, 96, 64, seed=7)  # 24 tokens; this rank holds 8..15
+    rows = RowGuidance.from_record(record_for(engine, "dense", site="qkv", layer=0)[0])
+    mb = context.MicroBatchGuidance(num_tokens=24)
+    mb.sites[(0, "qkv")] = rows
+    site = FP4Site(name="qkv", layer=0, precision=TrainerPrecision.FP4_GUIDED, tokens=Shard(1, 3))
+    col = Column()
+    col.fp4_site = site
+    x = (trainer[8:16] * 8).requires_grad_()  # large enough that guided scales clip some elements
+    context.activate(mb)
+    try:
+        want = site.quantize_input(x)
+        y = col(x)
+    finally:
+        context.activate(None)
+    given, prequantized, active = seen[-1]
+    assert prequantized and active.tokens is None  # TE's slots see the gathered rows' site
+    assert torch.equal(given, want)
+    y.sum().backward()
+    mask = x.grad != 0
+    assert not mask.all() and torch.equal(x.grad, mask.to(x.grad.dtype))  # TRACE's mask, not TE's pass-all
+    # a BF16 site: the input as it is, TE's slots not told to pass
+    col.fp4_site = FP4Site(name="qkv", layer=0)
+    col(trainer[:8])
+    assert torch.equal(seen[-1][0], trainer[:8]) and not seen[-1][1]
 
 
 def test_tes_grouped_expert_weights_get_the_local_specs_names():
