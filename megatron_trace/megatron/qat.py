@@ -135,11 +135,13 @@ def _cached(params: list[torch.Tensor], compute, peers: tuple = (), each: bool =
         with torch.no_grad():
             w = params[0] if len(params) == 1 else torch.stack(params)
             w_q, inside = compute(w)
-        # the entry holds its tensors, so their memory is not freed and reused inside the scope
-        hit = _weight_cache[key] = (version, w_q.reshape(w.shape), inside.reshape(w.shape), tensors)
+        # the entry holds the memory it is keyed on, so no other tensor gets that address inside
+        # the scope (not even where a parameter's .data is swapped, as sharding frameworks do)
+        held = tuple(t.untyped_storage() for t in tensors)
+        hit = _weight_cache[key] = (version, w_q.reshape(w.shape), inside.reshape(w.shape), held)
         if each and len(params) > 1 and not peers:
-            for p, p_q, p_inside in zip(params, hit[1], hit[2], strict=True):
-                _weight_cache[(_memory_key(p),)] = ((p._version,), p_q, p_inside, (p,))
+            for p, p_q, p_inside, p_held in zip(params, hit[1], hit[2], held, strict=True):
+                _weight_cache[(_memory_key(p),)] = ((p._version,), p_q, p_inside, (p_held,))
     return _CachedSTE.apply(hit[1], hit[2], *params)
 
 
