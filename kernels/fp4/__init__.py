@@ -7,6 +7,7 @@ kernels sit on top: `linear` (FP4-weight GEMMs), `paged_attention` (FP4 KV cache
 """
 
 from .api import (
+    amax,
     block_clip_bound,
     dequantize,
     fake_quantize,
@@ -39,6 +40,7 @@ __all__ = [
     "Format",
     "MXScaleRule",
     "QTensor",
+    "amax",
     "block_clip_bound",
     "dequantize",
     "e2m1_to_float",

@@ -94,10 +94,11 @@ def _check_quantize_args(x, fmt, scale, rounding, seed, global_amax, check_finit
     return fmt, row_scale, global_amax
 
 
-def _tensor_amax(x_MK: torch.Tensor) -> torch.Tensor:
-    """max |x| as a 0-d float32 (NaN if any element is), in one pass over x."""
-    lo, hi = torch.aminmax(x_MK)
-    return torch.maximum(-lo, hi).float()
+def amax(t: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
+    """max |t| (over `dim`, default all) as float32, in one read of t with no temporary the size of
+    t (`t.abs().amax()` writes one); NaN where an element is NaN, as amax. What NVFP4's global
+    scales are computed from."""
+    return torch.linalg.vector_norm(t.detach(), float("inf"), dim=dim, keepdim=keepdim, dtype=torch.float32)
 
 
 def quantize(
@@ -153,7 +154,7 @@ def quantize(
 
     if _use_triton(x, backend):
         if need_amax:
-            global_amax = _tensor_amax(x_MK)
+            global_amax = amax(x_MK)
         row_amax = global_amax.reshape(-1) if row_scale and global_amax is not None else None
         packed, scale_bytes, g, bad = triton_fp4.quantize_rows_triton(
             x_MK, fmt, row_scale, stochastic, key, None if row_scale else global_amax, mx_rule, row_amax=row_amax
@@ -169,10 +170,10 @@ def quantize(
             codes, block_scales = reference.mxfp4_quantize_reference(x_MK, mx_rule, stochastic, key)
         else:
             if global_amax is not None:
-                amax = global_amax.reshape(-1, 1) if row_scale else global_amax
+                tensor_amax = global_amax.reshape(-1, 1) if row_scale else global_amax
             else:
-                amax = x_MK.abs().amax(-1, keepdim=True) if row_scale else x_MK.abs().amax()
-            g = reference.nvfp4_global_scale(amax)
+                tensor_amax = x_MK.abs().amax(-1, keepdim=True) if row_scale else x_MK.abs().amax()
+            g = reference.nvfp4_global_scale(tensor_amax)
             codes, block_scales = reference.nvfp4_quantize_reference(x_MK, g, stochastic, key)
         packed = pack_codes(codes)
 
@@ -421,18 +422,22 @@ def fake_quantize_ste(
         _validate_input(x, Format.NVFP4)
         x_MK = x.reshape(-1, x.shape[-1]).contiguous()
         if triton_fp4.fusable(x_MK):
-            _, row_scale, amax = _check_quantize_args(x, fmt, scale, rounding, seed, global_amax, check_finite)
-            if not row_scale and amax is None:
-                amax = _tensor_amax(x_MK)
-            out, mask, _, _, bad = triton_fp4.fake_quantize_bf16_triton(
-                x_MK, row_scale, None if row_scale else amax, amax.reshape(-1) if row_scale and amax is not None
-                else None, with_mask=with_mask)
-            if check_finite and bool(bad.any()):
-                _raise_nonfinite("detected by the Triton kernel")
-            return out.reshape(x.shape), None if mask is None else mask.reshape(x.shape)
+            _, row_scale, given = _check_quantize_args(x, fmt, scale, rounding, seed, global_amax, check_finite)
+            if not row_scale and given is None:
+                given = amax(x_MK)
+            return _fused_result(x, check_finite, *triton_fp4.fake_quantize_bf16_triton(
+                x_MK, row_scale, None if row_scale else given, given.reshape(-1) if row_scale and given is not None
+                else None, with_mask=with_mask))
     q = quantize(x, fmt, scale, rounding, seed, global_amax=global_amax, mx_scale_rule=mx_scale_rule,
                  backend=backend, check_finite=check_finite)
     return dequantize(q, x.dtype, backend=backend), ste_mask(x, q) if with_mask else None
+
+
+def _fused_result(x, check_finite, out, mask, _scales, _g, bad) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`fake_quantize_bf16_triton`'s values and mask in x's shape, its non-finite flags checked."""
+    if check_finite and bool(bad.any()):
+        _raise_nonfinite("detected by the Triton kernel")
+    return out.reshape(x.shape), None if mask is None else mask.reshape(x.shape)
 
 
 def fake_quantize_guided_ste(x: torch.Tensor, global_scale: torch.Tensor, block_scales: torch.Tensor,
@@ -455,10 +460,8 @@ def fake_quantize_guided_ste(x: torch.Tensor, global_scale: torch.Tensor, block_
                 _check_guidance_values(global_scale, block_scales)
             guidance = (global_scale.reshape(-1).contiguous(),
                         block_scales.reshape(-1, k // 16).contiguous().view(torch.uint8), bits_MP)
-            out, mask, _, _, bad = triton_fp4.fake_quantize_bf16_triton(x_MK, guidance=guidance, with_mask=with_mask)
-            if check_finite and bool(bad.any()):
-                _raise_nonfinite("detected by the Triton kernel")
-            return out.reshape(x.shape), None if mask is None else mask.reshape(x.shape)
+            return _fused_result(x, check_finite,
+                                 *triton_fp4.fake_quantize_bf16_triton(x_MK, guidance=guidance, with_mask=with_mask))
     q = quantize_guided(x, global_scale, block_scales, mantissa_bits, backend=backend, check_finite=check_finite)
     return dequantize(q, x.dtype, backend=backend), ste_mask(x, q) if with_mask else None
 

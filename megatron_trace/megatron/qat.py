@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from trace_kernels.fp4 import (
     QTensor,
+    amax,
     fake_quantize,
     fake_quantize_guided,
     fake_quantize_ste,
@@ -43,12 +44,6 @@ def all_reduce_max(t: torch.Tensor, group) -> torch.Tensor:
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t
-
-
-def amax(t: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
-    """max |t| (over `dim`, default all) as float32, in one read of t with no temporary the size of
-    t (`t.abs().amax()` writes one); NaN where an element is NaN, as amax."""
-    return torch.linalg.vector_norm(t.detach(), float("inf"), dim=dim, keepdim=keepdim, dtype=torch.float32)
 
 
 def _sharded(group) -> bool:

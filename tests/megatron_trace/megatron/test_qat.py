@@ -2,9 +2,9 @@
 
 import torch
 
-from megatron_trace.megatron.qat import FP4Site, amax, cached_weights
+from megatron_trace.megatron.qat import FP4Site, cached_weights
 from megatron_trace.modes import TrainerPrecision
-from trace_kernels.fp4 import dequantize, quantize
+from trace_kernels.fp4 import amax, dequantize, quantize
 
 
 def _weights(seed=0, shapes=((64, 48), (64, 48), (64, 48))):
