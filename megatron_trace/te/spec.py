@@ -88,9 +88,13 @@ class _InputQuantizedFirst(_SiteScoped):
     (`recipe.input_prequantized`). The native path leaves the input to TE's slot, which must
     produce the FP4 storage itself."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.emulated = not native_nvfp4_default()
+
     def forward(self, x, *args, **kwargs):
         site = self.__dict__.get("_own_site")
-        if site is None or not (site.active and site.quantizes_input) or native_nvfp4_default():
+        if not (self.emulated and site is not None and site.active and site.quantizes_input):
             return super().forward(x, *args, **kwargs)
         x = site.quantize_input(x)
         token = input_prequantized.set(True)
@@ -175,7 +179,6 @@ class TraceTEGroupedMLP(GroupedExpertSites, TEGroupedMLP):
         if padding is not None:
             out = self.quantization_unpadding(out, counts)
         return (out * permuted_probs.unsqueeze(-1)).to(out.dtype), None
-
 
     def _quantize_expert_weights_at_once(self) -> None:
         """In the trainer (a `qat.cached_weights` scope), fake-quantize each grouped linear's expert
