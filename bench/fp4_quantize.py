@@ -190,7 +190,7 @@ def run(sizes: list[tuple[int, int]], device: str) -> tuple[float, list[dict]]:
 
 
 def time_fake(row: dict, x, scale: str, device: str) -> None:
-    """Fake quantization (amax in the kernel for rows, aminmax for the tensor): the three-step
+    """Fake quantization (amax in the kernel for rows, `amax` first for the tensor): the three-step
     chain, the fused kernel with the mask and without; guided beside them for rows."""
     row["fake_3step_us"] = time_fn(lambda: three_step_fake(x, scale=scale), device) * 1e6
     row["fake_fused_us"] = time_fn(lambda: fake_quantize_ste(x, scale=scale, check_finite=False), device) * 1e6
