@@ -63,6 +63,8 @@ def fp4_linear_parts(x: torch.Tensor, w: QTensor, *, backend: str = "auto") -> t
                                         w.global_scale.reshape(1).float(),
                                         splits=_k_splits(programs, k // 128, x.device, per_sm=DENSE_PROGRAMS_PER_SM,
                                                          min_steps=DENSE_MIN_CHUNKS), keep_parts=True)
+    if backend == "auto" and x.is_cuda and m >= DEQUANT_GEMM_ROWS:
+        return x @ dequantize(w, torch.bfloat16).T  # once, then cuBLAS: the same BF16 weight values
     if _use_triton(x, backend):
         return _fp4_linear_triton(x.contiguous(), w)
     return x @ dequantize(w, torch.bfloat16, backend="torch").T
@@ -88,6 +90,13 @@ def sum_parts(parts: torch.Tensor, residual: torch.Tensor | None = None) -> torc
     y = acc.bfloat16()
     return y if residual is None else residual + y
 
+
+# Prefill-sized GEMMs on a GPU (backend "auto"): from this many rows (dense) or this many rows per
+# expert on average (grouped), the weight is dequantized once to the BF16 values the kernels build
+# per tile and cuBLAS multiplies: Hopper has no FP4 MMA, and the Triton kernels rebuild each weight
+# tile once per 64 rows (bench/prefill_kernels.py measures both).
+DEQUANT_GEMM_ROWS = 1024
+DEQUANT_EXPERT_ROWS = 128
 
 # Dense FP4 GEMMs of up to this many rows (decode batches) run the CUDA kernel where it applies,
 # K split until there are about DENSE_PROGRAMS_PER_SM programs (4 warps each) per multiprocessor
@@ -164,6 +173,8 @@ def fp4_grouped_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tenso
     use_cuda = _use_cuda(x, n, 2 * half_k, m <= cuda_decode.GEMM_ROWS * e, backend)
     if x_rows is not None and not use_cuda:
         x, x_rows = x[x_rows], None
+    if backend == "auto" and x.is_cuda and not use_cuda and m >= DEQUANT_EXPERT_ROWS * e:
+        return _dequantized_grouped_mm(x, codes, scales, g, counts)
     if not use_cuda and not _use_triton(x, backend):
         sizes = counts.tolist()
         if sum(sizes) != m:
@@ -200,6 +211,17 @@ def fp4_grouped_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tenso
         num_warps=TILE["num_warps"], enable_fp_fusion=False,
     )
     return y
+
+
+def _dequantized_grouped_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, g: torch.Tensor,
+                            counts: torch.Tensor) -> torch.Tensor:
+    """`fp4_grouped_linear` at prefill sizes: every expert's weight dequantized in one launch
+    (bf16 [E, N, K], a transient of 2 bytes per weight), then torch's grouped GEMM; no host sync."""
+    e, n, half_k = codes.shape
+    rows = QTensor(codes, scales, g.float().reshape(e, 1, 1).expand(e, n, 1), Format.NVFP4,
+                   torch.Size((e, n, 2 * half_k)))  # row-scaled view: each expert's rows share its g
+    w = dequantize(rows, torch.bfloat16)
+    return torch._grouped_mm(x.contiguous(), w.transpose(1, 2), offs=counts.to(x.device).cumsum(0).to(torch.int32))
 
 
 # Launch shape of the FP4 GEMMs for decode-sized M (bench/decode_kernels.py --sweep measures others).

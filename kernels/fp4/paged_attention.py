@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.nn.attention.bias import causal_lower_right
 
 from . import cuda_decode
 from .api import _use_triton, dequantize
@@ -111,13 +112,23 @@ def cached_causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.T
                             scale: float | None = None) -> torch.Tensor:
     """One sequence's queries q [m, Hq, d] at positions start .. start + m - 1 over its cached
     keys and values [start + m, Hkv, d] (positions 0 .. start + m - 1, the new ones included),
-    causal, GQA: [m, Hq, d] in q's dtype. torch's SDPA with an explicit mask and its default
-    scale 1/sqrt(d) (or `scale`: MLA under YaRN): what the built-in engine runs for prefill (and
-    on the CPU for decode) and SGLang's trace_fp4 backend runs too, so that both give the same
-    bits for the same rows."""
+    causal, GQA: [m, Hq, d] in q's dtype, with SDPA's default scale 1/sqrt(d) (or `scale`: MLA
+    under YaRN). What the built-in engine runs for prefill (and on the CPU for decode) and
+    SGLang's trace_fp4 backend runs too, so that both give the same bits for the same rows.
+
+    On a GPU the mask is torch's lower-right causal bias, which runs flash attention with the
+    grouped K/V heads as they are; an explicit mask there would send GQA to SDPA's math kernel,
+    which materialises every [Hq, m, start + m] score (GBs at 8k prompts). On the CPU an
+    explicit mask (the CPU flash kernel takes it, and the bias would warn per call)."""
     m, nq, _ = q.shape
-    allowed = (torch.arange(keys.shape[0], device=q.device)[None]
-               <= (start + torch.arange(m, device=q.device))[:, None])
+    n = keys.shape[0]
+    if n != start + m:
+        raise ValueError(f"cached_causal_attention: {n} cached keys for queries at positions "
+                         f"{start} .. {start + m - 1}")
+    if q.is_cuda:
+        allowed = causal_lower_right(m, n)
+    else:
+        allowed = torch.arange(n, device=q.device)[None] <= (start + torch.arange(m, device=q.device))[:, None]
     out = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1),
                                                            values.transpose(0, 1), attn_mask=allowed,
                                                            enable_gqa=keys.shape[1] != nq, scale=scale)

@@ -15,13 +15,18 @@ BF16_ULP = 2.0**-8
 
 
 @pytest.mark.parametrize("m, n, k", [(1, 128, 64), (3, 64, 128), (17, 96, 256), (70, 64, 48)])
-def test_fp4_linear_is_the_dequantized_matmul(m, n, k):
+def test_fp4_linear_is_the_dequantized_matmul(m, n, k, monkeypatch):
+    """Every backend within one BF16 rounding of the exact product; "auto" with every row count
+    counted as prefill-sized (on a GPU: the weight dequantized once, then cuBLAS)."""
+    import trace_kernels.fp4.linear as linear
+
+    monkeypatch.setattr(linear, "DEQUANT_GEMM_ROWS", 1)
     g = torch.Generator().manual_seed(m * n + k)
     x = torch.randn(m, k, generator=g).bfloat16()
     w = quantize(heavy_tailed(n, k, seed=m))
     exact = x.double() @ dequantize(w, torch.bfloat16).double().T  # the weight as the engine holds it
     dev = triton_device()
-    for backend, args in (("torch", (x, w)), ("triton", (x.to(dev), w.to(dev)))):
+    for backend, args in (("torch", (x, w)), ("triton", (x.to(dev), w.to(dev))), ("auto", (x.to(dev), w.to(dev)))):
         y = fp4_linear(*args, backend=backend).cpu()
         assert y.dtype == torch.bfloat16 and y.shape == (m, n)
         # one BF16 rounding of the fp32-accumulated result: within an ulp of the exact product
@@ -92,7 +97,7 @@ def test_paged_decode_attention_reads_the_fp4_cache(hq, hkv, d, block_size, spli
 
 @pytest.mark.parametrize("counts", [[3, 0, 17, 1], [0, 0, 40, 0], [0, 0, 0, 0]])
 def test_fp4_grouped_linear_is_each_experts_matmul(counts):
-    from trace_kernels.fp4.linear import fp4_grouped_linear
+    from trace_kernels.fp4.linear import _dequantized_grouped_mm, fp4_grouped_linear
 
     e, n, k = 4, 96, 128
     g = torch.Generator().manual_seed(sum(counts))
@@ -112,6 +117,9 @@ def test_fp4_grouped_linear_is_each_experts_matmul(counts):
             assert torch.equal(y, want), backend
         else:  # another accumulation order (even and odd columns apart): within one bf16 rounding
             torch.testing.assert_close(y.float(), want.float(), atol=1e-2, rtol=2 * BF16_ULP)
+    # prefill sizes on a GPU: all experts dequantized in one launch, then torch's grouped GEMM
+    y = _dequantized_grouped_mm(x.to(dev), codes.to(dev), scales.to(dev), gs.to(dev), torch.tensor(counts)).cpu()
+    torch.testing.assert_close(y.float(), want.float(), atol=1e-2, rtol=2 * BF16_ULP)
     with pytest.raises(ValueError, match="counts sum to"):
         fp4_grouped_linear(x, codes, scales, gs, torch.tensor(counts[:-1] + [counts[-1] + 1]))
     with pytest.raises(ValueError, match="do not fit"):
@@ -216,3 +224,24 @@ def test_quantize_rows_into_a_paged_cache():
             assert (t[others] == {"codes": 0xAB, "scales": 0xCD, "g": -1.0}[name]).all(), (backend, name)
     with pytest.raises(ValueError, match="slots"):
         quantize_rows_into(x, slots[:-1], *cache.values())
+
+
+
+@pytest.mark.parametrize("start, m", [(0, 40), (37, 11), (50, 1)])
+def test_cached_causal_attention_masks_by_position_and_refuses_a_wrong_key_count(start, m):
+    """Queries at start .. start + m - 1 (GQA) against float64 attention with the positions mask
+    (on a GPU the path under torch's lower-right causal bias, flash attention; on the CPU the
+    explicit mask); keys not covering exactly positions 0 .. start + m - 1 are refused."""
+    from trace_kernels.fp4.paged_attention import cached_causal_attention
+
+    g = torch.Generator().manual_seed(start + m)
+    q, k, v = (torch.randn(n, h, 64, generator=g).bfloat16() for n, h in ((m, 8), (start + m, 2), (start + m, 2)))
+    dev = triton_device()
+    out = cached_causal_attention(q.to(dev), k.to(dev), v.to(dev), start).cpu()
+    qd, kd, vd = (t.double() for t in (q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)))
+    scores = torch.einsum("mhd,nhd->hmn", qd, kd) / 8.0
+    allowed = torch.arange(start + m)[None] <= (start + torch.arange(m))[:, None]
+    ref = torch.einsum("hmn,nhd->mhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), vd)
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+    with pytest.raises(ValueError, match="cached keys"):
+        cached_causal_attention(q, k[:-1], v[:-1], start)
