@@ -254,12 +254,16 @@ def main() -> None:
             from torch.profiler import ProfilerActivity, profile
             for mode in args.modes.split(","):
                 set_precision(model, mode)
-                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
                     step(mode, 1)
                     sync()
                 table = prof.key_averages()
                 print(f"--- {impl} {mode}: top CUDA kernels of one step")
                 print(table.table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+                print(f"--- {impl} {mode}: torch operations by input shape (self GPU time): what the kernels serve")
+                shaped = prof.key_averages(group_by_input_shape=True)
+                print(shaped.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=40,
+                                   max_shapes_column_width=70))
                 print(f"--- {impl} {mode}: top host operations of one step (self CPU time)")
                 print(table.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60))
         del model, opt, step
