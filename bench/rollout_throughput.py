@@ -265,6 +265,9 @@ def main() -> None:
                     "and recorded, for one eager step (torch.profiler)")
     ap.add_argument("--generate", default="", metavar="BATCH:PROMPT:NEW",
                     help="also time whole engine.generate calls (e.g. 64:128:256), sampling included")
+    ap.add_argument("--generate-reps", type=int, default=3, help="timed generate calls per case (the median)")
+    ap.add_argument("--generate-modes", default="generate,generate_serial",
+                    help="generate (steps overlapped, as the engine runs) and/or generate_serial")
     ap.add_argument("--record", action="store_true")
     ap.add_argument("--replot", action="store_true", help="only redraw the PNG from the recorded JSON")
     args = ap.parse_args()
@@ -293,6 +296,10 @@ def main() -> None:
     generate = [int(v) for v in args.generate.split(":")] if args.generate else []
     if generate and len(generate) != 3:
         raise SystemExit(f"--generate {args.generate!r}: expected BATCH:PROMPT:NEW")
+    unknown = set(args.generate_modes.split(",")) - {"generate", "generate_serial"}
+    if unknown or args.generate_reps < 1:
+        raise SystemExit(f"--generate-modes {sorted(unknown)} / --generate-reps {args.generate_reps}: expected "
+                         "generate,generate_serial and at least 1")
     weights = random_weights(cfg, device, host=args.host_weights)
     rows = []
     for precision in args.precisions.split(","):
@@ -372,9 +379,10 @@ def main() -> None:
             context = prompt_len + new_tokens // 2
             # the engine as it runs (overlapped steps), then with each step's results taken in
             # before the next is launched: the host's share that overlap hides
-            for mode, overlap in (("generate", True), ("generate_serial", False)):
-                engine.engine_cfg = dataclasses.replace(engine.engine_cfg, overlap=overlap)
-                seconds, generated = time_generate(engine, cfg, batch, prompt_len, new_tokens)
+            for mode in args.generate_modes.split(","):
+                engine.engine_cfg = dataclasses.replace(engine.engine_cfg, overlap=mode == "generate")
+                seconds, generated = time_generate(engine, cfg, batch, prompt_len, new_tokens,
+                                                   reps=args.generate_reps)
                 r = {"precision": precision, "batch": batch, "context": context, "gpu": gpu, "mode": mode,
                      "date": datetime.date.today().isoformat(), "model": args.model, "layers": cfg.num_layers,
                      "tokens_per_s": generated / seconds, "step_s": seconds, "new_tokens": new_tokens,
