@@ -31,7 +31,8 @@ from trace_kernels.fp4 import QTensor, mantissa_bits
 # JSON {"layers": [...], "coding": "dense" | "sparse", "tau", "scale_coding"} the engine sets for its
 # scheduler processes
 ENV = "TRACE_SGLANG_CAPTURE"
-FEED_PREFIX = "trace-feed/"  # requests whose guidance is kept (the engine's feed of a sample's last token)
+# requests whose guidance rows are kept: a sample's own (every token it ran) and its feed (the last token)
+SAMPLE_PREFIX, FEED_PREFIX = "trace/", "trace-feed/"
 # guidance.record.SITES: Qwen3-MoE's, and the DeepSeek-V3 family's q_up, kv (the MLA latent) and
 # shared_fc2 (a model records those it has)
 SITES = ("qkv", "q_up", "kv", "proj", "fc1", "fc2", "shared_fc2", "k", "v")
@@ -130,10 +131,13 @@ def record(layer: int, site: str, x_RK: torch.Tensor, kept, order: torch.Tensor 
 
 
 def collect(rid: str, slots: torch.Tensor) -> None:
-    """Gather a finished request's rows (its tokens' KV slots int64 [n], in token order)."""
-    if not rid.startswith(FEED_PREFIX) or not _buffers:
+    """Gather a finished request's rows (its tokens' KV slots int64 [n], in token order): all of
+    a sample's, the last token's of a feed."""
+    if not rid.startswith((SAMPLE_PREFIX, FEED_PREFIX)) or not _buffers:
         return
     slots = slots.to("cpu", torch.long)
+    if rid.startswith(FEED_PREFIX):
+        slots = slots[-1:]
     out = {}
     for (layer, site), store in _buffers.items():
         per = store[0].shape[0] // _capacity

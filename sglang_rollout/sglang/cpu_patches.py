@@ -21,6 +21,11 @@ importing sglang. No file of SGLang is edited. Each shim names the error that fo
    name (`support_triton`: every backend but torch_native and intel_amx); on the CPU they run in
    Triton's interpreter and fail ("only 0-dimensional arrays can be converted to Python
    scalars"), so TRACE's `trace_fp4` backend takes SGLang's torch path there, as torch_native does.
+6. Pages of more than one token (`page_size` > 1): SGLang's paged allocator places each forward's
+   new tokens with two Triton kernels, which fail in the interpreter the same way. The extend one
+   is served by SGLang's own torch version of it (`alloc_extend_naive`), the decode one by a torch
+   version of its rule (a token that opens a page takes the next free page, the others follow the
+   previous token's slot).
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ def install() -> bool:
     sys.meta_path.append(_StubFinder)
     _drop_pin_memory(torch)
     _torch_metadata_for("trace_fp4")
+    _paged_allocation_in_torch(torch)
     _installed = True
     return True
 
@@ -120,3 +126,35 @@ def _torch_metadata_for(backend_name: str) -> None:
     def support_triton(backend: str) -> bool:
         return backend != backend_name and original(backend)
     common.support_triton = utils.support_triton = support_triton
+
+
+class _Launch:
+    """`kernel[grid](*args)`, as SGLang launches its allocator kernels, calling a torch function."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __getitem__(self, grid):
+        return self.fn
+
+
+def _paged_allocation_in_torch(torch) -> None:
+    from sglang.srt.mem_cache.allocator import paged
+
+    def pages_opened(before, after, page_size):
+        return (after + page_size - 1) // page_size - (before + page_size - 1) // page_size
+
+    def extend(prefix_lens, seq_lens, last_loc, free_pages, out_indices, _bs_upper, page_size):
+        if int(pages_opened(prefix_lens, seq_lens, page_size).sum()) > free_pages.numel():
+            return  # the allocator sees too few free pages and returns None
+        paged.alloc_extend_naive(prefix_lens, seq_lens, last_loc, free_pages, out_indices, page_size,
+                                 out_indices.device)
+
+    def decode(seq_lens, last_loc, free_pages, out_indices, _bs_upper, page_size):
+        opens = pages_opened(seq_lens - 1, seq_lens, page_size).bool()  # this token starts a page
+        if int(opens.sum()) > free_pages.numel():
+            return
+        out_indices.copy_(last_loc + 1)
+        out_indices[opens] = free_pages[: int(opens.sum())].to(out_indices.dtype) * page_size
+
+    paged.alloc_extend_kernel, paged.alloc_decode_kernel = _Launch(extend), _Launch(decode)

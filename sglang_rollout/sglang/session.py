@@ -4,10 +4,11 @@ The engine starts on a model directory holding only TRACE's config (weights arri
 `update_weights`, as for the built-in engine), with `quantization="trace_fp4"` in FP4 (the
 plugin: W4A4 at every FP4 site, TRACE's NVFP4 KV cache). Each sample is one SGLang request with
 its own sampling seed (SGLang draws from a seed and the position, so a sample's tokens do not
-depend on its batch). After a sample finishes, its whole sequence is fed once more as a
-one-token extend that hits the radix cache (only the last token is computed), so that routed
-experts and guidance rows cover every token the trainer will see; the guidance rows of those
-feeds come from the scheduler processes in one file per tensor-parallel rank per group. Each
+depend on its batch). Each sample's request returns the routed experts and guidance rows of
+every token it ran; after it finishes, its whole sequence is fed once more (the radix cache
+holds all of it but, with pages of P tokens, up to P - 1 tail tokens) so that the last token,
+which SGLang never runs, is covered too: the trainer sees every token. The guidance rows come
+from the scheduler processes in one file per tensor-parallel rank per group. Each
 group is an asyncio task on SGLang's event loop (all in flight together), so a group is handed
 on as soon as it is done while the others still generate.
 """
@@ -234,16 +235,21 @@ class Session:
                                                weight_version=self.weight_version, error=error) for sid in sids])
         outs = await self._generate(req, sids, sampling)
         feeds = await self._feed(req, sids, outs)
-        experts = [_routed_experts(feed["meta_info"]["routed_experts"], len(req.prompt_ids) + len(out["output_ids"]),
-                                   self.model_cfg) for feed, out in zip(feeds, outs, strict=True)]
-        rows = self._guidance_rows([f"{capture.FEED_PREFIX}{self._rid(sid)}" for sid in sids], experts)
+        # every token but the last as the sample's own request ran it, the last from its feed
+        experts = []
+        for feed, out in zip(feeds, outs, strict=True):
+            ran = _routed_experts(out["meta_info"]["routed_experts"], len(req.prompt_ids) + len(out["output_ids"]) - 1,
+                                  self.model_cfg)
+            last = _routed_experts(feed["meta_info"]["routed_experts"], 1, self.model_cfg)
+            experts.append({layer: torch.cat([ran[layer], last[layer]]) for layer in ran})
+        rows = self._guidance_rows([self._rid(sid) for sid in sids], experts)
         guidance = GuidanceBatch()
         samples = [self._sample(req, sid, out, routed, row, guidance, sampling.stop_token_ids, first=i == 0)
                    for i, (sid, out, routed, row) in enumerate(zip(sids, outs, experts, rows, strict=True))]
         return RolloutOutput(samples, guidance)
 
     def _rid(self, sample_id: str) -> str:
-        return f"trace/{self._calls}/{sample_id}"
+        return f"{capture.SAMPLE_PREFIX}{self._calls}/{sample_id}"
 
     def _check(self, req: GroupRequest, sampling: SamplingParams) -> str | None:
         """Why `req` cannot run (None: it can), as the built-in engine says it."""
@@ -267,32 +273,44 @@ class Session:
                    "stop_token_ids": list(sampling.stop_token_ids),
                    "sampling_seed": sample_key(sampling.seed, sid)} for sid in sids]
         return await self.engine.async_generate(input_ids=[list(req.prompt_ids)] * len(sids), sampling_params=params,
-                                                return_logprob=True, rid=[self._rid(sid) for sid in sids])
+                                                return_logprob=True, return_routed_experts=True,
+                                                rid=[self._rid(sid) for sid in sids])
 
     async def _feed(self, req: GroupRequest, sids: list[str], outs: list[dict]) -> list[dict]:
-        """Each finished sample's sequence once more, one token computed (the rest cached): the
-        routed experts and guidance rows of its last token."""
+        """Each finished sample's sequence once more, its last token computed: that token's routed
+        experts and guidance rows. The rest comes from the radix cache: all of it with pages of
+        one token; with pages of P, the whole pages (SGLang caches a finished request's full pages
+        only), the tail recomputed, its rows not taken (the sample's own request has them)."""
+        page = int(self.engine_cfg.sglang.get("page_size") or 1)
+
+        async def feed(seq, sid):
+            return await self.engine.async_generate(
+                input_ids=seq, return_routed_experts=True, routed_experts_start_len=len(seq) - 1,
+                sampling_params={"max_new_tokens": 1, "temperature": 0.0, "sampling_seed": 0},
+                rid=f"{capture.FEED_PREFIX}{self._rid(sid)}")
         seqs = [list(req.prompt_ids) + list(out["output_ids"]) for out in outs]
-        feeds = await self.engine.async_generate(
-            input_ids=seqs, return_routed_experts=True,
-            sampling_params={"max_new_tokens": 1, "temperature": 0.0, "sampling_seed": 0},
-            rid=[f"{capture.FEED_PREFIX}{self._rid(sid)}" for sid in sids])
-        for seq, feed, sid in zip(seqs, feeds, sids, strict=True):
-            cached = feed["meta_info"].get("cached_tokens", len(seq) - 1)
-            if cached != len(seq) - 1:
+        feeds = await asyncio.gather(*(feed(seq, sid) for seq, sid in zip(seqs, sids, strict=True)))
+        for seq, out, sid in zip(seqs, feeds, sids, strict=True):
+            cached, whole = out["meta_info"].get("cached_tokens", len(seq) - 1), (len(seq) - 1) // page * page
+            if cached < whole:
                 raise RuntimeError(f"sample {sid}: its KV entries were evicted before its last token was fed "
-                                   f"({cached} of {len(seq) - 1} cached): give the engine more KV blocks")
+                                   f"({cached} of {whole} cached): give the engine more KV blocks")
         return feeds
 
     def _guidance_rows(self, rids: list[str], experts: list[dict]) -> list[dict]:
-        """Per feed request, {(layer, site): (bits, scales, g)} of its whole sequence ([] unguided;
-        experts: each request's routed experts, which tell an EP rank's fc2 rows). One SGLang RPC
-        (a short pause of the event loop: the scheduler answers between batches)."""
+        """Per sample request, {(layer, site): (bits, scales, g)} of its whole sequence ([] unguided;
+        experts: each sample's routed experts, which tell an EP rank's fc2 rows): the rows its own
+        request recorded, then its feed's last token. One SGLang RPC (a short pause of the event
+        loop: the scheduler answers between batches)."""
         if not self.guided_layers:
             return [{} for _ in rids]
+        feeds = [f"{capture.FEED_PREFIX}{rid}" for rid in rids]
         with tempfile.TemporaryDirectory(prefix="trace-guidance-", dir=_spill_dir()) as tmp:
-            self.engine.collective_rpc("trace_dump_guidance", rids=rids, path=tmp)
+            self.engine.collective_rpc("trace_dump_guidance", rids=rids + feeds, path=tmp)
             ranks = [torch.load(Path(tmp, f"rank{r}.pt"), weights_only=True) for r in range(self.engine_cfg.tp_size)]
+        ranks = [{rid: {key: tuple(torch.cat(pair) for pair in zip(ran, rank[feed][key], strict=True))
+                        for key, ran in rank[rid].items()} for rid, feed in zip(rids, feeds, strict=True)}
+                 for rank in ranks]
         ep = int(self.engine_cfg.sglang.get("ep_size", 1))
         c = self.model_cfg
         dense = frozenset(range(c.num_layers)) - set(c.moe_layers)

@@ -46,6 +46,7 @@ def rollouts(sd):
                "fp4-ep2": dict(precision="fp4", guide="all", tp_size=2, sglang={"ep_size": 2}),
                "fp4-sparse": dict(precision="fp4", guide="all", coding="sparse", scale_coding="near"),
                "fp4-tp2-sparse": dict(precision="fp4", guide="all", tp_size=2, coding="sparse"),
+               "fp4-page16": dict(precision="fp4", guide="all", sglang={"page_size": 16}),
                "bf16": dict(precision="bf16")}
     if DEVICE == "cuda" and torch.cuda.device_count() < 2:
         del configs["fp4-tp2"], configs["fp4-ep2"], configs["fp4-tp2-sparse"]
@@ -84,7 +85,7 @@ def test_the_trainer_reproduces_sglangs_rounding_from_its_guidance(sd, rollouts)
     (numerics.py), the log-probs agree to FP32 rounding (k3_kl at the built-in engine's level,
     ~1e-14; it was 1.6e-5 with SGLang's own norms, rotary and router); under TP the all-reduced
     BF16 partial products differ from the trainer's whole products, far less than without guidance."""
-    for name in ("fp4", "fp4-tp2", "fp4-ep2"):
+    for name in ("fp4", "fp4-tp2", "fp4-ep2", "fp4-page16"):
         if name not in rollouts:
             continue
         out = rollouts[name][0]
@@ -117,6 +118,34 @@ def test_sparse_guidance_ships_the_dense_records_bits_and_the_trainer_follows_it
     engine_lp = [s.logprobs for s in out.samples]
     k3, k3_unguided = (mismatch_metrics(got[p][0], engine_lp)["k3_kl"] for p in ("fp4-guided", "fp4-rne"))
     assert k3 < k3_unguided / 10, (k3, k3_unguided)
+
+
+def test_pages_of_16_tokens_give_what_pages_of_one_give(rollouts):
+    """SGLang with pages of 16 tokens (what the CUDA split-K attention kernel reads) caches only a
+    finished request's whole pages, so the feed of each sample's last token recomputes the tail:
+    the samples, log-probs, routed experts and every guidance row but the last token's are those
+    of pages of one token, byte for byte (they are what the sample's own request ran), and the
+    last token's rows are there."""
+    one, page16 = rollouts["fp4"][0], rollouts["fp4-page16"][0]
+    for a, b in zip(one.samples, page16.samples, strict=True):
+        assert a.tokens == b.tokens and torch.equal(a.logprobs, b.logprobs), a.sample_id
+    for g in ("g0", "g1"):
+        x, y = one.guidance.groups[g], page16.guidance.groups[g]
+        assert x.routed_experts.keys() == y.routed_experts.keys() and x.records.keys() == y.records.keys()
+        assert all(torch.equal(x.routed_experts[k], y.routed_experts[k]) for k in x.routed_experts)
+        assert all(torch.equal(x.records[k].payload[p], y.records[k].payload[p]) for k in x.records
+                   for p in x.records[k].payload)
+    for s in one.samples:
+        x, y = one.guidance.samples[s.sample_id], page16.guidance.samples[s.sample_id]
+        assert x.records.keys() == y.records.keys() and x.routed_experts.keys() == y.routed_experts.keys()
+        for k, e in x.routed_experts.items():
+            assert e.shape == y.routed_experts[k].shape and torch.equal(e[:-1], y.routed_experts[k][:-1])
+        for k, r in x.records.items():
+            per = r.payload["bits"].shape[0] // len(s.tokens)
+            for p, t in r.payload.items():
+                u = y.records[k].payload[p]
+                if t.dim() and t.shape[0] == per * len(s.tokens):  # row-wise parts: all but the last token's
+                    assert t.shape == u.shape and torch.equal(t[:-per], u[:-per]), (s.sample_id, k, p)
 
 
 def test_tp2_and_ep2_round_as_tp1_up_to_the_first_all_reduce(rollouts):
