@@ -63,6 +63,7 @@ def main() -> None:
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--attention", default="flashinfer", help="attention backend of the bf16 and fp8 engines")
     p.add_argument("--mem-fraction", type=float, default=0.85)
+    p.add_argument("--page-size", type=int, default=1, help="SGLang's page_size (16: TRACE's CUDA split-K attention)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -77,13 +78,13 @@ def main() -> None:
     cases = [tuple(int(x) for x in c.split(":")) for c in args.generate.split(",") if c]
     longest = max([c + args.decode_tokens + 1 for c in contexts] + [a + b for a, b in cases])
     record = {"engine": args.engine, "gpu": torch.cuda.get_device_name(), "layers": args.layers, "batch": args.batch,
-              "sglang": sglang.__version__, "date": time.strftime("%Y-%m-%d")}
+              "sglang": sglang.__version__, "date": time.strftime("%Y-%m-%d"), "page_size": args.page_size}
     with tempfile.TemporaryDirectory() as model_dir:
         Path(model_dir, "config.json").write_text(json.dumps(hf_config(cfg) | {"max_position_embeddings": 40960}))
         options = dict(model_path=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
                        random_seed=0, log_level="error", disable_radix_cache=True, attention_backend=args.attention,
                        mem_fraction_static=args.mem_fraction, max_running_requests=args.batch,
-                       cuda_graph_max_bs_decode=args.batch,
+                       cuda_graph_max_bs_decode=args.batch, page_size=args.page_size,
                        cuda_graph_backend_prefill="disabled", context_length=longest + 16,
                        max_total_tokens=args.batch * (longest + 16)) | ENGINES[args.engine]
         t0 = time.perf_counter()
