@@ -156,6 +156,44 @@ def shape_parser(doc: str) -> argparse.ArgumentParser:
     return ap
 
 
+def _pct(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{100 * fraction:.1f}%"
+
+
+def step_flops(cfg, tokens: int, seq_len: int) -> float:
+    """Model FLOPs of one micro-batch's forward + backward (3x the forward): 2 per weight a token
+    multiplies (routed experts: top_k of them, the output layer, the router; no embedding), plus
+    causal attention's QK^T and PV over packed sequences of seq_len (each token sees (seq_len + 1)
+    / 2 keys on average)."""
+    from megatron_trace.model_config import full_weight_shapes
+
+    per_token = 0.0
+    for name, shape in full_weight_shapes(cfg).items():
+        if len(shape) != 2 or name.startswith("embedding."):
+            continue
+        share = cfg.top_k / cfg.num_experts if ".mlp.experts." in name else 1.0
+        per_token += 2 * shape[0] * shape[1] * share
+    qk = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) if cfg.mla else cfg.head_dim
+    v = cfg.v_head_dim if cfg.mla else cfg.head_dim
+    per_token += cfg.num_layers * 2 * cfg.num_attention_heads * (qk + v) * (seq_len + 1) / 2
+    return 3 * per_token * tokens
+
+
+def matmul_rate(dev) -> float | None:
+    """BF16 FLOP/s of cuBLAS on this GPU, the ceiling a step's FLOPs are held against: the best of
+    a few large square GEMMs (median of triton.testing.do_bench each). None on the CPU."""
+    if dev.type != "cuda":
+        return None
+    import triton.testing
+
+    best = 0.0
+    for n in (4096, 8192, 16384):
+        a, b = (torch.randn(n, n, device=dev, dtype=torch.bfloat16) for _ in range(2))
+        ms = triton.testing.do_bench(lambda a=a, b=b: a @ b, warmup=25, rep=200, return_mode="median")
+        best = max(best, 2 * n**3 / (ms / 1e3))
+    return best
+
+
 def step_ratios(rows: list[dict]) -> list[str]:
     """The step-time ratios of one run: fp4-rne / bf16 and fp4-guided / fp4-rne per layer
     implementation and micro-batch count, and transformer_engine / local per mode."""
@@ -169,6 +207,11 @@ def step_ratios(rows: list[dict]) -> list[str]:
             if "fp4-guided" in by and "fp4-rne" in by:
                 out.append(f"{impl}, {mb} micro-batch(es): fp4-guided / fp4-rne = "
                            f"{by['fp4-guided'] / by['fp4-rne']:.3f} (goal <= 1.03)")
+    for r in rows:
+        if r["mode"] == "bf16" and r.get("matmul_fraction") is not None:
+            out.append(f"{r['impl']}, {r['micro_batches']} micro-batch(es): bf16 step at "
+                       f"{100 * r['matmul_fraction']:.1f}% of the measured BF16 matmul rate "
+                       f"({r['model_tflops_per_s']:.0f} of {r['matmul_tflops_per_s']:.0f} TFLOP/s; goal >= 40%)")
     local = {(r["mode"], r["micro_batches"]): r["step_s"] for r in rows if r["impl"] == "local"}
     for r in rows:
         if r["impl"] == "transformer_engine" and (r["mode"], r["micro_batches"]) in local:
@@ -212,6 +255,7 @@ def main() -> None:
 
     rows = []
     gpu = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+    rate, flops = matmul_rate(dev), step_flops(cfg, args.tokens, args.seq_len)
     for impl in args.transformer_impl.split(","):
         model = build_model(cfg, "bf16", grouped_gemm=not args.sequential_experts, linears=linears_for(impl))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-6, **({"fused": True} if dev.type == "cuda" else {}))
@@ -247,7 +291,10 @@ def main() -> None:
                 rows.append({"mode": mode, "impl": impl, "step_s": t, "tokens_per_s": step_tokens / t, "gpu": gpu,
                              "date": datetime.date.today().isoformat(), "model": args.model, "layers": args.layers,
                              "tokens": args.tokens, "micro_batches": mb, "seq_len": args.seq_len,
-                             "experts": "sequential" if args.sequential_experts else "grouped", "peak_gib": peak})
+                             "experts": "sequential" if args.sequential_experts else "grouped", "peak_gib": peak,
+                             "model_tflops_per_s": flops * mb / t / 1e12,
+                             "matmul_tflops_per_s": rate / 1e12 if rate else None,
+                             "matmul_fraction": flops * mb / t / rate if rate else None})
                 print(f"{impl:18s} {mode:10s} x{mb} step {t * 1e3:9.1f} ms   {step_tokens / t:10.0f} tokens/s",
                       flush=True)
         if args.profile and dev.type == "cuda":
@@ -280,10 +327,12 @@ def main() -> None:
                  f"{args.model} at full width, {args.layers} layers, micro-batches of {args.tokens} tokens "
                  f"(packed sequences of {args.seq_len}), {rows[0]['experts']} experts; a step is forward + backward "
                  "of each micro-batch and one AdamW step (FP4 weights quantized once per step).",
-                 "", "| layer implementation | mode | micro-batches | step (ms) | tokens/s | peak GiB |",
-                 "|---|---|---|---|---|---|"]
+                 "", "| layer implementation | mode | micro-batches | step (ms) | tokens/s | model TFLOP/s | "
+                 "of the BF16 matmul rate | peak GiB |", "|---|---|---|---|---|---|---|---|"]
         lines += [f"| {r['impl']} | {r['mode']} | {r['micro_batches']} | {r['step_s'] * 1e3:.1f} | "
-                  f"{r['tokens_per_s']:.0f} | {_gib(r['peak_gib'])} |" for r in rows]
+                  f"{r['tokens_per_s']:.0f} | {r['model_tflops_per_s']:.1f} | "
+                  f"{_pct(r['matmul_fraction'])} | "
+                  f"{_gib(r['peak_gib'])} |" for r in rows]
         lines += ["", *[f"- {r}" for r in ratios], ""]
         (RESULTS / f"{name}.md").write_text("\n".join(lines))
 

@@ -35,7 +35,7 @@ from torch.nn import Parameter
 
 from trace_kernels.fp4 import Format, QTensor, dequantize, fake_quantize_rows, quantize
 from trace_kernels.fp4.linear import fp4_grouped_linear, fp4_linear_parts, sum_parts
-from trace_kernels.fused_inputs import silu_mul
+from trace_kernels.fused_inputs import silu_mul, silu_mul_fake_quantize_rows
 from trace_kernels.moe_routing import combine_experts, expert_order
 
 from . import capture
@@ -338,9 +338,12 @@ class TraceFP4MoEMethod(FusedMoEMethodBase):
                                                       backend=backend)
         w13, w2 = layer.trace_w13, layer.trace_w2
         gate_up_RF = fp4_grouped_linear(h_in, w13.codes, w13.scales, w13.g, counts_E, x_rows=tok_R, backend=backend)
-        act = silu_mul(gate_up_RF, backend=backend)
         row_group = _moe_tp_group(layer)  # the down projection's input columns split over moe-TP
-        act_q, kept = quantize_input_rows(act, row_group, keep2)
+        if row_group is None:  # SwiGLU and its rows' fake quant in one kernel, as the built-in engine runs them
+            act_q, act, kept = silu_mul_fake_quantize_rows(gate_up_RF, capture=keep2, backend=backend)
+        else:
+            act = silu_mul(gate_up_RF, backend=backend)
+            act_q, kept = quantize_input_rows(act, row_group, keep2)
         if keep2:  # the trainer's fc2 rows are (token, slot) pairs in token order
             capture.record(self.layer, "fc2", act, kept, order=(tok_R * k + slot_R))
         y_RH = fp4_grouped_linear(act_q, w2.codes, w2.scales, w2.g, counts_E, backend=backend)
