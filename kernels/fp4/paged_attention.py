@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from . import cuda_decode
@@ -116,22 +117,23 @@ def cached_causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.T
     under YaRN). What the built-in engine runs for prefill (and on the CPU for decode) and
     SGLang's trace_fp4 backend runs too, so that both give the same bits for the same rows.
 
-    On a GPU the mask is torch's lower-right causal bias, which runs flash attention with the
-    grouped K/V heads as they are; an explicit mask there would send GQA to SDPA's math kernel,
-    which materialises every [Hq, m, start + m] score (GBs at 8k prompts). On the CPU an
-    explicit mask (the CPU flash kernel takes it, and the bias would warn per call)."""
+    On a GPU the mask is torch's lower-right causal bias over 4-D [1, H, seq, d] views, which
+    SDPA runs as flash attention with the grouped K/V heads as they are; an explicit mask (or
+    3-D inputs) would send GQA to SDPA's math kernel, which materialises every [Hq, m, start + m]
+    score (GBs at 8k prompts). On the CPU the explicit mask (the bias would warn per call)."""
     m, nq, _ = q.shape
     n = keys.shape[0]
     if n != start + m:
         raise ValueError(f"cached_causal_attention: {n} cached keys for queries at positions "
                          f"{start} .. {start + m - 1}")
+    gqa = keys.shape[1] != nq
+    q_, k_, v_ = q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)
     if q.is_cuda:
-        allowed = causal_lower_right(m, n)
+        out = F.scaled_dot_product_attention(q_[None], k_[None], v_[None], attn_mask=causal_lower_right(m, n),
+                                             enable_gqa=gqa, scale=scale)[0]
     else:
         allowed = torch.arange(n, device=q.device)[None] <= (start + torch.arange(m, device=q.device))[:, None]
-    out = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1),
-                                                           values.transpose(0, 1), attn_mask=allowed,
-                                                           enable_gqa=keys.shape[1] != nq, scale=scale)
+        out = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=allowed, enable_gqa=gqa, scale=scale)
     return out.transpose(0, 1)
 
 
