@@ -151,7 +151,9 @@ def fp4_grouped_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tenso
                        counts: torch.Tensor, *, tiles: ExpertTiles | None = None,
                        x_rows: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
     """Rows of x grouped by expert (counts[e] consecutive rows for expert e) times each expert's
-    FP4 weight: y[rows of e] = x[rows of e] @ dequantize(W_e)^T.
+    FP4 weight: y[rows of e] = x[rows of e] @ dequantize(W_e)^T. On a GPU, decode sizes run the
+    CUDA kernel, prefill sizes (`DEQUANT_EXPERT_ROWS` rows per expert on average) every expert
+    dequantized once and torch's grouped GEMM, the rest the Triton kernel.
 
     Args:
         x: bfloat16 [M, K]. codes: uint8 [E, N, K/2]; scales: float8_e4m3fn [E, N, K/16];
