@@ -63,11 +63,11 @@ def fp4_linear_parts(x: torch.Tensor, w: QTensor, *, backend: str = "auto") -> t
                                         w.global_scale.reshape(1).float(),
                                         splits=_k_splits(programs, k // 128, x.device, per_sm=DENSE_PROGRAMS_PER_SM,
                                                          min_steps=DENSE_MIN_CHUNKS), keep_parts=True)
-    if backend == "auto" and x.is_cuda and m >= DEQUANT_GEMM_ROWS:
-        return x @ dequantize(w, torch.bfloat16).T  # once, then cuBLAS: the same BF16 weight values
-    if _use_triton(x, backend):
+    if _use_triton(x, backend) and not (backend == "auto" and m >= DEQUANT_GEMM_ROWS):
         return _fp4_linear_triton(x.contiguous(), w)
-    return x @ dequantize(w, torch.bfloat16, backend="torch").T
+    # the whole weight dequantized once (the kernels' BF16 values), then a plain matmul: the torch
+    # path, and on a GPU prefill sizes, where cuBLAS beats rebuilding each weight tile per 64 rows
+    return x @ dequantize(w, torch.bfloat16, backend="torch" if backend == "torch" else "auto").T
 
 
 def sum_parts(parts: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:

@@ -51,7 +51,7 @@ def install() -> bool:
     sys.meta_path.append(_StubFinder)
     _drop_pin_memory(torch)
     _torch_metadata_for("trace_fp4")
-    _paged_allocation_in_torch(torch)
+    _paged_allocation_in_torch()
     _installed = True
     return True
 
@@ -138,7 +138,7 @@ class _Launch:
         return self.fn
 
 
-def _paged_allocation_in_torch(torch) -> None:
+def _paged_allocation_in_torch() -> None:
     from sglang.srt.mem_cache.allocator import paged
 
     def pages_opened(before, after, page_size):
