@@ -1,6 +1,8 @@
 """Rollout throughput of SGLang: BF16, FP8 (its own `fp8` + FP8 KV cache) and TRACE's FP4
-(`trace_fp4`: W4A4 at every FP4 site, TRACE's NVFP4 KV cache, TRACE's attention backend), one
-method for all: the same random prompts through `sglang.Engine.generate`, timed the same way.
+(`trace_fp4`: W4A4 at every FP4 site, TRACE's NVFP4 KV cache, TRACE's attention backend; and
+`trace_fp4_guided`: the same recording the dense guidance of the last `--guided-layers` layers
+for every token, inside the decode CUDA graphs, what its capture costs), one method for all:
+the same random prompts through `sglang.Engine.generate`, timed the same way.
 
 The model is Qwen3-30B-A3B's shape (`--layers` of it) with SGLang's dummy (random) weights,
 CUDA graphs for decode only (SGLang's piecewise prefill graphs compile the model with
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -31,6 +34,7 @@ ENGINES = {
     "bf16": {},
     "fp8": {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"},
     "trace_fp4": {"quantization": "trace_fp4", "attention_backend": "trace_fp4"},
+    "trace_fp4_guided": {"quantization": "trace_fp4", "attention_backend": "trace_fp4"},
 }
 
 
@@ -64,6 +68,7 @@ def main() -> None:
     p.add_argument("--attention", default="flashinfer", help="attention backend of the bf16 and fp8 engines")
     p.add_argument("--mem-fraction", type=float, default=0.85)
     p.add_argument("--page-size", type=int, default=1, help="SGLang's page_size (16: TRACE's CUDA split-K attention)")
+    p.add_argument("--guided-layers", type=int, default=8, help="trace_fp4_guided: guidance of the last K layers")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -74,11 +79,18 @@ def main() -> None:
     from megatron_trace.model_config import PRESETS
 
     cfg = PRESETS["qwen3-30b-a3b"].replace(num_layers=args.layers)
+    if args.engine == "trace_fp4_guided":  # read by TRACE's plugin in SGLang's scheduler processes
+        from sglang_rollout.sglang import capture
+
+        guided = list(range(max(0, args.layers - args.guided_layers), args.layers))
+        os.environ[capture.ENV] = json.dumps({"layers": guided, "coding": "dense"})
     contexts = [int(c) for c in args.decode.split(",") if c]
     cases = [tuple(int(x) for x in c.split(":")) for c in args.generate.split(",") if c]
     longest = max([c + args.decode_tokens + 1 for c in contexts] + [a + b for a, b in cases])
     record = {"engine": args.engine, "gpu": torch.cuda.get_device_name(), "layers": args.layers, "batch": args.batch,
               "sglang": sglang.__version__, "date": time.strftime("%Y-%m-%d"), "page_size": args.page_size}
+    if args.engine == "trace_fp4_guided":
+        record["guided_layers"] = min(args.guided_layers, args.layers)
     with tempfile.TemporaryDirectory() as model_dir:
         Path(model_dir, "config.json").write_text(json.dumps(hf_config(cfg) | {"max_position_embeddings": 40960}))
         options = dict(model_path=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",

@@ -9,6 +9,11 @@ and a finished request's rows are gathered by its slots (`collect`). The engine 
 bulk, once per `generate`, through a file per tensor-parallel rank (`dump`, called over SGLang's
 RPC), never through the per-step messages.
 
+Decode steps that replay a CUDA graph run no Python: while SGLang captures a decode graph
+(`graph_capture`), the rows go in token order into device staging buffers that every graph
+shares (as SGLang's routed-experts capturer does), and after each replay `file_staged` files the
+real tokens' rows by slot. Prefill runs eager (the engine turns SGLang's prefill graphs off).
+
 Each rank records what it computes: whole rows for qkv and fc1 (their inputs are replicated),
 its column slice for proj and fc2 (row-parallel inputs; the row's global scale is all-reduced,
 so it is the same on every rank), its KV heads for k and v. `merge_ranks` puts the slices
@@ -45,6 +50,8 @@ _layer: int | None = None  # the layer whose K/V the KV pool is writing
 _slots: torch.Tensor | None = None  # KV slots int64 [T] of the forward's tokens
 _capacity = 0  # KV slots in the pool
 _buffers: dict = {}  # (layer, site) -> (bits, scales, g) host buffers [capacity * per, ...]
+_graph: tuple[int, int] | None = None  # (tokens, most tokens of any graph) of the decode graph being captured
+_staging: dict = {}  # (layer, site) -> (per, device parts [most graph tokens * per, ...]) decode graphs write
 _taken: dict = {}  # request id -> {(layer, site): (bits, scales, g)} gathered at its finish
 
 
@@ -62,6 +69,7 @@ def configure(pairs, sparse: dict | None = None) -> None:
     global _policy, _sparse
     _policy, _sparse = frozenset(pairs), sparse
     _buffers.clear()
+    _staging.clear()
 
 
 def active() -> bool:
@@ -90,13 +98,29 @@ def at_layer(layer: int):
         _layer = outer
 
 
+@contextlib.contextmanager
+def graph_capture(tokens: int, max_tokens: int):
+    """The scope of SGLang's warm-up and capture of one decode CUDA graph for `tokens` tokens
+    (padding included; `max_tokens`: the most of any graph the engine captures). The rows go to
+    the device staging buffers instead of the host (`file_staged` after each replay)."""
+    global _graph
+    if tokens > max_tokens:
+        raise ValueError(f"guidance capture: a decode graph of {tokens} tokens, "
+                         f"more than the {max_tokens} of its engine")
+    outer, _graph = _graph, (tokens, max_tokens)
+    try:
+        yield
+    finally:
+        _graph = outer
+
+
 def current_layer() -> int | None:
     return _layer
 
 
 def wants(layer: int, site: str) -> bool:
     """True when the site's rows of the current forward are to be recorded."""
-    return _slots is not None and (layer, site) in _policy
+    return (_slots is not None or _graph is not None) and (layer, site) in _policy
 
 
 def dense_parts(q: QTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -108,20 +132,54 @@ def dense_parts(q: QTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def record(layer: int, site: str, x_RK: torch.Tensor, kept, order: torch.Tensor | None = None) -> None:
-    """Store a site's rows x_RK of the current forward by KV slot. kept: (bits [R, K/8], scales
-    [R, K/16], g [R]) in token-major row order, or in the order `order` int64 [R] gives (each
-    row's token-major index: the experts' fc2 rows come sorted by expert). The sparse coding's
-    parts are computed from them here, on the rows' device."""
-    per = x_RK.shape[0] // max(1, _slots.numel())
-    if per * _slots.numel() != x_RK.shape[0]:
-        raise ValueError(f"guidance capture: layer {layer} {site}: {x_RK.shape[0]} rows for {_slots.numel()} tokens")
+    """Store a site's rows x_RK of the current forward by KV slot (while a decode graph is being
+    captured: in its staging buffers, token-major). kept: (bits [R, K/8], scales [R, K/16], g [R])
+    in token-major row order, or in the order `order` int64 [R] gives (each row's token-major
+    index: the experts' fc2 rows come sorted by expert). The sparse coding's parts are computed
+    from them here, on the rows' device, with no host sync (graph capture allows none)."""
+    tokens = _graph[0] if _graph is not None else _slots.numel()
+    per = x_RK.shape[0] // max(1, tokens)
+    if per * tokens != x_RK.shape[0]:
+        raise ValueError(f"guidance capture: layer {layer} {site}: {x_RK.shape[0]} rows for {tokens} tokens")
     if _sparse is not None:
         kept = sparse_parts_of_dense(x_RK, *kept, tau=_sparse["tau"], scale_coding=_sparse["scale_coding"])
-    parts = [t.detach().to("cpu") for t in kept]
+    parts = [t.detach() for t in kept]
     if order is not None:
         dest = torch.empty_like(order)
-        dest[order.to(dest.device)] = torch.arange(order.numel(), device=dest.device)
-        parts = [p[dest.cpu()] for p in parts]
+        dest[order] = torch.arange(order.numel(), device=order.device)
+        parts = [p[dest.to(p.device)] for p in parts]
+    if _graph is None:
+        _file(layer, site, per, [p.to("cpu") for p in parts])
+        return
+    staged = _staging.get((layer, site))
+    if staged is None:  # allocated once, at the first (largest) graph's warm-up: every graph writes here
+        staged = _staging[(layer, site)] = (per, tuple(p.new_empty((_graph[1] * per, *p.shape[1:])) for p in parts))
+    for buf, part in zip(staged[1], parts, strict=True):
+        buf[:part.shape[0]].copy_(part)
+
+
+def file_staged() -> None:
+    """After a decode graph's replay (within `forward`): file its real tokens' rows, the first
+    T * per of each staging buffer, by their KV slots."""
+    missing = sorted(_policy - _staging.keys())
+    if missing:
+        raise RuntimeError(f"guidance capture: a decode CUDA graph ran that recorded no rows of {missing[:3]} "
+                           "(captured without TRACE's hook around SGLang's graph capture)")
+    # one device-to-host copy for every site and part (a copy each: a sync each, ~2 ms a step)
+    parts = [b[:_slots.numel() * per] for per, bufs in _staging.values() for b in bufs]
+    host = torch.cat([t.reshape(-1).view(torch.uint8) for t in parts]).to("cpu")
+    at, unpacked = 0, []
+    for t in parts:
+        size = t.numel() * t.element_size()
+        unpacked.append(host[at:at + size].view(t.dtype).reshape(t.shape))
+        at += size
+    for (layer, site), (per, bufs) in _staging.items():
+        _file(layer, site, per, unpacked[:len(bufs)])
+        unpacked = unpacked[len(bufs):]
+
+
+def _file(layer: int, site: str, per: int, parts: list[torch.Tensor]) -> None:
+    """Write host rows [T * per, ...] of the current forward's tokens into the site's host buffers."""
     store = _buffers.get((layer, site))
     if store is None or store[0].shape[0] != _capacity * per:
         store = _buffers[(layer, site)] = tuple(p.new_zeros((_capacity * per, *p.shape[1:])) for p in parts)

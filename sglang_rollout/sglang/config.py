@@ -144,7 +144,9 @@ def server_args(model_dir: str, cfg: EngineConfig, mla: bool = False) -> dict:
                 # TRACE's FP4 KV cache is read by TRACE's attention backend (the plugin's)
                 attention_backend="trace_fp4" if fp4 else "torch_native" if cpu else "triton")
     if fp4 and cfg.guide != "none":
-        args["disable_cuda_graph"] = True  # guidance capture runs in Python, outside any graph
+        # guidance capture stages decode graphs' rows on the device (capture.graph_capture); prefill
+        # graphs (piecewise, per layer) are not hooked
+        args["disable_prefill_cuda_graph"] = True
     if mla:
         # TRACE's MLA forward loops over requests on the host (no graphs); the shared experts run as
         # their own FFN, as the trainer's (SGLang would fuse them into the routed experts)

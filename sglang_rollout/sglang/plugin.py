@@ -7,7 +7,7 @@ ask for anything else are untouched. In the processes of an engine TRACE started
 a request's `sampling_seed` fixes its draws (SGLang reads it only in its deterministic mode,
 which its CPU attention does not support) and the loaded model computes what the trainer
 computes (`numerics`); with guidance asked for (capture.ENV), the capturer is hooked around
-each forward and each request's end.
+each forward (and each decode CUDA graph's capture) and each request's end.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ DEEPSEEK_POST_LOAD = ("sglang.srt.models.deepseek_common.deepseek_weight_loader.
                       "post_load_weights")
 QUANTIZED_KV_WRITE = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._set_quantized_kv_buffer"
 MODEL_FORWARD = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
+DECODE_GRAPH_CAPTURE = ("sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner."
+                        "capture_one_shape")
 MODEL_LOADED = "sglang.srt.model_executor.model_runner.ModelRunner.load_model"
 FUSED_KV_WRITE = "sglang.srt.models.utils.enable_fused_set_kv_buffer"
 DISTRIBUTED_UPDATE = ("sglang.srt.model_executor.model_runner_components.weight_updater."
@@ -72,6 +74,7 @@ def register() -> None:
     capture.configure_from_env()
     if capture.active():  # guidance capture: around each forward, at each request's end, and the RPC
         HookRegistry.register(MODEL_FORWARD, _forward, HookType.AROUND)
+        HookRegistry.register(DECODE_GRAPH_CAPTURE, _capture_decode_graph, HookType.AROUND)
         HookRegistry.register(REQUEST_FINISHED, _request_finished, HookType.AFTER)
         Scheduler.trace_dump_guidance = _dump_guidance
     _registered = True
@@ -188,7 +191,25 @@ def _forward(original, runner, forward_batch, *args, **kwargs):
 
     pool = runner.token_to_kv_pool
     with capture.forward(forward_batch.out_cache_loc, pool.size + pool.page_size):
-        return original(runner, forward_batch, *args, **kwargs)
+        out = original(runner, forward_batch, *args, **kwargs)
+        if getattr(out, "can_run_graph", False):
+            if not forward_batch.forward_mode.is_decode():
+                raise RuntimeError("guidance capture: a prefill CUDA graph ran (its rows are not captured); "
+                                   "TRACE's engine turns SGLang's prefill graphs off when guidance is on")
+            capture.file_staged()
+        return out
+
+
+def _capture_decode_graph(original, graph_runner, size: int, *args, **kwargs):
+    """SGLang's capture of one decode CUDA graph (`size` requests), with the capturer told to
+    stage the graph's rows on the device."""
+    from . import capture
+
+    if graph_runner.ragged_verify_mode:
+        raise RuntimeError("guidance capture: speculative decoding's ragged verify graphs are not supported")
+    width = graph_runner.captured_req_width
+    with capture.graph_capture(size * width, max(graph_runner.capture_bs) * width):
+        return original(graph_runner, size, *args, **kwargs)
 
 
 def _request_finished(result, processor, req, *args, **kwargs):

@@ -50,6 +50,8 @@ def rollouts(sd):
                "bf16": dict(precision="bf16")}
     if DEVICE == "cuda" and torch.cuda.device_count() < 2:
         del configs["fp4-tp2"], configs["fp4-ep2"], configs["fp4-tp2-sparse"]
+    if DEVICE == "cuda":  # "fp4" decodes through CUDA graphs there; this one without
+        configs["fp4-eager"] = dict(precision="fp4", guide="all", sglang={"disable_cuda_graph": True})
     for name, options in configs.items():
         engine = SGLangEngine(CFG, EngineConfig(device=DEVICE, **options))
         try:
@@ -146,6 +148,24 @@ def test_pages_of_16_tokens_give_what_pages_of_one_give(rollouts):
                 u = y.records[k].payload[p]
                 if t.dim() and t.shape[0] == per * len(s.tokens):  # row-wise parts: all but the last token's
                     assert t.shape == u.shape and torch.equal(t[:-per], u[:-per]), (s.sample_id, k, p)
+
+
+@pytest.mark.skipif(DEVICE != "cuda",
+                    reason="SGLang runs no CUDA graphs on the CPU (test_capture.py stages as they do)")
+def test_decode_cuda_graphs_capture_the_guidance_eager_decode_captures(rollouts):
+    """With guidance on, SGLang's decode steps replay CUDA graphs whose guidance rows are staged
+    on the device (capture.graph_capture): the samples and every guidance record equal those of
+    the same engine with CUDA graphs off, byte for byte."""
+    graphs, eager = rollouts["fp4"][0], rollouts["fp4-eager"][0]
+    for a, b in zip(graphs.samples, eager.samples, strict=True):
+        assert a.tokens == b.tokens and torch.equal(a.logprobs, b.logprobs), a.sample_id
+    for name in ("groups", "samples"):
+        x, y = getattr(graphs.guidance, name), getattr(eager.guidance, name)
+        assert x.keys() == y.keys()
+        for g in x:
+            assert x[g].records.keys() == y[g].records.keys()
+            for k, r in x[g].records.items():
+                assert all(torch.equal(t, y[g].records[k].payload[p]) for p, t in r.payload.items()), (g, k)
 
 
 def test_tp2_and_ep2_round_as_tp1_up_to_the_first_all_reduce(rollouts):

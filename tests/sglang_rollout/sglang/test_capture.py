@@ -1,0 +1,121 @@
+"""The SGLang guidance capturer's two ways in: eager forwards file their rows by KV slot at once;
+decode CUDA graphs stage them on the device in token order and `file_staged` files the real
+tokens' rows after each replay. Both must leave the same rows in the host buffers: checked on
+the CPU by staging as a graph's warm-up does, and on a GPU through a real torch.cuda.graph
+(capture, then replays with new inputs: nothing in the recording path may sync with the host).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_rollout.sglang import capture
+from trace_kernels.fp4 import quantize
+
+K, CAPACITY, TOP_K = 64, 40, 2
+
+
+@pytest.fixture(autouse=True)
+def clean_capturer():
+    yield
+    capture.configure(())
+    capture._taken.clear()
+
+
+def _record_step(x_TK: torch.Tensor, h_TK: torch.Tensor) -> None:
+    """What trace_fp4's sites do in one forward: qkv rows (one per token) and fc2 rows (TOP_K per
+    token) arriving sorted by expert, with `order` giving each row's token-major index."""
+    q = quantize(x_TK, "nvfp4", scale="row")
+    capture.record(0, "qkv", x_TK, capture.dense_parts(q))
+    weight = torch.arange(1, TOP_K + 1, device=h_TK.device).repeat(h_TK.shape[0])[:, None]
+    rows = h_TK.repeat_interleave(TOP_K, 0) * weight
+    order = torch.arange(rows.shape[0], device=rows.device).flip(0)  # sorted by "expert": reversed here
+    sorted_rows = rows[order]
+    capture.record(0, "fc2", sorted_rows, capture.dense_parts(quantize(sorted_rows, "nvfp4", scale="row")),
+                   order=order)
+
+
+def _rows(rid: str, slots: torch.Tensor) -> dict:
+    capture.collect(rid, slots)
+    return capture._taken.pop(rid)
+
+
+@pytest.mark.parametrize("sparse", [None, {"tau": 0.25, "scale_coding": "near"}])
+def test_a_staged_decode_graph_files_the_rows_an_eager_forward_files(sparse):
+    """Rows staged by a graph of 8 tokens (5 real + 3 padding, written twice as warm-up and a
+    replay would), filed after the step, equal the same 5 tokens recorded eagerly, for a plain
+    site and one whose rows come in another order, in the dense and the sparse coding."""
+    gen = torch.Generator().manual_seed(0)
+    x, h = torch.randn(8, K, generator=gen), torch.randn(8, K, generator=gen)
+    slots = torch.tensor([3, 17, 9, 30, 4])
+    pairs = [(0, "qkv"), (0, "fc2")]
+
+    capture.configure(pairs, sparse)
+    with capture.forward(slots, CAPACITY):
+        _record_step(x[:5], h[:5])
+    eager = _rows("trace/eager", slots)
+
+    capture.configure(pairs, sparse)
+    with capture.graph_capture(8, 16):
+        _record_step(torch.randn(8, K, generator=gen), torch.randn(8, K, generator=gen))  # warm-up: other values
+        _record_step(x, h)  # the replay's
+    with capture.forward(slots, CAPACITY):
+        capture.file_staged()
+    staged = _rows("trace/graph", slots)
+
+    assert eager.keys() == staged.keys() == set(pairs)
+    for key in pairs:
+        assert len(eager[key]) == (3 if sparse is None else 5)
+        for a, b in zip(eager[key], staged[key], strict=True):
+            assert torch.equal(a, b), key
+    # fc2's rows are filed token-major: token t's first slot holds the bits of h[t] * 1
+    want = capture.dense_parts(quantize(h[:5], "nvfp4", scale="row"))[0]
+    assert torch.equal(eager[(0, "fc2")][0].reshape(5, TOP_K, -1)[:, 0], want)
+
+
+def test_a_graph_that_staged_nothing_and_a_graph_too_large_are_refused():
+    capture.configure([(1, "qkv")])
+    with capture.forward(torch.tensor([1, 2]), CAPACITY), pytest.raises(RuntimeError, match=r"\(1, 'qkv'\)"):
+        capture.file_staged()
+    with pytest.raises(ValueError, match="decode graph of 9 tokens"), capture.graph_capture(9, 8):
+        pass
+    with capture.graph_capture(4, 8), pytest.raises(ValueError, match="7 rows for 4 tokens"):
+        capture.record(1, "qkv", torch.zeros(7, K), capture.dense_parts(quantize(torch.ones(7, K), "nvfp4")))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="torch.cuda.graph needs a GPU (the CPU test above stages the same way)")
+def test_recording_inside_a_real_cuda_graph_files_what_eager_recording_files():
+    """Record inside torch.cuda.graph's capture (any host sync there raises), replay with new
+    inputs, file: the rows are those of an eager forward on those inputs."""
+    pairs, sparse = [(0, "qkv"), (0, "fc2")], {"tau": 0.25, "scale_coding": "lsb"}
+    slots = torch.tensor([5, 6, 7, 1, 2, 3])
+    inputs = [(torch.randn(8, K, device="cuda"), torch.randn(8, K, device="cuda")) for _ in range(2)]
+    eager = []
+    for x_in, h_in in inputs:
+        capture.configure(pairs, sparse)
+        with capture.forward(slots.cuda(), CAPACITY):
+            _record_step(x_in[:6], h_in[:6])
+        eager.append(_rows("trace/eager", slots))
+
+    capture.configure(pairs, sparse)
+    x, h = torch.zeros(8, K, device="cuda"), torch.zeros(8, K, device="cuda")
+    with capture.graph_capture(8, 8):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            _record_step(x.normal_(), h.normal_())  # warm-up, as SGLang's capture does
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            _record_step(x, h)
+    for (x_in, h_in), want in zip(inputs, eager, strict=True):
+        x.copy_(x_in), h.copy_(h_in)
+        graph.replay()
+        with capture.forward(slots.cuda(), CAPACITY):
+            capture.file_staged()
+        staged = _rows("trace/graph", slots)
+        for key in pairs:
+            for a, b in zip(want[key], staged[key], strict=True):
+                assert torch.equal(a, b), key
