@@ -5,6 +5,7 @@ DeepSpeed trainer's: the same batching, so the same values to the last bit."""
 from __future__ import annotations
 
 import functools
+import inspect
 from itertools import pairwise
 
 import torch
@@ -23,7 +24,10 @@ def packed_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     launches than in math. Sequences are grouped by length class and right-padded to its
     power-of-two width: causal masking keeps every real query from the padding after it, so
     each sequence still attends exactly to itself; the padded rows' outputs are dropped
-    (their gradients are zero)."""
+    (their gradients are zero). On a GPU with torch's flash-attention varlen kernel
+    (`torch.nn.attention.varlen`) the pack goes to it as it is: no padding, no gathers."""
+    if _varlen_fits(query, key, value):
+        return _varlen_causal_attention(query, key, value, cu, scale)
     groups, keep, dest = attention_groups(tuple(cu), query.device)
     if not groups:
         return query.new_zeros(query.shape[0], query.shape[1] * value.shape[2])
@@ -34,6 +38,54 @@ def packed_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     # tokens after the last sequence (padding) attend to nothing: zeros
     out = query.new_zeros(*query.shape[:2], value.shape[2]).index_copy(0, dest, torch.cat(outs).index_select(0, keep))
     return out.reshape(query.shape[0], -1)
+
+
+@functools.cache
+def _varlen_options() -> dict | None:
+    """Keyword arguments that make this torch's `varlen_attn` causal, batch invariant and GQA-aware
+    (its signature changed across torch releases), or None without one that can."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    if "scale" not in params or "enable_gqa" not in params:
+        return None
+    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True} if "is_causal" in params \
+        else None
+    # one split: a sequence's values do not depend on what else is in the pack
+    return None if causal is None else causal | ({"num_splits": 1} if "num_splits" in params else {})
+
+
+def _varlen_fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether flash attention's varlen kernel takes these: CUDA, half precision, one head width
+    for q, k and v (MLA's differ) of at most 256."""
+    return (query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and _varlen_options() is not None
+            and query.shape[-1] == key.shape[-1] == value.shape[-1] <= 256)
+
+
+def _varlen_causal_attention(query, key, value, cu: list[int], scale: float | None) -> torch.Tensor:
+    """`packed_causal_attention` through torch's varlen flash attention: [T, heads * d]."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    bounds, longest = _varlen_bounds(tuple(cu), query.device)
+    n = cu[-1]
+    if bounds.numel() == 1:  # no sequence
+        return query.new_zeros(query.shape[0], query.shape[1] * value.shape[2])
+    out = varlen_attn(query[:n], key[:n], value[:n], bounds, bounds, longest, longest, scale=scale,
+                      enable_gqa=key.shape[1] != query.shape[1], **_varlen_options())
+    if n < query.shape[0]:  # tokens after the last sequence (padding) attend to nothing: zeros
+        out = torch.cat([out, out.new_zeros(query.shape[0] - n, *out.shape[1:])])
+    return out.reshape(query.shape[0], -1)
+
+
+@functools.lru_cache(maxsize=8)
+def _varlen_bounds(cu: tuple[int, ...], device) -> tuple[torch.Tensor, int]:
+    """The pack's sequence boundaries int32 [n + 1] on `device` (empty sequences dropped) and the
+    longest sequence's length."""
+    kept = [cu[0]] + [hi for lo, hi in pairwise(cu) if hi > lo]
+    longest = max((hi - lo for lo, hi in pairwise(kept)), default=1)
+    return torch.tensor(kept, dtype=torch.int32, device=device), longest
 
 
 def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
