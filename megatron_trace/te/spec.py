@@ -46,7 +46,7 @@ from megatron.core.extensions.transformer_engine import (
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
 
-from ..megatron.experts import GroupedExpertSites, TraceSequentialMLP
+from ..megatron.experts import GroupedExpertSites, TraceSequentialMLP, scale_rows
 from ..megatron.qat import FP4Site, SiteHolder, caching_weights
 from ..megatron.spec import Linears
 from .recipe import TraceNVFP4Quantizer, active_site, input_prequantized, native_nvfp4_default
@@ -178,7 +178,7 @@ class TraceTEGroupedMLP(GroupedExpertSites, TEGroupedMLP):
                 input_prequantized.reset(token)
         if padding is not None:
             out = self.quantization_unpadding(out, counts)
-        return (out * permuted_probs.unsqueeze(-1)).to(out.dtype), None
+        return scale_rows(out, permuted_probs), None
 
     def _quantize_expert_weights_at_once(self) -> None:
         """In the trainer (a `qat.cached_weights` scope), fake-quantize each grouped linear's expert
