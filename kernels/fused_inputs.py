@@ -29,7 +29,7 @@ try:
     import triton.language as tl
 
     from .fp4 import triton_fp4
-    from .fp4.triton_fp4 import _interpreting, _silu_mul
+    from .fp4.triton_fp4 import _bf16, _exp, _interpreting, _silu_mul
 except ImportError:  # pragma: no cover - triton is optional on the CPU
     triton = None
 
@@ -118,7 +118,45 @@ def silu_mul(gate_up: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     return out
 
 
+def silu_mul_backward(grad: torch.Tensor, gate_up: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """The gradient of `silu_mul` as torch's autograd computes it for F.silu(gate) * up: grad bf16
+    [R, I], gate_up bf16 [R, 2I] -> d(gate_up) bf16 [R, 2I]: d_up = grad * silu(gate) (silu
+    rounded to BF16 first, as the forward had it), d_gate = silu_backward(grad * up, gate), each
+    product rounded to BF16 as there. One kernel on the GPU (torch: five, and a concatenation)."""
+    _check_rows(gate_up, "silu_mul_backward", 2)
+    rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+    if grad.shape != (rows, width) or grad.dtype != gate_up.dtype:
+        raise ValueError(f"silu_mul_backward: grad must be bfloat16 {(rows, width)}, got {grad.dtype} "
+                         f"{tuple(grad.shape)}")
+    if not _use_triton(gate_up, backend):
+        g, u = gate_up.chunk(2, -1)
+        return torch.cat([torch.ops.aten.silu_backward(grad * u, g), grad * F.silu(g)], -1)
+    out = torch.empty_like(gate_up)
+    block = min(1024, triton.next_power_of_2(width))
+    if rows:
+        _silu_mul_backward_kernel[(rows, triton.cdiv(width, block))](
+            grad.contiguous(), gate_up.contiguous(), out, width, BLOCK=block, INTERPRET=_interpreting(),
+            enable_fp_fusion=False)
+    return out
+
+
 if triton is not None:
+
+    @triton.jit
+    def _silu_mul_backward_kernel(grad_ptr, x_ptr, out_ptr, I, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+        row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        cols = c * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < I
+        dy = tl.load(grad_ptr + row * I + cols, mask=ok, other=0.0).to(tl.float32)
+        gate = tl.load(x_ptr + row * 2 * I + cols, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + row * 2 * I + I + cols, mask=ok, other=0.0).to(tl.float32)
+        sig = tl.div_rn(1.0, 1.0 + _exp(-gate, INTERPRET))
+        silu = _bf16(tl.div_rn(gate, 1.0 + _exp(-gate, INTERPRET)), INTERPRET).to(tl.float32)
+        d_silu = _bf16(dy * up, INTERPRET).to(tl.float32)
+        # torch's silu_backward: dy * s * (1 + x * (1 - s)) in float32
+        d_gate = d_silu * sig * (1.0 + gate * (1.0 - sig))
+        tl.store(out_ptr + row * 2 * I + cols, _bf16(d_gate, INTERPRET), mask=ok)
+        tl.store(out_ptr + row * 2 * I + I + cols, _bf16(dy * silu, INTERPRET), mask=ok)
 
     @triton.jit
     def _silu_mul_kernel(x_ptr, out_ptr, I, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):

@@ -36,7 +36,6 @@ from dataclasses import replace
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 from megatron.core.extensions.transformer_engine import (
     TEColumnParallelGroupedLinear,
     TEColumnParallelLinear,
@@ -46,7 +45,7 @@ from megatron.core.extensions.transformer_engine import (
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
 
-from ..megatron.experts import GroupedExpertSites, TraceSequentialMLP, scale_rows
+from ..megatron.experts import GroupedExpertSites, TraceSequentialMLP, scale_rows, swiglu
 from ..megatron.qat import FP4Site, SiteHolder, caching_weights
 from ..megatron.spec import Linears
 from .recipe import TraceNVFP4Quantizer, active_site, input_prequantized, native_nvfp4_default
@@ -165,8 +164,7 @@ class TraceTEGroupedMLP(GroupedExpertSites, TEGroupedMLP):
         if padding is not None:
             x, splits = padding(x, counts)
         h, _ = self.linear_fc1(x, splits)
-        gate, up = h.chunk(2, dim=-1)
-        act = F.silu(gate) * up
+        act = swiglu(h)
         site = self.fc2_site
         if not (self.emulated and site is not None and site.active):
             out, _ = self.linear_fc2(act, splits)

@@ -12,6 +12,7 @@ from trace_kernels.fused_inputs import (
     add_rms_norm_fake_quantize_rows,
     rms_norm_fake_quantize_rows,
     silu_mul,
+    silu_mul_backward,
     silu_mul_fake_quantize_rows,
 )
 
@@ -102,6 +103,32 @@ def test_silu_mul_is_torchs(rows, i):
     _assert_quantized_from(xq, kept, act)
     xq_t, act_t, kept_t = silu_mul_fake_quantize_rows(gate_up, capture=True, backend="torch")
     _assert_quantized_from(xq_t, kept_t, act_t)
+
+
+@pytest.mark.parametrize("rows, i", [(64, 768), (7, 96), (1, 16), (0, 32)])
+def test_silu_mul_backward_is_torchs_autograd(rows, i):
+    """Against torch's autograd of F.silu(gate) * up on the kernel's device: d_up bit for bit
+    where torch runs on the same device (it is one product of BF16 values), d_gate within
+    one BF16 ulp (torch's silu_backward may contract its float32 expression into FMAs)."""
+    g = torch.Generator().manual_seed(i + 1)
+    gate_up = (torch.randn(rows, 2 * i, generator=g) * torch.exp(torch.randn(1, 2 * i, generator=g))).bfloat16()
+    gate_up[:, :4] = torch.tensor([0.0, -0.0, 30.0, -90.0]).bfloat16()
+    grad = torch.randn(rows, i, generator=g).bfloat16()
+    dev = triton_device()
+    leaf = gate_up.to(dev).clone().requires_grad_()
+    gate, up = leaf.chunk(2, -1)
+    (F.silu(gate) * up).backward(grad.to(dev))
+    got = silu_mul_backward(grad.to(dev), gate_up.to(dev), backend="triton")
+    assert got.shape == gate_up.shape and got.dtype == torch.bfloat16
+    _assert_torch_rounding(got[:, i:], leaf.grad[:, i:], exact=dev == "cuda")
+    _assert_torch_rounding(got[:, :i], leaf.grad[:, :i], exact=False)
+    # the torch path is autograd's own arithmetic
+    leaf_cpu = gate_up.clone().requires_grad_()
+    gate, up = leaf_cpu.chunk(2, -1)
+    (F.silu(gate) * up).backward(grad)
+    assert_bitwise_equal(silu_mul_backward(grad, gate_up, backend="torch"), leaf_cpu.grad)
+    with pytest.raises(ValueError, match="grad must be"):
+        silu_mul_backward(grad.float(), gate_up)
 
 
 def test_fused_inputs_refuse_what_does_not_fit():
