@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from itertools import pairwise
 
 import torch
@@ -59,9 +60,26 @@ def _varlen_options() -> dict | None:
 
 def _varlen_fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
     """Whether flash attention's varlen kernel takes these: CUDA, half precision, one head width
-    for q, k and v (MLA's differ) of at most 256."""
+    for q, k and v (MLA's differ) of at most 256, and a kernel that ran forward and backward on
+    this device (`_varlen_runs`)."""
     return (query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and _varlen_options() is not None
-            and query.shape[-1] == key.shape[-1] == value.shape[-1] <= 256)
+            and query.shape[-1] == key.shape[-1] == value.shape[-1] <= 256
+            and _varlen_runs(query.device, query.dtype, query.shape[-1]))
+
+
+@functools.cache
+def _varlen_runs(device, dtype, head_dim: int) -> bool:
+    """One tiny GQA pack of two sequences through varlen_attn, forward and backward, once per
+    device, dtype and head width: where this torch's kernel refuses it (a build without flash
+    attention, an architecture it lacks), the padded path runs instead, with a warning."""
+    try:
+        q, k, v = (torch.randn(6, h, head_dim, device=device, dtype=dtype, requires_grad=True) for h in (4, 2, 2))
+        _varlen_causal_attention(q, k, v, [0, 2, 5], None).float().sum().backward()
+        return True
+    except RuntimeError as err:
+        warnings.warn(f"torch's varlen flash attention did not run here ({err}); packed attention pads "
+                      "sequences by length class instead", stacklevel=2)
+        return False
 
 
 def _varlen_causal_attention(query, key, value, cu: list[int], scale: float | None) -> torch.Tensor:
