@@ -47,7 +47,8 @@ SLICED = {"proj": "cols", "fc2": "cols", "shared_fc2": "cols", "k": "heads", "v"
 _policy: frozenset = frozenset()  # (layer, site) pairs captured in this process
 _sparse: dict | None = None  # {"tau", "scale_coding"} for the sparse coding (None: dense)
 _layer: int | None = None  # the layer whose K/V the KV pool is writing
-_slots: torch.Tensor | None = None  # KV slots int64 [T] of the forward's tokens
+_slots: torch.Tensor | None = None  # KV slots [T] of the forward's tokens, where SGLang keeps them
+_slots_host: torch.Tensor | None = None  # the same int64 on the host, copied at the first row filed
 _capacity = 0  # KV slots in the pool
 _buffers: dict = {}  # (layer, site) -> (bits, scales, g) host buffers [capacity * per, ...]
 _graph: tuple[int, int] | None = None  # (tokens, most tokens of any graph) of the decode graph being captured
@@ -79,12 +80,13 @@ def active() -> bool:
 @contextlib.contextmanager
 def forward(slots: torch.Tensor, capacity: int):
     """The scope of one model forward whose tokens sit in KV slots `slots` int64 [T]."""
-    global _slots, _capacity
-    _slots, _capacity = slots.to("cpu", torch.long), capacity
+    global _slots, _slots_host, _capacity
+    # copied to the host only when rows are filed: not before a graph replay is launched
+    _slots, _slots_host, _capacity = slots, None, capacity
     try:
         yield
     finally:
-        _slots = None
+        _slots = _slots_host = None
 
 
 @contextlib.contextmanager
@@ -152,7 +154,7 @@ def record(layer: int, site: str, x_RK: torch.Tensor, kept, order: torch.Tensor 
         _file(layer, site, per, [p.to("cpu") for p in parts])
         return
     staged = _staging.get((layer, site))
-    if staged is None:  # allocated once, at the first (largest) graph's warm-up: every graph writes here
+    if staged is None:  # allocated once, for the engine's largest graph: every graph writes here
         staged = _staging[(layer, site)] = (per, tuple(p.new_empty((_graph[1] * per, *p.shape[1:])) for p in parts))
     for buf, part in zip(staged[1], parts, strict=True):
         buf[:part.shape[0]].copy_(part)
@@ -161,9 +163,8 @@ def record(layer: int, site: str, x_RK: torch.Tensor, kept, order: torch.Tensor 
 def file_staged() -> None:
     """After a decode graph's replay (within `forward`): file its real tokens' rows, the first
     T * per of each staging buffer, by their KV slots."""
-    missing = sorted(_policy - _staging.keys())
-    if missing:
-        raise RuntimeError(f"guidance capture: a decode CUDA graph ran that recorded no rows of {missing[:3]} "
+    if not _staging:  # (the policy names every site; a model records those it has)
+        raise RuntimeError("guidance capture: a decode CUDA graph ran that recorded no rows "
                            "(captured without TRACE's hook around SGLang's graph capture)")
     # one device-to-host copy for every site and part (a copy each: a sync each, ~2 ms a step)
     parts = [b[:_slots.numel() * per] for per, bufs in _staging.values() for b in bufs]
@@ -180,10 +181,13 @@ def file_staged() -> None:
 
 def _file(layer: int, site: str, per: int, parts: list[torch.Tensor]) -> None:
     """Write host rows [T * per, ...] of the current forward's tokens into the site's host buffers."""
+    global _slots_host
     store = _buffers.get((layer, site))
     if store is None or store[0].shape[0] != _capacity * per:
         store = _buffers[(layer, site)] = tuple(p.new_zeros((_capacity * per, *p.shape[1:])) for p in parts)
-    rows = (_slots[:, None] * per + torch.arange(per)).reshape(-1)
+    if _slots_host is None:
+        _slots_host = _slots.to("cpu", torch.long)
+    rows = (_slots_host[:, None] * per + torch.arange(per)).reshape(-1)
     for buf, part in zip(store, parts, strict=True):
         buf[rows] = part
 
