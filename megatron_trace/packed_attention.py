@@ -72,9 +72,10 @@ def _varlen_runs(device, dtype, head_dim: int) -> bool:
     """One tiny GQA pack of two sequences through varlen_attn, forward and backward, once per
     device, dtype and head width: where this torch's kernel refuses it (a build without flash
     attention, an architecture it lacks), the padded path runs instead, with a warning."""
-    try:
-        q, k, v = (torch.randn(6, h, head_dim, device=device, dtype=dtype, requires_grad=True) for h in (4, 2, 2))
-        _varlen_causal_attention(q, k, v, [0, 2, 5], None).float().sum().backward()
+    try:  # the first call may come from a no-grad or inference-mode forward (log-probs)
+        with torch.inference_mode(False), torch.enable_grad():
+            q, k, v = (torch.randn(6, h, head_dim, device=device, dtype=dtype, requires_grad=True) for h in (4, 2, 2))
+            _varlen_causal_attention(q, k, v, [0, 2, 5], None).float().sum().backward()
         return True
     except RuntimeError as err:
         warnings.warn(f"torch's varlen flash attention did not run here ({err}); packed attention pads "
