@@ -26,7 +26,7 @@ import sys
 import torch
 from fp4_quantize import RESULTS, time_fn  # bench/ is on sys.path
 
-from trace_kernels.fp4 import dequantize, quantize, sum_parts
+from trace_kernels.fp4 import dequantize, quantize
 from trace_kernels.fp4 import linear as L
 from trace_kernels.fp4.paged_attention import cached_causal_attention
 
@@ -43,7 +43,7 @@ def dense_rows(tokens: list[int], device: str) -> list[dict]:
         for m in tokens:
             x = torch.randn(m, k, device=device).bfloat16()
             t_bf16 = time_fn(lambda x=x, w_bf16=w_bf16: x @ w_bf16.T, device)
-            t_triton = time_fn(lambda x=x, w=w: sum_parts(L._fp4_linear_triton(x, w)), device)
+            t_triton = time_fn(lambda x=x, w=w: L.sum_parts(L._fp4_linear_triton(x, w)), device)
             t_deq = time_fn(lambda x=x, w=w: x @ dequantize(w, torch.bfloat16).T, device)
             auto = ("dequant+cuBLAS" if m >= L.DEQUANT_GEMM_ROWS
                     else "cuda" if m <= L.DENSE_CUDA_ROWS else "triton")

@@ -38,13 +38,29 @@ def _reference(q, k, v, cu):
     return out.reshape(q.shape[0], -1)
 
 
-CASES = [("cpu", torch.float32, 1e-5)]
+def _bf16_sdpa(q, k, v, cu, upstream):
+    """An independent BF16 computation of the same attention: torch's SDPA per sequence on the
+    same device (causal, grouped K/V heads); its output [T, heads * d] and q/k/v gradients."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = torch.zeros(q.shape[0], q.shape[1] * D, dtype=q.dtype, device=q.device)
+    for lo, hi in zip(cu[:-1], cu[1:], strict=True):
+        qs, ks, vs = (t[lo:hi].transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, L, d]
+        o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+        out[lo:hi] = o[0].transpose(0, 1).reshape(hi - lo, -1)
+    out.backward(upstream)
+    return out.detach(), (q.grad, k.grad, v.grad)
+
+
+CASES = [("cpu", torch.float32)]
 if torch.cuda.is_available():  # flash attention (torch's varlen kernel where it has one): BF16
-    CASES.append(("cuda", torch.bfloat16, 2e-2))
+    CASES.append(("cuda", torch.bfloat16))
 
 
-@pytest.mark.parametrize(("device", "dtype", "tol"), CASES)
-def test_packed_attention_is_per_sequence_causal_attention(device, dtype, tol):
+@pytest.mark.parametrize(("device", "dtype"), CASES)
+def test_packed_attention_is_per_sequence_causal_attention(device, dtype):
+    """Against float64: within 1e-5 in float32; in BF16 (flash kernels) within twice the error of
+    torch's own BF16 SDPA on the same device, three times for the gradients (the bound
+    flash-attention's tests use: BF16 rounding differs by kernel, not by a fixed tolerance)."""
     cu = [0]
     for n in LENGTHS:
         cu.append(cu[-1] + n)
@@ -61,15 +77,23 @@ def test_packed_attention_is_per_sequence_causal_attention(device, dtype, tol):
     assert out.shape == (tokens, HEADS * D) and out.dtype == dtype
     q64, k64, v64 = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
     want = _reference(q64, k64, v64, cu)
-    torch.testing.assert_close(out.cpu().double(), want.detach(), rtol=tol, atol=tol / 10)
-    assert not out[-PAD:].any()
     upstream = torch.randn(out.shape, generator=g)
     out.backward(upstream.to(device, dtype))
     want.backward(upstream.double())
-    for got, ref in ((q, q64), (k, k64), (v, v64)):
-        torch.testing.assert_close(got.grad.cpu().double(), ref.grad, rtol=tol, atol=tol / 10)
+    assert not out[-PAD:].any()
     assert not q.grad[-PAD:].any()  # padding takes no gradient
-
+    pairs = [(out, want)] + [(t.grad, t64.grad) for t, t64 in ((q, q64), (k, k64), (v, v64))]
+    if dtype == torch.float32:
+        for got, ref in pairs:
+            torch.testing.assert_close(got.cpu().double(), ref.detach(), rtol=1e-5, atol=1e-6)
+        return
+    base_out, base_grads = _bf16_sdpa(q, k, v, cu, upstream.to(device, dtype))
+    for (got, ref), base, factor, what in zip(pairs, (base_out, *base_grads), (2, 3, 3, 3),
+                                               ("out", "dq", "dk", "dv"), strict=True):
+        ref = ref.detach()
+        ours = (got[:cu[-1]].cpu().double() - ref[:cu[-1]]).abs().max().item()
+        torch_bf16 = (base[:cu[-1]].cpu().double() - ref[:cu[-1]]).abs().max().item()
+        assert ours <= factor * torch_bf16 + 1e-5, f"{what}: error {ours:.2e}, torch's BF16 SDPA {torch_bf16:.2e}"
 
 
 def _rotate_in_megatron(rank):
@@ -85,7 +109,8 @@ def _rotate_in_megatron(rank):
     g = torch.Generator().manual_seed(1)
     q = torch.randn(cu[-1] + PAD, cfg.num_attention_heads, cfg.head_dim, generator=g)
     k = torch.randn(cu[-1] + PAD, cfg.num_key_value_heads, cfg.head_dim, generator=g)
-    got_q, got_k = core._rotate(q, k, cu)
+    device = core.rope(1).device  # the model's (a GPU where there is one)
+    got_q, got_k = (t.cpu() for t in core._rotate(q.to(device), k.to(device), cu))
     return dict(q=q, k=k, got_q=got_q, got_k=got_k, theta=cfg.rope_theta)
 
 

@@ -25,15 +25,17 @@ def clean_capturer():
 
 def _record_step(x_TK: torch.Tensor, h_TK: torch.Tensor) -> None:
     """What trace_fp4's sites do in one forward: qkv rows (one per token) and fc2 rows (TOP_K per
-    token) arriving sorted by expert, with `order` giving each row's token-major index."""
-    q = quantize(x_TK, "nvfp4", scale="row")
+    token) arriving sorted by expert, with `order` giving each row's token-major index. No
+    finiteness check, as in the sites' own quantization: it syncs with the host, which graph
+    capture refuses."""
+    q = quantize(x_TK, "nvfp4", scale="row", check_finite=False)
     capture.record(0, "qkv", x_TK, capture.dense_parts(q))
     weight = torch.arange(1, TOP_K + 1, device=h_TK.device).repeat(h_TK.shape[0])[:, None]
     rows = h_TK.repeat_interleave(TOP_K, 0) * weight
     order = torch.arange(rows.shape[0], device=rows.device).flip(0)  # sorted by "expert": reversed here
     sorted_rows = rows[order]
-    capture.record(0, "fc2", sorted_rows, capture.dense_parts(quantize(sorted_rows, "nvfp4", scale="row")),
-                   order=order)
+    q_rows = quantize(sorted_rows, "nvfp4", scale="row", check_finite=False)
+    capture.record(0, "fc2", sorted_rows, capture.dense_parts(q_rows), order=order)
 
 
 def _rows(rid: str, slots: torch.Tensor) -> dict:
