@@ -253,7 +253,7 @@ def main() -> None:
         if dev.type == "cuda":
             torch.cuda.synchronize()
 
-    rows = []
+    rows, profiles = [], []  # profiles: --profile's tables, one per implementation and mode
     gpu = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     rate, flops = matmul_rate(dev), step_flops(cfg, args.tokens, args.seq_len)
     for impl in args.transformer_impl.split(","):
@@ -305,14 +305,16 @@ def main() -> None:
                     step(mode, 1)
                     sync()
                 table = prof.key_averages()
-                print(f"--- {impl} {mode}: top CUDA kernels of one step")
-                print(table.table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
-                print(f"--- {impl} {mode}: torch operations by input shape (self GPU time): what the kernels serve")
                 shaped = prof.key_averages(group_by_input_shape=True)
-                print(shaped.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=40,
-                                   max_shapes_column_width=70))
-                print(f"--- {impl} {mode}: top host operations of one step (self CPU time)")
-                print(table.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60))
+                profiles.append("\n".join([
+                    f"--- {impl} {mode}: top CUDA kernels of one step",
+                    table.table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60),
+                    f"--- {impl} {mode}: torch operations by input shape (self GPU time): what the kernels serve",
+                    shaped.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=40,
+                                 max_shapes_column_width=70),
+                    f"--- {impl} {mode}: top host operations of one step (self CPU time)",
+                    table.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60)]))
+                print(profiles[-1])
         del model, opt, step
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -335,6 +337,9 @@ def main() -> None:
                   f"{_gib(r['peak_gib'])} |" for r in rows]
         lines += ["", *[f"- {r}" for r in ratios], ""]
         (RESULTS / f"{name}.md").write_text("\n".join(lines))
+        if profiles:  # beside the table, dated: a later run's profile does not overwrite it
+            tag = f"{rows[0]['date']}_{'h200' if 'H200' in gpu else 'gpu'}"
+            (RESULTS / f"{name}_profile_{tag}.log").write_text(f"$ {cmd}\n\n" + "\n\n".join(profiles) + "\n")
 
 
 if __name__ == "__main__":
