@@ -122,3 +122,31 @@ def test_recording_inside_a_real_cuda_graph_files_what_eager_recording_files():
         for key in pairs:
             for a, b in zip(want[key], staged[key], strict=True):
                 assert torch.equal(a, b), key
+
+
+def test_the_one_host_copy_gives_back_every_part_whatever_its_size_and_dtype():
+    """Parts of odd byte counts before float32 / float64 ones (each starts aligned in the copy)."""
+    gen = torch.Generator().manual_seed(3)
+    parts = [torch.randint(0, 256, (3, 3), generator=gen, dtype=torch.uint8), torch.randn(5, generator=gen),
+             torch.randint(0, 256, (1,), generator=gen, dtype=torch.uint8), torch.randn(2, 3, generator=gen).double(),
+             torch.zeros(0, 4, dtype=torch.uint8)]
+    back = capture._to_host(parts)
+    assert [(b.dtype, b.shape) for b in back] == [(p.dtype, p.shape) for p in parts]
+    assert all(torch.equal(a, b) for a, b in zip(parts, back, strict=True))
+
+
+def test_an_eager_forward_files_its_rows_when_it_ends_and_none_when_it_fails():
+    gen = torch.Generator().manual_seed(4)
+    x, h = torch.randn(3, K, generator=gen), torch.randn(3, K, generator=gen)
+    slots = torch.tensor([7, 2, 11])
+    capture.configure([(0, "qkv"), (0, "fc2")])
+    with pytest.raises(RuntimeError, match="a later layer failed"), capture.forward(slots, CAPACITY):
+        _record_step(x, h)
+        raise RuntimeError("a later layer failed")
+    assert not capture._buffers and not capture._pending  # nothing half-filed
+    with capture.forward(slots, CAPACITY):
+        _record_step(x, h)
+        assert not capture._buffers  # not before the forward ends
+    rows = _rows("trace/eager", slots)
+    want = capture.dense_parts(quantize(x, "nvfp4", scale="row"))
+    assert all(torch.equal(a, b) for a, b in zip(rows[(0, "qkv")], want, strict=True))
