@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -233,6 +234,8 @@ def main() -> None:
                     help="comma list of Megatron's layer implementations: local, transformer_engine (TE's linears "
                          "under TRACE's recipe; a GPU with TE)")
     ap.add_argument("--record", action="store_true")
+    ap.add_argument("--megatron", default="{}", help="Megatron TransformerConfig settings, as trainer.megatron "
+                    "(YAML), e.g. '{cross_entropy_loss_fusion: true, cross_entropy_fusion_impl: native}'")
     args = ap.parse_args()
     if args.tokens % args.seq_len:
         sys.exit(f"--tokens {args.tokens} must be a multiple of --seq-len {args.seq_len}")
@@ -257,7 +260,8 @@ def main() -> None:
     gpu = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     rate, flops = matmul_rate(dev), step_flops(cfg, args.tokens, args.seq_len)
     for impl in args.transformer_impl.split(","):
-        model = build_model(cfg, "bf16", grouped_gemm=not args.sequential_experts, linears=linears_for(impl))
+        model = build_model(cfg, "bf16", grouped_gemm=not args.sequential_experts, linears=linears_for(impl),
+                            megatron_options=yaml.safe_load(args.megatron))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-6, **({"fused": True} if dev.type == "cuda" else {}))
         guidance, captured = own_guidance(model, ids, pos, psp, cfg)
         print(f"{impl}: guided forward reproduces every captured code: "

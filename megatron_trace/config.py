@@ -232,6 +232,11 @@ class TrainerSection(Section):
     on Megatron's local backend; no TE needed) or `transformer_engine` (TE's linears and grouped
     experts under TRACE's TE recipe, docs/notes/te-fp4-recipe.md; a GPU with TE >= 2.19; GQA models,
     not MLA)."""
+    megatron: dict = field(default_factory=dict)
+    """Megatron-core's own TransformerConfig settings, passed through (e.g. its fused loss
+    `{cross_entropy_loss_fusion: true, cross_entropy_fusion_impl: native}` on a GPU); the fields
+    TRACE sets from the model and dist sections are refused, naming the section that owns them.
+    Checked against TransformerConfig's fields at start."""
     deepspeed: dict = field(default_factory=dict)
     """DeepSpeed's own config, passed through as its JSON (e.g. `{zero_optimization: {stage: 3},
     bf16: {enabled: true}}`); TRACE adds the batch keys it owns and, unless the config has its own
@@ -241,6 +246,13 @@ class TrainerSection(Section):
         require(all(isinstance(k, str) for k in self.deepspeed), "trainer.deepspeed", "a mapping with string keys")
         require(not self.deepspeed or self.backend == "deepspeed", "trainer.deepspeed",
                 f"empty unless trainer.backend is deepspeed (it is {self.backend!r}: the options would be ignored)")
+        require(all(isinstance(k, str) for k in self.megatron), "trainer.megatron", "a mapping with string keys")
+        require(not self.megatron or self.backend == "megatron", "trainer.megatron",
+                f"empty unless trainer.backend is megatron (it is {self.backend!r}: the options would be ignored)")
+        if self.megatron:
+            from .megatron.options import check_megatron_options
+
+            check_megatron_options(self.megatron, "trainer.megatron")
         require(self.transformer_impl == "local" or self.backend == "megatron", "trainer.transformer_impl",
                 f"local with trainer.backend={self.backend} (Megatron's setting; DeepSpeed runs transformers' model)")
 

@@ -24,17 +24,21 @@ from .experts import GroupedExpertSites
 from .mla import TraceMLASelfAttention
 from .moe import TraceMoELayer
 from .norm import LatentNorm
+from .options import with_megatron_options
 from .qat import FP4Site, Shard, SiteHolder
 from .spec import LOCAL_LINEARS, Linears, trace_block_spec
 
 
 def transformer_config(model_cfg: ModelConfig, *, dispatcher: str = "alltoall", recompute: str | None = None,
-                       params_dtype: torch.dtype = torch.bfloat16, **overrides) -> TransformerConfig:
+                       params_dtype: torch.dtype = torch.bfloat16, megatron_options: dict | None = None,
+                       **overrides) -> TransformerConfig:
     """Megatron TransformerConfig for `model_cfg` under the current parallel state (an
     MLATransformerConfig for multi-head latent attention).
 
     dispatcher: "alltoall" or "allgather". recompute: None, "full" (every layer) or "selective"
-    (the MoE layers). Sequence parallelism is on whenever tensor parallelism is.
+    (the MoE layers). Sequence parallelism is on whenever tensor parallelism is. overrides:
+    TRACE's own settings over these (a layer implementation's). megatron_options: the user's
+    TransformerConfig settings (`trainer.megatron`); ValueError for one that TRACE sets here.
     """
     c = model_cfg
     c.require_built("the Megatron trainer", "megatron")
@@ -79,12 +83,12 @@ def transformer_config(model_cfg: ModelConfig, *, dispatcher: str = "alltoall", 
         variable_seq_lengths=ps.get_pipeline_model_parallel_world_size() > 1 and dispatcher == "alltoall",
     )
     kw.update(overrides)
-    if not c.mla:
-        return TransformerConfig(**kw)
-    return MLATransformerConfig(
-        **kw, multi_latent_attention=True, q_lora_rank=c.q_lora_rank or None, kv_lora_rank=c.kv_lora_rank,
-        qk_head_dim=c.qk_nope_head_dim, qk_pos_emb_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim,
-        rotary_base=c.rope_theta, **_mla_rope(c))
+    if c.mla:
+        kw.update(multi_latent_attention=True, q_lora_rank=c.q_lora_rank or None, kv_lora_rank=c.kv_lora_rank,
+                  qk_head_dim=c.qk_nope_head_dim, qk_pos_emb_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim,
+                  rotary_base=c.rope_theta, **_mla_rope(c))
+    kw = with_megatron_options(kw, megatron_options or {})
+    return (MLATransformerConfig if c.mla else TransformerConfig)(**kw)
 
 
 def _mla_rope(c: ModelConfig) -> dict:
@@ -121,7 +125,7 @@ def build_model(model_cfg: ModelConfig, precision: TrainerPrecision | str = Trai
             linears) instead of in turn.
         linears: the linear modules (spec.LOCAL_LINEARS, or TE's: `megatron_trace.te.spec.te_linears()`).
         config_overrides: passed to `transformer_config` (dispatcher, recompute, params_dtype,
-            or TransformerConfig fields).
+            megatron_options, or TransformerConfig fields).
     Returns:
         TraceGPTModel with every FP4 site attached (see `attach_sites`).
     """

@@ -48,18 +48,22 @@ class MegatronTrainer:
     scales_gradients = True  # Megatron's DDP rescales reduced gradients before the step (scale_grads)
 
     def __init__(self, model: torch.nn.Module, model_cfg: ModelConfig, optim: OptimSection | None = None,
-                 optimizer=None, linears: Linears = LOCAL_LINEARS):
+                 optimizer=None, linears: Linears = LOCAL_LINEARS, megatron_options: dict | None = None):
         self.model, self.model_cfg, self.optim = model, model_cfg, optim or OptimSection()
         self.optimizer, self.linears = optimizer, linears
+        self.megatron_options = dict(megatron_options or {})  # trainer.megatron: the reference model's too
 
     @classmethod
     def build(cls, model_cfg: ModelConfig, optim: OptimSection, *, recompute: str | None = None,
-              hf: str = "", megatron: str = "", transformer_impl: str = "local") -> MegatronTrainer:
+              hf: str = "", megatron: str = "", transformer_impl: str = "local",
+              megatron_options: dict | None = None) -> MegatronTrainer:
         """This rank's model in BF16 compute (as the engine), its weights from the HF checkpoint
         `hf` or the Megatron checkpoint `megatron` (random otherwise), its linears Megatron's
-        `transformer_impl` ("local" or "transformer_engine")."""
+        `transformer_impl` ("local" or "transformer_engine"), `megatron_options` Megatron's own
+        TransformerConfig settings (`trainer.megatron`)."""
         linears = linears_for(transformer_impl)
-        model = model_lib.build_model(model_cfg, "bf16", grouped_gemm=True, recompute=recompute, linears=linears)
+        model = model_lib.build_model(model_cfg, "bf16", grouped_gemm=True, recompute=recompute, linears=linears,
+                                      megatron_options=megatron_options)
         if hf:
             from ..checkpoint.hf import HFCheckpoint
             from .weights import load_full_state_dict
@@ -67,7 +71,7 @@ class MegatronTrainer:
             load_full_state_dict(model, HFCheckpoint(hf))
         elif megatron:
             load_model(model, megatron)
-        return cls(model, model_cfg, optim, linears=linears)
+        return cls(model, model_cfg, optim, linears=linears, megatron_options=megatron_options)
 
     # -- layout -------------------------------------------------------------------------------
     @property
@@ -145,7 +149,8 @@ class MegatronTrainer:
     def reference(self, path: Path, resumed: bool) -> MegatronTrainer:
         """The frozen reference of the KL penalty: this model as it is now, kept at `path` (a
         Megatron checkpoint) so that a resumed run penalises against the same one."""
-        reference = model_lib.build_model(self.model_cfg, "bf16", grouped_gemm=True, linears=self.linears)
+        reference = model_lib.build_model(self.model_cfg, "bf16", grouped_gemm=True, linears=self.linears,
+                                          megatron_options=self.megatron_options)
         if resumed and path.exists():
             load_model(reference, path)
         else:
@@ -155,4 +160,4 @@ class MegatronTrainer:
             save_model(reference, self.model_cfg, path)  # collective: its first step orders the removal above
         for p in reference.parameters():
             p.requires_grad_(False)
-        return MegatronTrainer(reference, self.model_cfg, linears=self.linears)
+        return MegatronTrainer(reference, self.model_cfg, linears=self.linears, megatron_options=self.megatron_options)

@@ -83,4 +83,4 @@ def build_trainer(cfg: TrainConfig, model_cfg: ModelConfig) -> Trainer:
 
     return MegatronTrainer.build(model_cfg, cfg.optim, recompute=None if cfg.dist.recompute == "none"
                                  else cfg.dist.recompute, hf=cfg.model.hf, megatron=cfg.model.megatron,
-                                 transformer_impl=cfg.trainer.transformer_impl)
+                                 transformer_impl=cfg.trainer.transformer_impl, megatron_options=cfg.trainer.megatron)

@@ -42,10 +42,42 @@ def test_defaults_yaml_and_overrides_combine(tmp_path):
     ("rollout.sglang={mem_fraction_static: 0.5}", "rollout.sglang must be empty unless rollout.backend is sglang"),
     ("model.hf=/nowhere", "model.hf must be an HF checkpoint directory"),
     ("trainer.transformer_impl=te", r"trainer.transformer_impl must be one of \['local', 'transformer_engine'\]"),
+    ("trainer.megatron={cross_entropy_fusion: true}",
+     r"trainer.megatron has keys that are not Megatron TransformerConfig fields: \['cross_entropy_fusion'\]"),
 ])
 def test_a_bad_setting_is_an_error_that_names_it(override, message):
     with pytest.raises(ValueError, match=message):
         load_config(None, [override])
+
+
+def _configs_with(rank, options):
+    """In a process with Megatron's parallel state: the TransformerConfig's loss fusion settings
+    with and without `options`, and the error of an option TRACE sets itself."""
+    from megatron_trace.megatron.model import transformer_config
+    from megatron_trace.model_config import PRESETS
+
+    tc, default = transformer_config(PRESETS["tiny"], megatron_options=options), transformer_config(PRESETS["tiny"])
+    try:
+        transformer_config(PRESETS["tiny"], megatron_options={**options, "num_layers": 3})
+        error = None
+    except ValueError as e:
+        error = str(e)
+    return dict(fusion=(tc.cross_entropy_loss_fusion, tc.cross_entropy_fusion_impl),
+                default=default.cross_entropy_loss_fusion, error=error)
+
+
+def test_megatrons_own_settings_pass_through_to_its_transformer_config():
+    """`trainer.megatron` reaches the model's TransformerConfig; a field TRACE sets itself is
+    refused naming it; DeepSpeed runs refuse the section."""
+    from megatron_trace.megatron.spawn import spawn
+
+    cfg = load_config(None, ["trainer.megatron={cross_entropy_loss_fusion: true, cross_entropy_fusion_impl: native}"])
+    assert cfg.trainer.megatron == {"cross_entropy_loss_fusion": True, "cross_entropy_fusion_impl": "native"}
+    (r,) = spawn(_configs_with, {}, options=cfg.trainer.megatron)
+    assert r["fusion"] == (True, "native") and r["default"] is False  # Megatron's default: unfused
+    assert "trainer.megatron sets ['num_layers'], which TRACE sets" in r["error"]
+    with pytest.raises(ValueError, match="trainer.megatron must be empty unless trainer.backend is megatron"):
+        load_config(None, ["trainer.backend=deepspeed", "trainer.megatron={cross_entropy_loss_fusion: true}"])
 
 
 def test_transformer_engine_layers_are_megatrons_and_need_a_gpu():
