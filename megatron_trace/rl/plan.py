@@ -175,9 +175,12 @@ KV_BLOCK = 16  # tokens per KV-cache block of the built-in engine (EngineConfig.
 
 
 def kv_blocks(groups: int, group_size: int, prompt_tokens: int, new_tokens: int, block: int = KV_BLOCK) -> int:
-    """KV-cache blocks `groups` groups need at once, at their longest: the prompt's blocks once
-    per group, each sample's own (the prompt's partial last block is copied per sample)."""
-    own = math.ceil((prompt_tokens + new_tokens) / block) - prompt_tokens // block
+    """KV-cache blocks `groups` groups of prompts of up to `prompt_tokens` tokens need at once,
+    at their longest: the prompt's blocks once per group, each sample's own (the prompt's partial
+    last block is copied per sample). A shorter prompt can need more: a sample owns
+    ceil((p % block + new_tokens) / block) blocks, most where p % block is largest, so each
+    term is its maximum over every prompt length up to prompt_tokens."""
+    own = math.ceil((min(prompt_tokens, block - 1) + new_tokens) / block)
     return groups * (math.ceil(prompt_tokens / block) + group_size * own)
 
 

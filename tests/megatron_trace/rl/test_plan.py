@@ -5,6 +5,7 @@ traffic, and against a measured run's peak memory."""
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -73,6 +74,24 @@ def test_parameters_per_gpu_equal_megatrons_shards(layout):
     lay = Layout(layout.get("tp", 1), layout.get("ep", 1), layout.get("pp", 1), layout.get("etp", layout.get("tp", 1)))
     plan = make_plan(cfg, TINY, lay)
     assert plan.trainer["parameters (BF16, norms FP32)"] == held, (layout, plan.trainer, held)
+
+
+@pytest.mark.parametrize(("prompt_tokens", "new_tokens"), [(16, 59), (5, 20), (40, 16), (1, 1), (33, 100)])
+def test_the_kv_cache_admits_every_group_at_once_whatever_the_prompts_length(prompt_tokens, new_tokens):
+    """The engine's own worst-case accounting (its scheduler) of groups whose prompts have any
+    length up to rl.max_prompt_tokens fits the cache the plan sizes: a whole step's groups are
+    admitted at once, not in waves (a 13-token prompt needs more blocks than a 16-token one)."""
+    from megatron_trace.rollout import SamplingParams
+    from sglang_rollout.engine import EngineConfig
+    from sglang_rollout.engine.scheduler import Scheduler
+
+    groups, group_size = 16, 8
+    capacity = kv_blocks(groups, group_size, prompt_tokens, new_tokens)
+    scheduler = Scheduler(PRESETS["tiny"], EngineConfig(num_blocks=capacity), cache=None, share_prompts=True)
+    sampling = SamplingParams(max_new_tokens=new_tokens)
+    worst = max(scheduler._worst_blocks(p, group_size, sampling) for p in range(1, prompt_tokens + 1))
+    assert groups * worst <= capacity
+    assert groups * scheduler._worst_blocks(prompt_tokens, group_size, sampling) <= capacity
 
 
 def test_engine_and_guidance_bytes_equal_the_engines():
@@ -402,9 +421,11 @@ def test_sglang_engine_gpus_of_the_235b_config_by_independent_arithmetic():
     # SGLang divides its budget by BF16 cells: 94 x 1 head x (128 + 128) x 2 bytes
     assert (sg.kv_bytes_per_token, sg.sglang_bytes_per_token) == (94 * 2 * (64 + 8 + 4), 94 * 256 * 2)
     need = 64 // 4 * (1024 + 8 * 8192)  # 4 engines: 16 groups each, prompts once per group
-    assert sg.tokens_needed == need and sg.tokens_admitted == need  # TRACE's max_total_tokens is the need
-    assert sg.tokens_fit == int((0.908 * 141 * GiB - held) // (94 * 2 * 76)) > need
-    assert plan.engine[f"KV pool (TRACE NVFP4, {need} tokens)"] == need * 94 * 2 * 76
+    # TRACE's max_total_tokens: the step's share in 16-token blocks, each sample's partial block at its worst
+    asked = 64 // 4 * (1024 // 16 + 8 * math.ceil((15 + 8192) / 16)) * 16
+    assert sg.tokens_needed == need and sg.tokens_admitted == asked == need + 64 // 4 * 8 * 16
+    assert sg.tokens_fit == int((0.908 * 141 * GiB - held) // (94 * 2 * 76)) > asked
+    assert plan.engine[f"KV pool (TRACE NVFP4, {asked} tokens)"] == asked * 94 * 2 * 76
     # the workspace measured at hidden 2048 x 8192 prefill tokens without CUDA graphs (2.34 GiB, rounded
     # to 2.4), twice that at hidden 4096 (bench/results/sglang_workspace_2026-12-02_h200.md)
     assert plan.engine["workspace (no CUDA graphs; measured)"] == pytest.approx(2.4 * GiB * 4096 / 2048)
