@@ -9,6 +9,11 @@
 - `expert_order`: the stable order of the (token, slot) rows by expert (rows of one expert keep
   their token order), with the per-expert row counts and each row's position. torch needs a
   radix sort, two integer divisions and a scatter-add for it: at decode sizes, five launches.
+- `scale_rows` / `scale_rows_backward`: the trainer's gate scaling of expert outputs,
+  bf16(y * gate) one row per gate, and its gradients (dy = bf16(grad * gate), dgate = the row's
+  FP32 sum of grad * y), one pass each way. torch's mixed-dtype product runs its generic
+  dynamic-cast kernel (1.1 ms for 131072 x 2048 on an H200, 2026-12-05 profile), and its dgate
+  writes, then reads, an FP32 temporary of the rows' size.
 - `combine_experts`: out[t] = the sum over t's experts of bf16(y * gate), added in FP32 in the
   rows' (expert-sorted) order and rounded to BF16 once: what `index_add_` computes on the CPU
   (its BF16 rows accumulate in FP32). On a GPU `index_add_` adds BF16 rows with atomics, each
@@ -45,6 +50,7 @@ ROUTE_BT, ROUTE_BE, ROUTE_BH, ROUTE_PROGRAMS = 16, 32, 128, 128
 TOPK_BT = 2  # tokens per top-k program: k rounds of reductions are a serial chain, so many small programs
 # Columns and warps of a combine program (one token's): batch 64, H 2048: 2.59 us, 1024 columns 2.71
 COMBINE = {"block_h": 512, "num_warps": 4}
+SCALE_BLOCK = 2048  # columns of a scale_rows program (a whole row at Qwen3-30B-A3B's hidden 2048)
 
 
 def route(h: torch.Tensor, weight: torch.Tensor, k: int, *, backend: str = "auto"):
@@ -167,7 +173,71 @@ def combine_experts(y: torch.Tensor, gate: torch.Tensor, tok: torch.Tensor, slot
     return out
 
 
+def scale_rows(y: torch.Tensor, gate: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """bf16(y * gate[:, None]) for y bf16 [R, H] and gate float32 [R]: the product in FP32, rounded
+    once (torch's mixed-dtype product into a BF16 `out=`, bit for bit). bf16 [R, H]."""
+    rows, h = _check_scaled(y, gate, "scale_rows")
+    if not _use_triton(y, backend):
+        return torch.mul(y, gate.unsqueeze(-1), out=torch.empty_like(y))
+    out = torch.empty_like(y)
+    block = min(SCALE_BLOCK, triton.next_power_of_2(h))
+    if rows:
+        _scale_rows_kernel[(rows, triton.cdiv(h, block))](y.contiguous(), gate.contiguous(), out, h, BLOCK=block,
+                                                          INTERPRET=_interpreting(), enable_fp_fusion=False)
+    return out
+
+
+def scale_rows_backward(grad: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, *, backend: str = "auto"):
+    """The gradients of `scale_rows` at grad bf16 [R, H]: (dy bf16 [R, H] = bf16(grad * gate), bit
+    for bit as torch; dgate float32 [R] = sum over H of grad * y in FP32, autograd's formula, summed
+    in the kernel's order: within FP32 rounding of torch's)."""
+    rows, h = _check_scaled(y, gate, "scale_rows_backward")
+    if grad.shape != y.shape or grad.dtype != y.dtype:
+        raise ValueError(f"scale_rows_backward: grad must be {y.dtype} {tuple(y.shape)}, got {grad.dtype} "
+                         f"{tuple(grad.shape)}")
+    if not _use_triton(y, backend):
+        return (torch.mul(grad, gate.unsqueeze(-1), out=torch.empty_like(grad)), (grad.float() * y).sum(-1))
+    dy, dgate = torch.empty_like(y), torch.empty(rows, dtype=torch.float32, device=y.device)
+    if rows:
+        block = min(SCALE_BLOCK, triton.next_power_of_2(h))
+        _scale_rows_backward_kernel[(rows,)](grad.contiguous(), y.contiguous(), gate.contiguous(), dy, dgate, h,
+                                             BLOCK=block, STEPS=triton.cdiv(h, block), INTERPRET=_interpreting(),
+                                             enable_fp_fusion=False)
+    return dy, dgate
+
+
+def _check_scaled(y: torch.Tensor, gate: torch.Tensor, what: str) -> tuple[int, int]:
+    if y.dim() != 2 or y.dtype != torch.bfloat16 or gate.shape != y.shape[:1] or gate.dtype != torch.float32:
+        raise ValueError(f"{what}: y must be bfloat16 [R, H] and gate float32 [R], got {y.dtype} "
+                         f"{tuple(y.shape)} and {gate.dtype} {tuple(gate.shape)}")
+    return y.shape
+
+
 if triton is not None:
+
+    @triton.jit
+    def _scale_rows_kernel(y_ptr, gate_ptr, out_ptr, H, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+        row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        cols = c * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < H
+        v = tl.load(y_ptr + row * H + cols, mask=ok, other=0.0).to(tl.float32) * tl.load(gate_ptr + row)
+        tl.store(out_ptr + row * H + cols, _bf16_rne(v) if INTERPRET else v.to(tl.bfloat16), mask=ok)
+
+    @triton.jit
+    def _scale_rows_backward_kernel(grad_ptr, y_ptr, gate_ptr, dy_ptr, dgate_ptr, H, BLOCK: tl.constexpr,
+                                    STEPS: tl.constexpr, INTERPRET: tl.constexpr):
+        """One row: dy in STEPS steps of BLOCK columns, and the FP32 sum of grad * y over them."""
+        row = tl.program_id(0).to(tl.int64)
+        gate = tl.load(gate_ptr + row)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for step in tl.static_range(STEPS):
+            cols = step * BLOCK + tl.arange(0, BLOCK)
+            ok = cols < H
+            g = tl.load(grad_ptr + row * H + cols, mask=ok, other=0.0).to(tl.float32)
+            acc += g * tl.load(y_ptr + row * H + cols, mask=ok, other=0.0).to(tl.float32)
+            v = g * gate
+            tl.store(dy_ptr + row * H + cols, _bf16_rne(v) if INTERPRET else v.to(tl.bfloat16), mask=ok)
+        tl.store(dgate_ptr + row, tl.sum(acc, 0))
 
     @triton.jit
     def _router_logits_kernel(h_ptr, w_ptr, part_ptr, n, E, H, STEPS: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr,

@@ -14,34 +14,34 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.moe.experts import SequentialMLP
 
+from trace_kernels import moe_routing
 from trace_kernels.fused_inputs import silu_mul, silu_mul_backward
 
 from .qat import FP4Site
 
 
 class _ScaleRows(torch.autograd.Function):
-    """(x * p[:, None]).to(x.dtype) for x [R, H] (BF16) and p float32 [R], the same bits in one
-    pass each way: torch computes a mixed-dtype product in float32 and rounds it into an `out=`
-    of x's dtype, where the plain expression writes, then reads, float32 [R, H] temporaries
-    (1 GB a layer at Qwen3-30B-A3B's 16384 tokens x 8 experts)."""
-
     @staticmethod
     def forward(ctx, x, p):
         ctx.save_for_backward(x, p)
-        return torch.mul(x, p.unsqueeze(-1), out=torch.empty_like(x))
+        return moe_routing.scale_rows(x, p)
 
     @staticmethod
     def backward(ctx, grad):
         x, p = ctx.saved_tensors
-        dx = torch.mul(grad, p.unsqueeze(-1), out=torch.empty_like(grad)) if ctx.needs_input_grad[0] else None
-        dp = (grad.float() * x).sum(-1) if ctx.needs_input_grad[1] else None  # autograd's own formula
-        return dx, dp
+        dx, dp = moe_routing.scale_rows_backward(grad.contiguous(), x, p)
+        return (dx if ctx.needs_input_grad[0] else None), (dp if ctx.needs_input_grad[1] else None)
 
 
 def scale_rows(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """Expert outputs x [R, H] times their gate weights p float32 [R], computed in float32 and
-    rounded to x's dtype once: [R, H] in x's dtype."""
-    return _ScaleRows.apply(x, p)
+    rounded to x's dtype once: [R, H] in x's dtype. BF16 rows go through
+    `trace_kernels.moe_routing.scale_rows` (one kernel each way on a GPU; the plain expression
+    writes, then reads, float32 [R, H] temporaries: 1 GB a layer at Qwen3-30B-A3B's 16384 tokens
+    x 8 experts); other dtypes through torch."""
+    if x.dtype == torch.bfloat16 and x.dim() == 2 and p.dtype == torch.float32:
+        return _ScaleRows.apply(x, p)
+    return (x * p.unsqueeze(-1)).to(x.dtype)
 
 
 class _SwiGLU(torch.autograd.Function):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tests.support.fp4 import triton_device
-from trace_kernels.moe_routing import combine_experts, expert_order, route
+from trace_kernels.moe_routing import combine_experts, expert_order, route, scale_rows, scale_rows_backward
 
 
 def _routing(n, k, e, seed):
@@ -99,6 +99,31 @@ def test_combine_experts_is_cpu_index_add(n, k, h):
     got = combine_experts(y.to(dev), gate.to(dev), tok.to(dev), slot.to(dev), pos.to(dev), residual=x.to(dev),
                           backend="triton").cpu()
     assert torch.equal(got.view(torch.int16), (x + want).view(torch.int16))
+
+
+@pytest.mark.parametrize("rows, h", [(300, 64), (5, 2048), (3, 4100), (0, 32)])
+def test_scale_rows_is_torchs_mixed_product_and_its_gradient(rows, h):
+    """Forward and dy: the float32 product rounded once, bit for bit (the exact product, 8 x 24
+    significand bits, fits float64); dgate: float64's sum of grad * y within float32 summation
+    error (torch's own order differs from the kernel's). h = 4100 takes the backward's loop over
+    column blocks with a ragged last one."""
+    g = torch.Generator().manual_seed(rows + h)
+    y = (torch.randn(rows, h, generator=g) * torch.exp(2 * torch.randn(rows, 1, generator=g))).bfloat16()
+    gate = torch.rand(rows, generator=g)
+    grad = torch.randn(rows, h, generator=g).bfloat16()
+    dev = triton_device()
+    exact = (y.double() * gate.double()[:, None]).float().bfloat16()
+    got = scale_rows(y.to(dev), gate.to(dev), backend="triton").cpu()
+    assert torch.equal(got.view(torch.int16), exact.view(torch.int16))
+    assert torch.equal(scale_rows(y, gate, backend="torch").view(torch.int16), exact.view(torch.int16))
+    dy, dgate = scale_rows_backward(grad.to(dev), y.to(dev), gate.to(dev), backend="triton")
+    assert torch.equal(dy.cpu().view(torch.int16), (grad.double() * gate.double()[:, None]).float().bfloat16()
+                       .view(torch.int16))
+    want = (grad.double() * y.double()).sum(-1)
+    bound = 2 * h * torch.finfo(torch.float32).eps * (grad.double() * y.double()).abs().sum(-1) + 1e-30
+    assert dgate.dtype == torch.float32 and ((dgate.cpu().double() - want).abs() <= bound).all()
+    with pytest.raises(ValueError, match=r"gate float32 \[R\]"):
+        scale_rows(y, gate.double())
 
 
 def test_combine_experts_refuses_a_residual_that_does_not_fit():
