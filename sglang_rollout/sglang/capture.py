@@ -55,6 +55,9 @@ _graph: tuple[int, int] | None = None  # (tokens, most tokens of any graph) of t
 _staging: dict = {}  # (layer, site) -> (per, device parts [most graph tokens * per, ...]) decode graphs write
 _taken: dict = {}  # request id -> {(layer, site): (bits, scales, g)} gathered at its finish
 _pending: list = []  # [(layer, site, per, device parts)] of the eager forward, filed at its end
+# ... or sooner, once they hold this many bytes: a prefill chunk of 8192 tokens with guidance of
+# every layer of Qwen3-30B-A3B records about 1.2 GB, which SGLang's memory budget does not hold
+PENDING_BYTES = 256 << 20
 _pinned: torch.Tensor | None = None  # page-locked host bytes the one copy per forward lands in, reused
 
 
@@ -88,12 +91,7 @@ def forward(slots: torch.Tensor, capacity: int):
     _pending.clear()
     try:
         yield
-        if _pending:  # an eager forward's rows: every site's, in one copy to the host
-            filed = list(_pending)
-            hosted = _to_host([p for *_, parts in filed for p in parts])
-            for layer, site, per, parts in filed:
-                _file(layer, site, per, hosted[:len(parts)])
-                hosted = hosted[len(parts):]
+        _file_pending()  # an eager forward's rows: every site's, in one copy to the host
     finally:
         _pending.clear()
         _slots = _slots_host = None
@@ -162,6 +160,8 @@ def record(layer: int, site: str, x_RK: torch.Tensor, kept, order: torch.Tensor 
         parts = [p[dest.to(p.device)] for p in parts]
     if _graph is None:  # filed when the forward ends, with the other sites' rows
         _pending.append((layer, site, per, parts))
+        if sum(p.numel() * p.element_size() for *_, ps in _pending for p in ps) >= PENDING_BYTES:
+            _file_pending()
         return
     staged = _staging.get((layer, site))
     if staged is None:  # allocated once, for the engine's largest graph: every graph writes here
@@ -180,6 +180,16 @@ def file_staged() -> None:
     for (layer, site), (per, bufs) in _staging.items():
         _file(layer, site, per, unpacked[:len(bufs)])
         unpacked = unpacked[len(bufs):]
+
+
+def _file_pending() -> None:
+    """File the eager forward's rows recorded so far, by one copy to the host."""
+    filed = list(_pending)
+    _pending.clear()
+    hosted = _to_host([p for *_, parts in filed for p in parts])
+    for layer, site, per, parts in filed:
+        _file(layer, site, per, hosted[:len(parts)])
+        hosted = hosted[len(parts):]
 
 
 def _to_host(parts: list[torch.Tensor]) -> list[torch.Tensor]:

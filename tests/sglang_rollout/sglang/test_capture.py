@@ -150,3 +150,22 @@ def test_an_eager_forward_files_its_rows_when_it_ends_and_none_when_it_fails():
     rows = _rows("trace/eager", slots)
     want = capture.dense_parts(quantize(x, "nvfp4", scale="row"))
     assert all(torch.equal(a, b) for a, b in zip(rows[(0, "qkv")], want, strict=True))
+
+
+def test_an_eager_forward_files_early_once_its_rows_pass_the_byte_limit(monkeypatch):
+    """Rows held past PENDING_BYTES are filed at once (a bound on the device memory they hold);
+    what is filed is the same."""
+    gen = torch.Generator().manual_seed(5)
+    x, h = torch.randn(3, K, generator=gen), torch.randn(3, K, generator=gen)
+    slots = torch.tensor([7, 2, 11])
+    capture.configure([(0, "qkv"), (0, "fc2")])
+    with capture.forward(slots, CAPACITY):
+        _record_step(x, h)
+    want = _rows("trace/eager", slots)
+    capture.configure([(0, "qkv"), (0, "fc2")])
+    monkeypatch.setattr(capture, "PENDING_BYTES", 1)
+    with capture.forward(slots, CAPACITY):
+        _record_step(x, h)
+        assert capture._buffers and not capture._pending  # filed as they came
+    got = _rows("trace/eager", slots)
+    assert all(torch.equal(a, b) for key in want for a, b in zip(want[key], got[key], strict=True))
