@@ -1,8 +1,10 @@
 """Rollout throughput of SGLang: BF16, FP8 (its own `fp8` + FP8 KV cache) and TRACE's FP4
 (`trace_fp4`: W4A4 at every FP4 site, TRACE's NVFP4 KV cache, TRACE's attention backend; and
 `trace_fp4_guided`: the same recording the dense guidance of the last `--guided-layers` layers
-for every token, inside the decode CUDA graphs, what its capture costs), one method for all:
-the same random prompts through `sglang.Engine.generate`, timed the same way.
+for every token, inside the decode CUDA graphs, what its capture costs), and TRACE's built-in
+FP4 engine (`builtin`: `sglang_rollout.engine.TraceEngine`, CUDA graphs, chunked prefill of
+`--max-batch-tokens`), one method for all: the same random prompts through each engine's
+`generate`, timed the same way.
 
 The model is Qwen3-30B-A3B's shape (`--layers` of it) with SGLang's dummy (random) weights,
 CUDA graphs for decode only (SGLang's piecewise prefill graphs compile the model with
@@ -29,12 +31,14 @@ import tempfile
 import time
 from pathlib import Path
 
+torch = None  # imported in main(): SGLang's run.sh sets up the environment first
 ROOT = Path(__file__).resolve().parents[1]
 ENGINES = {
     "bf16": {},
     "fp8": {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"},
     "trace_fp4": {"quantization": "trace_fp4", "attention_backend": "trace_fp4"},
     "trace_fp4_guided": {"quantization": "trace_fp4", "attention_backend": "trace_fp4"},
+    "builtin": {},  # TRACE's own engine, not SGLang
 }
 
 
@@ -46,15 +50,53 @@ def prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def timed(engine, ids, new_tokens: int) -> float:
-    """Seconds of one generate call; checks that every request got all its tokens."""
-    params = {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True}
+    """Seconds of one generate call (temperature 1, no stop token); checks that every request
+    got all its tokens."""
     t0 = time.perf_counter()
-    outs = engine.generate(input_ids=ids, sampling_params=params)
+    if isinstance(engine, BuiltinEngine):
+        lengths = engine.generate(ids, new_tokens)
+    else:
+        params = {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True}
+        lengths = [len(o["output_ids"]) for o in engine.generate(input_ids=ids, sampling_params=params)]
     seconds = time.perf_counter() - t0
-    short = [len(o["output_ids"]) for o in outs if len(o["output_ids"]) != new_tokens]
+    short = [n for n in lengths if n != new_tokens]
     if short:
         raise RuntimeError(f"requests ended early: {short[:4]} of {new_tokens} tokens")
     return seconds
+
+
+class BuiltinEngine:
+    """TRACE's built-in FP4 engine behind the same calls: one request per prompt (groups of
+    one, as SGLang gets them), temperature 1, no stop token, the KV cache sized for `batch`
+    sequences of `longest` tokens. Its random BF16 weights are drawn on the GPU, kept on the
+    host, and quantized by `update_weights` as a trainer's would be."""
+
+    def __init__(self, cfg, batch: int, longest: int, max_batch_tokens: int):
+        from bench.rollout_throughput import random_weights
+        from sglang_rollout.engine import EngineConfig, TraceEngine
+
+        block, device = 16, "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: a smoke run
+        self.engine = TraceEngine(cfg, EngineConfig(precision="fp4", block_size=block, device=device,
+                                                    num_blocks=batch * -(-longest // block) + 1,
+                                                    max_batch_tokens=max_batch_tokens, cuda_graph_max_batch=batch))
+        self.engine.update_weights(random_weights(cfg, device, host=True), 0)
+        self.calls = 0
+
+    def generate(self, ids: list[list[int]], new_tokens: int) -> list[int]:
+        from megatron_trace.rollout import GroupRequest, SamplingParams
+
+        self.calls += 1
+        requests = [GroupRequest(f"c{self.calls}r{i}", tuple(p)) for i, p in enumerate(ids)]
+        out = self.engine.generate(requests, SamplingParams(max_new_tokens=new_tokens, seed=self.calls))
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        errors = {s.error for s in out.samples if s.error}
+        if errors:
+            raise RuntimeError(f"the built-in engine failed requests: {sorted(errors)}")
+        return [len(s.tokens) for s in out.samples]
+
+    def shutdown(self) -> None:
+        del self.engine
 
 
 def main() -> None:
@@ -69,11 +111,16 @@ def main() -> None:
     p.add_argument("--mem-fraction", type=float, default=0.85)
     p.add_argument("--page-size", type=int, default=1, help="SGLang's page_size (16: TRACE's CUDA split-K attention)")
     p.add_argument("--guided-layers", type=int, default=8, help="trace_fp4_guided: guidance of the last K layers")
+    p.add_argument("--max-batch-tokens", type=int, default=8192,
+                   help="builtin: new tokens per forward (its prefill chunk; SGLang's own default is 8192 here)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     sys.path.insert(0, str(ROOT))
-    import sglang
+    global torch
     import torch
+
+    if args.engine != "builtin":
+        import sglang
 
     from megatron_trace.checkpoint.hf_layout import hf_config
     from megatron_trace.model_config import PRESETS
@@ -87,8 +134,10 @@ def main() -> None:
     contexts = [int(c) for c in args.decode.split(",") if c]
     cases = [tuple(int(x) for x in c.split(":")) for c in args.generate.split(",") if c]
     longest = max([c + args.decode_tokens + 1 for c in contexts] + [a + b for a, b in cases])
-    record = {"engine": args.engine, "gpu": torch.cuda.get_device_name(), "layers": args.layers, "batch": args.batch,
-              "sglang": sglang.__version__, "date": time.strftime("%Y-%m-%d"), "page_size": args.page_size}
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    record = {"engine": args.engine, "gpu": gpu, "layers": args.layers, "batch": args.batch,
+              "sglang": None if args.engine == "builtin" else sglang.__version__,
+              "date": time.strftime("%Y-%m-%d"), "page_size": args.page_size}
     if args.engine == "trace_fp4_guided":
         record["guided_layers"] = min(args.guided_layers, args.layers)
     with tempfile.TemporaryDirectory() as model_dir:
@@ -100,7 +149,11 @@ def main() -> None:
                        cuda_graph_backend_prefill="disabled", context_length=longest + 16,
                        max_total_tokens=args.batch * (longest + 16)) | ENGINES[args.engine]
         t0 = time.perf_counter()
-        engine = sglang.Engine(**options)
+        if args.engine == "builtin":
+            record |= {"max_batch_tokens": args.max_batch_tokens, "page_size": 16}
+            engine = BuiltinEngine(cfg, args.batch, longest, args.max_batch_tokens)
+        else:
+            engine = sglang.Engine(**options)
         record["start_s"] = round(time.perf_counter() - t0, 1)
         print(json.dumps(record), flush=True)
         try:
