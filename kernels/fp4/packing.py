@@ -48,8 +48,10 @@ def pack_bits(bits: torch.Tensor) -> torch.Tensor:
     b = bits.to(torch.uint8).reshape(*bits.shape[:-1], -1, 8)
     if bits.dtype != torch.bool and b.numel() and int(b.max()) > 1:
         raise ValueError("pack_bits got a value other than 0 or 1")
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=bits.device)
-    return (b * weights).sum(-1, dtype=torch.uint8)
+    # shifts made on the device: a constant tensor would be a pageable host-to-device copy, which
+    # CUDA graph capture refuses (SGLang's decode graphs pack the sparse guidance's bits)
+    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
+    return (b << shifts).sum(-1, dtype=torch.uint8)
 
 
 def unpack_bits(packed: torch.Tensor) -> torch.Tensor:

@@ -36,8 +36,13 @@ def boundary_distance_ulps(v: torch.Tensor) -> torch.Tensor:
     """Distance of scaled values to the nearest E2M1 rounding boundary, in BF16 ulps of |v|
     (magnitudes below 0.25 count as 0.25). float32, same shape."""
     a = v.abs()
-    bounds = torch.tensor(E2M1_ROUNDING_BOUNDARIES, device=a.device)
-    return (a.unsqueeze(-1) - bounds).abs().amin(-1) / (BF16_ULP * a.clamp(min=MAGNITUDE_FLOOR))
+    # boundaries as Python scalars: a constant tensor would be a pageable host-to-device copy,
+    # which CUDA graph capture (SGLang's decode graphs record guidance) refuses
+    first, *rest = E2M1_ROUNDING_BOUNDARIES
+    dist = (a - first).abs()
+    for bound in rest:
+        dist = torch.minimum(dist, (a - bound).abs())
+    return dist / (BF16_ULP * a.clamp(min=MAGNITUDE_FLOOR))
 
 
 def scale_margin_mask(block_amax_RB: torch.Tensor, g_R1: torch.Tensor, tau: float) -> torch.Tensor:

@@ -89,10 +89,12 @@ def test_a_graph_that_staged_nothing_and_a_graph_too_large_are_refused():
 
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="torch.cuda.graph needs a GPU (the CPU test above stages the same way)")
-def test_recording_inside_a_real_cuda_graph_files_what_eager_recording_files():
-    """Record inside torch.cuda.graph's capture (any host sync there raises), replay with new
-    inputs, file: the rows are those of an eager forward on those inputs."""
-    pairs, sparse = [(0, "qkv"), (0, "fc2")], {"tau": 0.25, "scale_coding": "lsb"}
+@pytest.mark.parametrize("sparse", [None, {"tau": 0.25, "scale_coding": "lsb"}, {"tau": 0.25, "scale_coding": "near"}])
+def test_recording_inside_a_real_cuda_graph_files_what_eager_recording_files(sparse):
+    """Record inside torch.cuda.graph's capture (any host sync or pageable host-to-device copy
+    there raises), replay with new inputs, file: the rows are those of an eager forward on
+    those inputs, in the dense coding and both sparse ones."""
+    pairs = [(0, "qkv"), (0, "fc2")]
     slots = torch.tensor([5, 6, 7, 1, 2, 3])
     inputs = [(torch.randn(8, K, device="cuda"), torch.randn(8, K, device="cuda")) for _ in range(2)]
     eager = []
