@@ -47,15 +47,24 @@ def random_weights(cfg, device, seed=0, host: bool = False):
     return out
 
 
-def floor_seconds(cfg, batch, context, fp4, bandwidth):
-    wbytes = 0.5625 if fp4 else 2.0
+# bytes per weight element and per K/V element, and extra bytes per (token, KV head) of K and V
+# together: FP4 is codes + one E4M3 scale per 16 (4.5 bits) and a float32 global scale per row;
+# FP8 (SGLang's `fp8` + FP8 KV) keeps per-channel or per-tensor scales, too few to count
+FLOOR_BYTES = {"bf16": (2.0, 2.0, 0), "fp8": (1.0, 1.0, 0), "fp4": (0.5625, 0.5625, 8)}
+
+
+def floor_seconds(cfg, batch, context, fp4, bandwidth, fmt: str | None = None):
+    """Seconds one decode step must take at `bandwidth` bytes/s: every attention and router weight,
+    the experts the batch's tokens reach (expected count under uniform routing), the output head
+    (BF16), and every sequence's KV cache of `context` tokens, in `fmt` ("bf16", "fp8", "fp4";
+    default from `fp4`)."""
+    wbytes, kv_bytes, kv_head_extra = FLOOR_BYTES[fmt or ("fp4" if fp4 else "bf16")]
     h, d = cfg.hidden_size, cfg.head_dim
     attn = h * d * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) + cfg.num_attention_heads * d * h
     expert = 3 * h * cfg.moe_intermediate_size
     touched = cfg.num_experts * (1 - (1 - cfg.top_k / cfg.num_experts) ** batch)
     per_layer = (attn + touched * expert) * wbytes + cfg.num_experts * h * 2
-    kv_elem = 2 * cfg.num_key_value_heads * d  # K and V elements per token per layer
-    kv_token = kv_elem * 0.5625 + 2 * cfg.num_key_value_heads * 4 if fp4 else kv_elem * 2.0
+    kv_token = 2 * cfg.num_key_value_heads * d * kv_bytes + cfg.num_key_value_heads * kv_head_extra
     total = cfg.num_layers * (per_layer + batch * context * kv_token) + cfg.vocab_size * h * 2
     return total / bandwidth
 

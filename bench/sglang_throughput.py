@@ -13,12 +13,18 @@ phase's prompts are new anyway), every request generating exactly its `max_new_t
 (ignore_eos). Phases, each with `--batch` requests:
   generate  P:N   whole generate of P-token prompts and N new tokens: N * batch / seconds;
   decode    C     (after one unmeasured prefill of C-token prompts, which warms its kernels)
-                  prompts of C tokens generating 1 token, then other prompts of C tokens
-                  generating 1 + `--decode-tokens`: decode tok/s = batch * decode_tokens / (t2 - t1)
-                  (the second call's whole generate is reported too).
-One engine per process (`--engine`); JSON lines appended to `--out`.
+                  `--repeats` times: prompts of C tokens generating 1 token (t1), then other
+                  prompts of C tokens generating 1 + `--decode-tokens` (t2); decode tok/s =
+                  batch * decode_tokens / (median t2 - median t1) (the whole generate of t2 is
+                  reported too). At 8k an FP4 prefill of 64 prompts varies by a second or more
+                  between calls (2026-12-05: 3663 and 1898 tok/s from single pairs), so the
+                  decode tokens and the repeats must outweigh it.
+The built-in engine captures all its decode graphs at start, as SGLang does (start_s holds both).
+One engine per process (`--engine`); JSON lines appended to `--out`. `--report` turns the JSON
+lines of a run into a markdown table beside each engine's decode bandwidth floor.
 
     bash .sglrun/run.sh bench/sglang_throughput.py --engine trace_fp4 --out $OUT/sglang.jsonl  # GPU
+    python bench/sglang_throughput.py --report bench/results/sglang_throughput_<date>_h200.jsonl
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -80,6 +87,7 @@ class BuiltinEngine:
                                                     num_blocks=batch * -(-longest // block) + 1,
                                                     max_batch_tokens=max_batch_tokens, cuda_graph_max_batch=batch))
         self.engine.update_weights(random_weights(cfg, device, host=True), 0)
+        self.engine.capture_graphs()
         self.calls = 0
 
     def generate(self, ids: list[list[int]], new_tokens: int) -> list[int]:
@@ -101,21 +109,29 @@ class BuiltinEngine:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--engine", choices=sorted(ENGINES), required=True)
+    p.add_argument("--engine", choices=sorted(ENGINES))
+    p.add_argument("--report", type=Path, help="write the markdown table of these JSON lines (no engine runs)")
+    p.add_argument("--bandwidth", type=float, default=4.25e12, help="--report: bytes/s of the decode floor")
     p.add_argument("--layers", type=int, default=48)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--generate", default="128:128", help="P:N cases, comma-separated ('' for none)")
     p.add_argument("--decode", default="1024,8192", help="contexts, comma-separated ('' for none)")
-    p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--decode-tokens", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=2, help="decode: (t1, t2) pairs per context, medians taken")
     p.add_argument("--attention", default="flashinfer", help="attention backend of the bf16 and fp8 engines")
     p.add_argument("--mem-fraction", type=float, default=0.85)
     p.add_argument("--page-size", type=int, default=1, help="SGLang's page_size (16: TRACE's CUDA split-K attention)")
     p.add_argument("--guided-layers", type=int, default=8, help="trace_fp4_guided: guidance of the last K layers")
     p.add_argument("--max-batch-tokens", type=int, default=8192,
                    help="builtin: new tokens per forward (its prefill chunk; SGLang's own default is 8192 here)")
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--out", type=Path, help="JSON lines appended here (required with --engine)")
     args = p.parse_args()
     sys.path.insert(0, str(ROOT))
+    if args.report:
+        print(report(args.report, args.bandwidth))
+        return
+    if args.engine is None or args.out is None or args.repeats < 1:
+        p.error("--engine and --out are required (or --report), and --repeats must be at least 1")
     global torch
     import torch
 
@@ -168,17 +184,65 @@ def main() -> None:
                 _append(args.out, row)
             for c in contexts:
                 timed(engine, prompts(args.batch, c, cfg.vocab_size, seed + 100), 1)  # this prefill's kernels warm
-                t1 = timed(engine, prompts(args.batch, c, cfg.vocab_size, seed), 1)
-                t2 = timed(engine, prompts(args.batch, c, cfg.vocab_size, seed + 1), 1 + args.decode_tokens)
-                seed += 2
+                t1s, t2s = [], []
+                for _ in range(args.repeats):
+                    t1s.append(timed(engine, prompts(args.batch, c, cfg.vocab_size, seed), 1))
+                    t2s.append(timed(engine, prompts(args.batch, c, cfg.vocab_size, seed + 1), 1 + args.decode_tokens))
+                    seed += 2
+                t1, t2 = statistics.median(t1s), statistics.median(t2s)
                 row = record | {"phase": "decode", "context": c, "new": args.decode_tokens, "prefill_s": round(t1, 3),
-                                "generate_s": round(t2, 3),
+                                "generate_s": round(t2, 3), "prefill_runs_s": [round(t, 3) for t in t1s],
+                                "generate_runs_s": [round(t, 3) for t in t2s],
                                 "tok_s": round(args.batch * args.decode_tokens / (t2 - t1), 1) if t2 > t1 else None,
                                 "generate_tok_s": round(args.batch * (1 + args.decode_tokens) / t2, 1)}
                 print(json.dumps(row), flush=True)
                 _append(args.out, row)
         finally:
             engine.shutdown()
+
+
+NAMES = {"bf16": "SGLang BF16", "fp8": "SGLang FP8 + FP8 KV", "trace_fp4": "SGLang + TRACE FP4",
+         "trace_fp4_guided": "SGLang + TRACE FP4, guided", "builtin": "TRACE built-in engine (FP4)"}
+FLOOR_FORMAT = {"bf16": "bf16", "fp8": "fp8", "trace_fp4": "fp4", "trace_fp4_guided": "fp4", "builtin": "fp4"}
+
+
+def report(path: Path, bandwidth: float) -> str:
+    """Markdown: per engine (in the order first seen) its start, whole generate, and per decode
+    context the prefill, decode tok/s beside its bandwidth floor (bench/rollout_throughput.py's
+    `floor_seconds`: weights, reached experts, head and KV cache in the engine's formats), and
+    the whole generate of that phase."""
+    from bench.rollout_throughput import floor_seconds
+    from megatron_trace.model_config import PRESETS
+
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    engines = list(dict.fromkeys(r["engine"] for r in rows))
+    contexts = sorted({r["context"] for r in rows if r["phase"] == "decode"})
+    cases = list(dict.fromkeys((r["prompt"], r["new"]) for r in rows if r["phase"] == "generate"))
+    head = ["engine", "start s"] + [f"generate {p} + {n}, tok/s" for p, n in cases]
+    for c in contexts:
+        head += [f"prefill {c} s", f"decode at {c}, tok/s", f"floor at {c}, tok/s", f"decode / floor at {c}",
+                 f"generate {c} + N, tok/s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for e in engines:
+        mine = [r for r in rows if r["engine"] == e]
+        cfg = PRESETS["qwen3-30b-a3b"].replace(num_layers=mine[0]["layers"])
+        cells = [NAMES.get(e, e), str(mine[0].get("start_s", ""))]
+        for p_len, n in cases:
+            g = [r for r in mine if r["phase"] == "generate" and (r["prompt"], r["new"]) == (p_len, n)]
+            cells.append(f"{g[-1]['tok_s']:.0f}" if g else "-")
+        for c in contexts:
+            d = [r for r in mine if r["phase"] == "decode" and r["context"] == c]
+            if not d:
+                cells += ["-"] * 5
+                continue
+            d = d[-1]
+            floor = d["batch"] / floor_seconds(cfg, d["batch"], c + d["new"] // 2, None, bandwidth,
+                                               FLOOR_FORMAT.get(e, "bf16"))
+            tok = d["tok_s"]
+            cells += [f"{d['prefill_s']:.2f}", "-" if tok is None else f"{tok:.0f}", f"{floor:.0f}",
+                      "-" if tok is None else f"{tok / floor:.2f}", f"{d['generate_tok_s']:.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def _append(path: Path, row: dict) -> None:

@@ -150,3 +150,10 @@ class DecodeGraphs:
             self.graphs[size] = DecodeGraph(self.runner, size, self.max_blocks, self.scratch, self.capture_layers,
                                             self.pool, codes=self.codes)
         return self.graphs[size]
+
+    def capture_all(self) -> None:
+        """Capture the graph of every bucket up to max_batch now (SGLang does so at start), so that
+        no later decode step pays for a capture (seconds each at 48 layers)."""
+        for batch in GRAPH_BUCKETS + (self.max_batch,):
+            if batch <= self.max_batch:
+                self.get(batch)

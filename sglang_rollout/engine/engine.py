@@ -106,6 +106,12 @@ class TraceEngine:
         return self.engine_cfg.precision
 
     # -- weights ------------------------------------------------------------------------------
+    def capture_graphs(self) -> None:
+        """Capture every decode CUDA graph now rather than on first use (a no-op without graphs).
+        Needs weights loaded: the capture runs the model."""
+        if self.graphs is not None:
+            self.graphs.capture_all()
+
     def update_weights(self, state_dict, version: int) -> None:
         """Load a full state dict (BF16, or FP4 QTensors for the FP4 sites) as `version`.
 
