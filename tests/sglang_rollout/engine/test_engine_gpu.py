@@ -65,12 +65,16 @@ def test_engine_generates_the_same_with_cuda_graphs(precision, guide):
     requests = [GroupRequest("a", (1, 2, 3, 4, 5), n=3), GroupRequest("b", tuple(range(7, 40)), n=2),
                 GroupRequest("c", (9, 9, 9), n=2)]
     outs = {}
-    for graphs in (0, 256):
+    for graphs in (0, 256, 8):
         engine = TraceEngine(cfg, EngineConfig(precision=precision, block_size=16, num_blocks=64, device="cuda",
                                                guide=guide, cuda_graph_max_batch=graphs))
         engine.update_weights(sd, 0)
+        if graphs == 8:  # every bucket captured before the first step, as SGLang does at start
+            engine.capture_graphs()
+            assert sorted(engine.graphs.graphs) == [1, 2, 4, 8]
         outs[graphs] = engine.generate(requests, SamplingParams(max_new_tokens=12, temperature=0))
         assert bool(engine.graphs and engine.graphs.graphs) == bool(graphs)
+    assert [s.tokens for s in outs[8].samples] == [s.tokens for s in outs[256].samples]
     for eager, graph in zip(outs[0].samples, outs[256].samples, strict=True):
         assert eager.tokens == graph.tokens
         torch.testing.assert_close(eager.logprobs, graph.logprobs, atol=1e-3, rtol=0)
