@@ -18,7 +18,9 @@ phase's prompts are new anyway), every request generating exactly its `max_new_t
                   batch * decode_tokens / (median t2 - median t1) (the whole generate of t2 is
                   reported too). At 8k an FP4 prefill of 64 prompts varies by a second or more
                   between calls (2026-12-05: 3663 and 1898 tok/s from single pairs), so the
-                  decode tokens and the repeats must outweigh it.
+                  decode tokens and the repeats must outweigh it. SGLang's engines also
+                  stream one more such call: `streamed_tok_s` counts only the tokens after
+                  every request has its first one, over the time after that (no prefill in it).
 The built-in engine captures all its decode graphs at start, as SGLang does (start_s holds both).
 One engine per process (`--engine`); JSON lines appended to `--out`. `--report` turns the JSON
 lines of a run into a markdown table beside each engine's decode bandwidth floor.
@@ -66,10 +68,31 @@ def timed(engine, ids, new_tokens: int) -> float:
         params = {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True}
         lengths = [len(o["output_ids"]) for o in engine.generate(input_ids=ids, sampling_params=params)]
     seconds = time.perf_counter() - t0
+    _check_lengths(lengths, new_tokens)
+    return seconds
+
+
+def streamed_decode(engine, ids, new_tokens: int) -> tuple[float, float]:
+    """(seconds of the whole call, decode tok/s) of one streamed SGLang generate call: decode
+    counts the tokens produced after every request has its first token (all prefills done)
+    over the time from then to the last token, so no prefill is in it."""
+    params = {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True}
+    done = [0] * len(ids)
+    t0 = time.perf_counter()
+    first_all, at_first = None, 0
+    for chunk in engine.generate(input_ids=ids, sampling_params=params, stream=True):
+        done[chunk["index"]] = chunk["meta_info"]["completion_tokens"]
+        if first_all is None and min(done) > 0:
+            first_all, at_first = time.perf_counter(), sum(done)
+    end = time.perf_counter()
+    _check_lengths(done, new_tokens)
+    return end - t0, (sum(done) - at_first) / (end - first_all)
+
+
+def _check_lengths(lengths: list[int], new_tokens: int) -> None:
     short = [n for n in lengths if n != new_tokens]
     if short:
         raise RuntimeError(f"requests ended early: {short[:4]} of {new_tokens} tokens")
-    return seconds
 
 
 class BuiltinEngine:
@@ -190,7 +213,14 @@ def main() -> None:
                     t2s.append(timed(engine, prompts(args.batch, c, cfg.vocab_size, seed + 1), 1 + args.decode_tokens))
                     seed += 2
                 t1, t2 = statistics.median(t1s), statistics.median(t2s)
-                row = record | {"phase": "decode", "context": c, "new": args.decode_tokens, "prefill_s": round(t1, 3),
+                if args.engine != "builtin":  # the same phase streamed: decode with no prefill in it
+                    _, streamed = streamed_decode(engine, prompts(args.batch, c, cfg.vocab_size, seed),
+                                                  1 + args.decode_tokens)
+                    record_stream = {"streamed_tok_s": round(streamed, 1)}
+                else:
+                    record_stream = {}
+                row = record | record_stream | {"phase": "decode", "context": c, "new": args.decode_tokens,
+                                                "prefill_s": round(t1, 3),
                                 "generate_s": round(t2, 3), "prefill_runs_s": [round(t, 3) for t in t1s],
                                 "generate_runs_s": [round(t, 3) for t in t2s],
                                 "tok_s": round(args.batch * args.decode_tokens / (t2 - t1), 1) if t2 > t1 else None,
@@ -220,8 +250,8 @@ def report(path: Path, bandwidth: float) -> str:
     cases = list(dict.fromkeys((r["prompt"], r["new"]) for r in rows if r["phase"] == "generate"))
     head = ["engine", "start s"] + [f"generate {p} + {n}, tok/s" for p, n in cases]
     for c in contexts:
-        head += [f"prefill {c} s", f"decode at {c}, tok/s", f"floor at {c}, tok/s", f"decode / floor at {c}",
-                 f"generate {c} + N, tok/s"]
+        head += [f"prefill {c} s", f"decode at {c}, tok/s", f"streamed decode at {c}, tok/s", f"floor at {c}, tok/s",
+                 f"decode / floor at {c}", f"generate {c} + N, tok/s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for e in engines:
         mine = [r for r in rows if r["engine"] == e]
@@ -233,13 +263,14 @@ def report(path: Path, bandwidth: float) -> str:
         for c in contexts:
             d = [r for r in mine if r["phase"] == "decode" and r["context"] == c]
             if not d:
-                cells += ["-"] * 5
+                cells += ["-"] * 6
                 continue
             d = d[-1]
             floor = d["batch"] / floor_seconds(cfg, d["batch"], c + d["new"] // 2, None, bandwidth,
                                                FLOOR_FORMAT.get(e, "bf16"))
             tok = d["tok_s"]
-            cells += [f"{d['prefill_s']:.2f}", "-" if tok is None else f"{tok:.0f}", f"{floor:.0f}",
+            streamed = f"{d['streamed_tok_s']:.0f}" if "streamed_tok_s" in d else "-"
+            cells += [f"{d['prefill_s']:.2f}", "-" if tok is None else f"{tok:.0f}", streamed, f"{floor:.0f}",
                       "-" if tok is None else f"{tok / floor:.2f}", f"{d['generate_tok_s']:.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
