@@ -11,7 +11,8 @@ CUDA graphs for decode only (SGLang's piecewise prefill graphs compile the model
 torch.compile: minutes of start-up, and not for TRACE's kernels), no radix cache (each
 phase's prompts are new anyway), every request generating exactly its `max_new_tokens`
 (ignore_eos). Phases, each with `--batch` requests:
-  generate  P:N   whole generate of P-token prompts and N new tokens: N * batch / seconds;
+  generate  P:N   whole generate of P-token prompts and N new tokens: N * batch / seconds
+                  (after one untimed call of the same shape);
   decode    C     (after one unmeasured prefill of C-token prompts, which warms its kernels)
                   `--repeats` times: prompts of C tokens generating 1 token (t1), then other
                   prompts of C tokens generating 1 + `--decode-tokens` (t2); decode tok/s =
@@ -199,6 +200,10 @@ def main() -> None:
             timed(engine, prompts(args.batch, 64, cfg.vocab_size, 1), 8)  # warm-up
             seed = 10
             for p_len, n in cases:
+                # an untimed call of the same shape first: a prefill chunk of a size not seen before
+                # may build kernels or grow workspaces (2026-12-05b: TRACE FP4's first 64 x 128
+                # prefill cost about 3 s, its 1k chunks 0.45 s each)
+                timed(engine, prompts(args.batch, p_len, cfg.vocab_size, seed + 200), n)
                 seconds = timed(engine, prompts(args.batch, p_len, cfg.vocab_size, seed), n)
                 seed += 1
                 row = record | {"phase": "generate", "prompt": p_len, "new": n, "seconds": round(seconds, 3),
