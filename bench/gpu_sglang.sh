@@ -5,6 +5,8 @@
 #   carry [".sgl", ".whl/megatron_core-0.19.2-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl"]:
 #     bash bench/gpu_sglang.sh install test export train
 # A later call on the warm machine may carry .sglrun (run.sh and sitecustomize.py alone) instead of .sgl.
+# `cache` saves the compiled kernels into $OUT (bench/gpu_cache.sh); carried back as .gpucache/ (with
+# .sglrun: .sgl and the caches do not fit one call), `install` restores them on a fresh machine.
 # SGLang compiles its Marlin kernels (ModelOpt NVFP4 weight-only on Hopper) with nvcc at first use, for
 # minutes; .sgljit, built here by bench/sglang_h200/prebuild_jit.py, carries them ready (TVM_FFI_CACHE_DIR).
 # install keeps SGLang in /tmp/sglsite on the warm machine; check runs bench/sglang_gpu_check.py,
@@ -20,7 +22,8 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 for step in "$@"; do
   case $step in
-    install)
+    install)  # with a carried .gpucache (bench/gpu_cache.sh), the kernels compiled on an earlier machine
+      bash bench/gpu_cache.sh restore
       bash .sgl/run.sh -c 'print("sglang installed")' ;;
     check|test|smoke|bench|export|train|workspace|fullsize)
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site --upgrade .whl/*.whl >/dev/null 2>&1
@@ -61,6 +64,8 @@ for step in "$@"; do
           > "$OUT/pytest_sglang_gpu.log" 2>&1
         tail -n 15 "$OUT/pytest_sglang_gpu.log"
       fi ;;
-    *) echo "unknown step $step (install, check, test, smoke, bench, export, train, workspace, fullsize)"; exit 2 ;;
+    cache)  # the kernel caches into $OUT/gpu_cache.tar.gz: copy it into .gpucache/ here for the next machine
+      bash bench/gpu_cache.sh save ;;
+    *) echo "unknown step $step (install, check, test, smoke, bench, export, train, workspace, fullsize, cache)"; exit 2 ;;
   esac
 done
