@@ -153,6 +153,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     if args.report:
         print(report(args.report, args.bandwidth))
+        print(f"plot: {plot(args.report, args.bandwidth)}")
         return
     if args.engine is None or args.out is None or args.repeats < 1:
         p.error("--engine and --out are required (or --report), and --repeats must be at least 1")
@@ -279,6 +280,45 @@ def report(path: Path, bandwidth: float) -> str:
                       "-" if tok is None else f"{tok / floor:.2f}", f"{d['generate_tok_s']:.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def plot(path: Path, bandwidth: float) -> Path:
+    """PNG beside the JSON lines (same name): per decode context, each engine's decode tok/s as a
+    bar with its bandwidth floor as a mark, and its whole generate of that phase."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from bench.rollout_throughput import floor_seconds
+    from megatron_trace.model_config import PRESETS
+
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    decode = [r for r in rows if r["phase"] == "decode"]
+    contexts = sorted({r["context"] for r in decode})
+    engines = list(dict.fromkeys(r["engine"] for r in decode))
+    fig, axes = plt.subplots(1, len(contexts), figsize=(5.5 * len(contexts), 4.5), squeeze=False)
+    for ax, c in zip(axes[0], contexts, strict=True):
+        for i, e in enumerate(engines):
+            mine = [r for r in decode if r["engine"] == e and r["context"] == c]
+            if not mine:
+                continue
+            r = mine[-1]
+            cfg = PRESETS["qwen3-30b-a3b"].replace(num_layers=r["layers"])
+            floor = r["batch"] / floor_seconds(cfg, r["batch"], c + r["new"] // 2, None, bandwidth,
+                                               FLOOR_FORMAT.get(e, "bf16"))
+            ax.bar(i - 0.2, r["tok_s"] or 0, 0.4, color="tab:blue", label="decode" if i == 0 else None)
+            ax.bar(i + 0.2, r["generate_tok_s"], 0.4, color="tab:orange", label="whole generate" if i == 0 else None)
+            ax.plot([i - 0.4, i + 0.4], [floor, floor], "k--", label="decode bandwidth floor" if i == 0 else None)
+        ax.set_xticks(range(len(engines)), [NAMES.get(e, e).replace(" + ", " +\n") for e in engines], fontsize=7)
+        ax.set(ylabel="tokens/s", title=f"batch {decode[0]['batch']}, context {c}")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{decode[0]['gpu']}, {decode[0]['date']}, {decode[0]['layers']} layers of Qwen3-30B-A3B")
+    fig.tight_layout()
+    out = path.with_suffix(".png")
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
 
 
 def _append(path: Path, row: dict) -> None:
