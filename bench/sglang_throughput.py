@@ -23,7 +23,9 @@ phase's prompts are new anyway), every request generating exactly its `max_new_t
                   stream one more such call: `streamed_tok_s` counts only the tokens after
                   every request has its first one, over the time after that (no prefill in it).
 The built-in engine captures all its decode graphs at start, as SGLang does (start_s holds both).
-One engine per process (`--engine`); JSON lines appended to `--out`. `--report` turns the JSON
+`--profile-steps N` then runs SGLang's own profiler over the first N prefill chunks and decode
+steps at the longest context and writes the GPU time per kernel (`profile_<engine>_<C>/kernels.md`
+beside `--out`). One engine per process (`--engine`); JSON lines appended to `--out`. `--report` turns the JSON
 lines of a run into a markdown table beside each engine's decode bandwidth floor.
 
     bash .sglrun/run.sh bench/sglang_throughput.py --engine trace_fp4 --out $OUT/sglang.jsonl  # GPU
@@ -146,6 +148,9 @@ def main() -> None:
     p.add_argument("--mem-fraction", type=float, default=0.85)
     p.add_argument("--page-size", type=int, default=1, help="SGLang's page_size (16: TRACE's CUDA split-K attention)")
     p.add_argument("--guided-layers", type=int, default=8, help="trace_fp4_guided: guidance of the last K layers")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="SGLang engines: profile this many prefill chunks and decode steps at the longest "
+                        "context (SGLang's profiler) and print GPU time per kernel")
     p.add_argument("--max-batch-tokens", type=int, default=8192,
                    help="builtin: new tokens per forward (its prefill chunk; SGLang's own default is 8192 here)")
     p.add_argument("--out", type=Path, help="JSON lines appended here (required with --engine)")
@@ -233,6 +238,17 @@ def main() -> None:
                                 "generate_tok_s": round(args.batch * (1 + args.decode_tokens) / t2, 1)}
                 print(json.dumps(row), flush=True)
                 _append(args.out, row)
+            if args.profile_steps and args.engine != "builtin":  # the built-in engine: rollout_throughput --profile
+                c = max(contexts, default=1024)
+                where = args.out.parent / f"profile_{args.engine}_{c}"
+                # SGLang's profiler, by stage: the first N prefill chunks and the first N decode steps
+                engine.start_profile(output_dir=str(where), num_steps=args.profile_steps, activities=["GPU"],
+                                     profile_by_stage=True)
+                timed(engine, prompts(args.batch, c, cfg.vocab_size, seed + 300), args.profile_steps + 3)
+                time.sleep(5)  # the scheduler writes the traces as each stage's count is reached
+                table = kernel_table(where, args.profile_steps)
+                (where / "kernels.md").write_text(table)
+                print(table, flush=True)
         finally:
             engine.shutdown()
 
@@ -280,6 +296,38 @@ def report(path: Path, bandwidth: float) -> str:
                       "-" if tok is None else f"{tok / floor:.2f}", f"{d['generate_tok_s']:.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def kernel_table(directory: Path, steps: int, top: int = 25) -> str:
+    """Markdown: for each trace SGLang's profiler wrote under `directory` (*.trace.json.gz, one
+    per stage), the GPU time per kernel over its `steps` forwards: calls and ms per forward,
+    share of the stage's kernel time, largest first."""
+    import gzip
+
+    lines = []
+    for trace in sorted(directory.glob("*.trace.json*")):
+        opener = gzip.open if trace.suffix == ".gz" else open
+        with opener(trace, "rt") as f:
+            events = json.load(f)["traceEvents"]
+        per: dict[str, list[float]] = {}
+        for e in events:
+            if e.get("cat") == "kernel":
+                per.setdefault(e["name"], []).append(e.get("dur", 0.0))
+        total = sum(sum(v) for v in per.values()) or 1.0
+        lines += [f"### {trace.name}: {total / 1e3 / steps:.3f} ms of kernels per forward, "
+                  f"{sum(len(v) for v in per.values()) / steps:.0f} kernels per forward", "",
+                  "| kernel | calls per forward | ms per forward | share |", "|---|---|---|---|"]
+        ranked = sorted(per.items(), key=lambda kv: -sum(kv[1]))
+        for name, durs in ranked[:top]:
+            lines.append(f"| {name[:90]} | {len(durs) / steps:.0f} | {sum(durs) / 1e3 / steps:.3f} | "
+                         f"{sum(durs) / total:.1%} |")
+        rest = ranked[top:]
+        if rest:
+            ms = sum(sum(d) for _, d in rest)
+            lines.append(f"| ({len(rest)} other kernels) | {sum(len(d) for _, d in rest) / steps:.0f} | "
+                         f"{ms / 1e3 / steps:.3f} | {ms / total:.1%} |")
+        lines.append("")
+    return "\n".join(lines) if lines else f"no trace under {directory}\n"
 
 
 def plot(path: Path, bandwidth: float) -> Path:
