@@ -75,7 +75,7 @@ def timed(engine, ids, new_tokens: int) -> float:
     return seconds
 
 
-def streamed_decode(engine, ids, new_tokens: int) -> tuple[float, float]:
+def streamed_decode(engine, ids, new_tokens: int) -> tuple[float, float | None]:
     """(seconds of the whole call, decode tok/s) of one streamed SGLang generate call: decode
     counts the tokens produced after every request has its first token (all prefills done)
     over the time from then to the last token, so no prefill is in it."""
@@ -89,6 +89,8 @@ def streamed_decode(engine, ids, new_tokens: int) -> tuple[float, float]:
             first_all, at_first = time.perf_counter(), sum(done)
     end = time.perf_counter()
     _check_lengths(done, new_tokens)
+    if first_all is None or end <= first_all:  # every token arrived in one chunk: no decode to time
+        return end - t0, None
     return end - t0, (sum(done) - at_first) / (end - first_all)
 
 
@@ -162,6 +164,8 @@ def main() -> None:
         return
     if args.engine is None or args.out is None or args.repeats < 1:
         p.error("--engine and --out are required (or --report), and --repeats must be at least 1")
+    if args.profile_steps + 2 > args.decode_tokens:
+        p.error(f"--profile-steps {args.profile_steps} needs --decode-tokens of at least {args.profile_steps + 2}")
     global torch
     import torch
 
@@ -227,7 +231,7 @@ def main() -> None:
                 if args.engine != "builtin":  # the same phase streamed: decode with no prefill in it
                     _, streamed = streamed_decode(engine, prompts(args.batch, c, cfg.vocab_size, seed),
                                                   1 + args.decode_tokens)
-                    record_stream = {"streamed_tok_s": round(streamed, 1)}
+                    record_stream = {"streamed_tok_s": None if streamed is None else round(streamed, 1)}
                 else:
                     record_stream = {}
                 row = record | record_stream | {"phase": "decode", "context": c, "new": args.decode_tokens,
@@ -291,7 +295,7 @@ def report(path: Path, bandwidth: float) -> str:
             floor = d["batch"] / floor_seconds(cfg, d["batch"], c + d["new"] // 2, None, bandwidth,
                                                FLOOR_FORMAT.get(e, "bf16"))
             tok = d["tok_s"]
-            streamed = f"{d['streamed_tok_s']:.0f}" if "streamed_tok_s" in d else "-"
+            streamed = f"{d['streamed_tok_s']:.0f}" if d.get("streamed_tok_s") else "-"
             cells += [f"{d['prefill_s']:.2f}", "-" if tok is None else f"{tok:.0f}", streamed, f"{floor:.0f}",
                       "-" if tok is None else f"{tok / floor:.2f}", f"{d['generate_tok_s']:.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
