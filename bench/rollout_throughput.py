@@ -53,12 +53,12 @@ def random_weights(cfg, device, seed=0, host: bool = False):
 FLOOR_BYTES = {"bf16": (2.0, 2.0, 0), "fp8": (1.0, 1.0, 0), "fp4": (0.5625, 0.5625, 8)}
 
 
-def floor_seconds(cfg, batch, context, fp4, bandwidth, fmt: str | None = None):
+def floor_seconds(cfg, batch, context, fmt: str, bandwidth):
     """Seconds one decode step must take at `bandwidth` bytes/s: every attention and router weight,
     the experts the batch's tokens reach (expected count under uniform routing), the output head
-    (BF16), and every sequence's KV cache of `context` tokens, in `fmt` ("bf16", "fp8", "fp4";
-    default from `fp4`)."""
-    wbytes, kv_bytes, kv_head_extra = FLOOR_BYTES[fmt or ("fp4" if fp4 else "bf16")]
+    (BF16), and every sequence's KV cache of `context` tokens, weights and cache in `fmt`
+    ("bf16", "fp8" or "fp4")."""
+    wbytes, kv_bytes, kv_head_extra = FLOOR_BYTES[fmt]
     h, d = cfg.hidden_size, cfg.head_dim
     attn = h * d * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) + cfg.num_attention_heads * d * h
     expert = 3 * h * cfg.moe_intermediate_size
@@ -330,7 +330,7 @@ def main() -> None:
                 need = batch * math.ceil((context + args.warmup + args.steps + 1) / block)
                 row = {"precision": precision, "batch": batch, "context": context, "gpu": gpu,
                        "date": datetime.date.today().isoformat(), "model": args.model, "layers": cfg.num_layers,
-                       "floor_tokens_per_s": batch / floor_seconds(cfg, batch, context, precision == "fp4",
+                       "floor_tokens_per_s": batch / floor_seconds(cfg, batch, context, precision,
                                                                    args.bandwidth)}
                 if need + 1 > engine.cache.allocator.num_free:
                     row |= {"tokens_per_s": None, "mode": "eager",
@@ -395,7 +395,7 @@ def main() -> None:
                 r = {"precision": precision, "batch": batch, "context": context, "gpu": gpu, "mode": mode,
                      "date": datetime.date.today().isoformat(), "model": args.model, "layers": cfg.num_layers,
                      "tokens_per_s": generated / seconds, "step_s": seconds, "new_tokens": new_tokens,
-                     "floor_tokens_per_s": batch / floor_seconds(cfg, batch, context, precision == "fp4",
+                     "floor_tokens_per_s": batch / floor_seconds(cfg, batch, context, precision,
                                                                  args.bandwidth)}
                 rows.append(r)
                 print(f"{precision:5s} batch {batch:4d} context {context:5d} {mode:10s}: {r['tokens_per_s']:10.1f} "

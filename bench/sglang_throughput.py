@@ -262,14 +262,22 @@ NAMES = {"bf16": "SGLang BF16", "fp8": "SGLang FP8 + FP8 KV", "trace_fp4": "SGLa
 FLOOR_FORMAT = {"bf16": "bf16", "fp8": "fp8", "trace_fp4": "fp4", "trace_fp4_guided": "fp4", "builtin": "fp4"}
 
 
+def floor_tok_s(row: dict, bandwidth: float) -> float:
+    """Decode tok/s at the bandwidth floor for a decode row (its engine's formats, context at the
+    middle of its decode tokens): bench/rollout_throughput.py's `floor_seconds`."""
+    from bench.rollout_throughput import floor_seconds
+    from megatron_trace.model_config import PRESETS
+
+    cfg = PRESETS["qwen3-30b-a3b"].replace(num_layers=row["layers"])
+    context = row["context"] + row["new"] // 2
+    return row["batch"] / floor_seconds(cfg, row["batch"], context, FLOOR_FORMAT[row["engine"]], bandwidth)
+
+
 def report(path: Path, bandwidth: float) -> str:
     """Markdown: per engine (in the order first seen) its start, whole generate, and per decode
     context the prefill, decode tok/s beside its bandwidth floor (bench/rollout_throughput.py's
     `floor_seconds`: weights, reached experts, head and KV cache in the engine's formats), and
     the whole generate of that phase."""
-    from bench.rollout_throughput import floor_seconds
-    from megatron_trace.model_config import PRESETS
-
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     engines = list(dict.fromkeys(r["engine"] for r in rows))
     contexts = sorted({r["context"] for r in rows if r["phase"] == "decode"})
@@ -281,7 +289,6 @@ def report(path: Path, bandwidth: float) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for e in engines:
         mine = [r for r in rows if r["engine"] == e]
-        cfg = PRESETS["qwen3-30b-a3b"].replace(num_layers=mine[0]["layers"])
         cells = [NAMES.get(e, e), str(mine[0].get("start_s", ""))]
         for p_len, n in cases:
             g = [r for r in mine if r["phase"] == "generate" and (r["prompt"], r["new"]) == (p_len, n)]
@@ -292,8 +299,7 @@ def report(path: Path, bandwidth: float) -> str:
                 cells += ["-"] * 6
                 continue
             d = d[-1]
-            floor = d["batch"] / floor_seconds(cfg, d["batch"], c + d["new"] // 2, None, bandwidth,
-                                               FLOOR_FORMAT.get(e, "bf16"))
+            floor = floor_tok_s(d, bandwidth)
             tok = d["tok_s"]
             streamed = f"{d['streamed_tok_s']:.0f}" if d.get("streamed_tok_s") else "-"
             cells += [f"{d['prefill_s']:.2f}", "-" if tok is None else f"{tok:.0f}", streamed, f"{floor:.0f}",
@@ -342,9 +348,6 @@ def plot(path: Path, bandwidth: float) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from bench.rollout_throughput import floor_seconds
-    from megatron_trace.model_config import PRESETS
-
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     decode = [r for r in rows if r["phase"] == "decode"]
     contexts = sorted({r["context"] for r in decode})
@@ -356,9 +359,7 @@ def plot(path: Path, bandwidth: float) -> Path:
             if not mine:
                 continue
             r = mine[-1]
-            cfg = PRESETS["qwen3-30b-a3b"].replace(num_layers=r["layers"])
-            floor = r["batch"] / floor_seconds(cfg, r["batch"], c + r["new"] // 2, None, bandwidth,
-                                               FLOOR_FORMAT.get(e, "bf16"))
+            floor = floor_tok_s(r, bandwidth)
             ax.bar(i - 0.2, r["tok_s"] or 0, 0.4, color="tab:blue", label="decode" if i == 0 else None)
             ax.bar(i + 0.2, r["generate_tok_s"], 0.4, color="tab:orange", label="whole generate" if i == 0 else None)
             ax.plot([i - 0.4, i + 0.4], [floor, floor], "k--", label="decode bandwidth floor" if i == 0 else None)
