@@ -140,7 +140,7 @@ def sparse_parts_of_dense(
     if scale_coding not in ("lsb", "near"):
         raise GuidanceFormatError(f"scale_coding must be 'lsb' or 'near', got {scale_coding!r}")
     g_R1, scales = g_R.reshape(-1, 1).float(), scales_RB.view(torch.float8_e4m3fn)
-    # in row chunks: the distance to every boundary is a [rows, K, boundaries] float32 tensor
+    # in row chunks: the scaled values and their boundary distances are [rows, K] float32 temporaries
     n = max(1, (1 << 22) // x_RK.shape[1])
     near = x_RK.new_zeros(x_RK.shape, dtype=torch.bool)
     for i in range(0, x_RK.shape[0], n):
