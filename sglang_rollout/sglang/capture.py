@@ -55,6 +55,7 @@ _graph: tuple[int, int] | None = None  # (tokens, most tokens of any graph) of t
 _staging: dict = {}  # (layer, site) -> (per, device parts [most graph tokens * per, ...]) decode graphs write
 _taken: dict = {}  # request id -> {(layer, site): (bits, scales, g)} gathered at its finish
 _pending: list = []  # [(layer, site, per, device parts)] of the eager forward, filed at its end
+_pending_bytes = 0  # their size, kept as they come (a sum over every part at every site would grow quadratically)
 # ... or sooner, once they hold this many bytes: a prefill chunk of 8192 tokens with guidance of
 # every layer of Qwen3-30B-A3B records about 1.2 GB, which SGLang's memory budget does not hold
 PENDING_BYTES = 256 << 20
@@ -85,15 +86,17 @@ def active() -> bool:
 @contextlib.contextmanager
 def forward(slots: torch.Tensor, capacity: int):
     """The scope of one model forward whose tokens sit in KV slots `slots` int64 [T]."""
-    global _slots, _slots_host, _capacity
+    global _slots, _slots_host, _capacity, _pending_bytes
     # copied to the host only when rows are filed: not before a graph replay is launched
     _slots, _slots_host, _capacity = slots, None, capacity
     _pending.clear()
+    _pending_bytes = 0
     try:
         yield
         _file_pending()  # an eager forward's rows: every site's, in one copy to the host
     finally:
         _pending.clear()
+        _pending_bytes = 0
         _slots = _slots_host = None
 
 
@@ -147,6 +150,7 @@ def record(layer: int, site: str, x_RK: torch.Tensor, kept, order: torch.Tensor 
     in token-major row order, or in the order `order` int64 [R] gives (each row's token-major
     index: the experts' fc2 rows come sorted by expert). The sparse coding's parts are computed
     from them here, on the rows' device, with no host sync (graph capture allows none)."""
+    global _pending_bytes
     tokens = _graph[0] if _graph is not None else _slots.numel()
     per = x_RK.shape[0] // max(1, tokens)
     if per * tokens != x_RK.shape[0]:
@@ -160,7 +164,8 @@ def record(layer: int, site: str, x_RK: torch.Tensor, kept, order: torch.Tensor 
         parts = [p[dest.to(p.device)] for p in parts]
     if _graph is None:  # filed when the forward ends, with the other sites' rows
         _pending.append((layer, site, per, parts))
-        if sum(p.numel() * p.element_size() for *_, ps in _pending for p in ps) >= PENDING_BYTES:
+        _pending_bytes += sum(p.numel() * p.element_size() for p in parts)
+        if _pending_bytes >= PENDING_BYTES:
             _file_pending()
         return
     staged = _staging.get((layer, site))
@@ -184,8 +189,10 @@ def file_staged() -> None:
 
 def _file_pending() -> None:
     """File the eager forward's rows recorded so far, by one copy to the host."""
+    global _pending_bytes
     filed = list(_pending)
     _pending.clear()
+    _pending_bytes = 0
     hosted = _to_host([p for *_, parts in filed for p in parts])
     for layer, site, per, parts in filed:
         _file(layer, site, per, hosted[:len(parts)])
