@@ -199,10 +199,10 @@ def test_sglangs_fp4_engine_computes_what_the_built_in_engine_computes(sd, rollo
     pages and radix cache, gives the same log-probabilities to FP32 rounding, so the same FP4
     codes everywhere (without numerics.py its norms, rotary and router flipped codes: k3_kl
     1.5e-2). Its BF16 engine (SGLang's own attention over a BF16 pool) agrees to BF16 noise.
-    On a GPU machine SGLang runs CUDA kernels while the built-in engine scores on the CPU: the
+    On a GPU machine SGLang runs CUDA kernels while the built-in engine scores on the CPU; the
     non-FP4 operations (rsqrt, exp, sin/cos, SiLU) and the GEMMs' summation order differ by
-    ulps between the two, which moves some activations across E2M1 rounding points, so only
-    the size of that gap is checked there (H100, 2026-12-05: k3_kl 9.3e-4, worst log-prob
+    ulps between the two, which would move some activations across E2M1 rounding points (not
+    traced code by code), so only the size of that gap is checked there (H100, 2026-12-05: k3_kl 9.3e-4, worst log-prob
     0.13; the trainer fed SGLang's guidance agrees with SGLang's CUDA log-probs to 1e-12
     there, the test above)."""
     k3, worst = {}, {}
