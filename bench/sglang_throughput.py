@@ -205,6 +205,11 @@ def main() -> None:
         else:
             engine = sglang.Engine(**options)
         record["start_s"] = round(time.perf_counter() - t0, 1)
+        if args.engine != "builtin":
+            # the KV tokens SGLang's pool holds against what `batch` sequences of `longest` tokens
+            # need: below it, the 8k phases run in waves and their decode figures mix batch sizes
+            record |= {"kv_tokens": engine.get_server_info().get("max_total_num_tokens"),
+                       "kv_tokens_needed": args.batch * longest}
         print(json.dumps(record), flush=True)
         try:
             timed(engine, prompts(args.batch, 64, cfg.vocab_size, 1), 8)  # warm-up

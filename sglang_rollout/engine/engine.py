@@ -1,7 +1,7 @@
 """TraceEngine: continuous batching over a paged (FP4) KV cache, with guidance capture.
 
-Each step runs one forward over every running sequence's next token (decode) plus as many
-waiting prompts as the token budget admits (prefill): schedule (`Scheduler`) -> launch (the
+Each step runs one forward over every running sequence's next token (decode) plus chunks of
+the waiting prompts up to the token budget (chunked prefill): schedule (`Scheduler`) -> launch (the
 forward and the draws, without waiting for the device) -> take (results to their sequences and
 the `RolloutCollector`). A GRPO group's prompt is prefilled once; its samples fork from it,
 sharing its full KV blocks (the partial last block is copied). When a sample stops, its last
@@ -287,8 +287,7 @@ class TraceEngine:
         finished, drawn tokens appended. Returns the samples that run (or feed) next."""
         if step.done is not None:
             step.done.synchronize()
-        seqs = step.work.decodes + [job.prompt for job in step.work.prefills]  # in segment order
-        collector.add_rows(step.captured, step.routed, list(zip(seqs, step.sizes, strict=True)))
+        collector.add_rows(step.captured, step.routed, list(zip(step.work.sequences, step.sizes, strict=True)))
         running = []
         for seq in step.work.decodes:
             if seq.status is Status.FINISHED:  # its last token is now fed

@@ -1,9 +1,11 @@
 """The scheduler: which sequences run in the next forward, and the KV blocks they hold.
 
-It owns admission (a waiting prompt job is admitted when the token budget of the step and the
-worst case of its blocks allow), block accounting (prompt blocks, forks that share a prompt's
-full blocks, releases) and the checks that keep every request admissible into an empty engine.
-A step is its decodes (running samples' next tokens) followed by its prefills (whole prompts).
+It owns admission (a waiting prompt job is admitted when the worst case of its blocks fits),
+block accounting (prompt blocks, forks that share a prompt's full blocks, releases) and the
+checks that keep every request admissible into an empty engine. A step is its decodes (running
+samples' next tokens) followed by prefill chunks filling the rest of its token budget: the
+prompts that finish there, then at most one that goes on in the next step (chunked prefill, as
+SGLang's `chunked_prefill_size`: a long prompt never waits for the running samples to drain).
 """
 
 from __future__ import annotations
@@ -24,18 +26,26 @@ from .sequence import PromptJob, Sequence, Status
 
 @dataclass(frozen=True, kw_only=True)
 class ScheduledStep:
-    """One forward's work: `decodes` (sequences feeding their latest token) then `prefills`
-    (prompt jobs), as `segments` in that order. `lag`: the decodes' input tokens are the
-    previous step's draws, still on the device (the segments carry placeholders)."""
+    """One forward's work: `decodes` (sequences feeding their latest token), then `prefills`
+    (prompt jobs whose last chunk runs here: their samples draw from this step), then `partial`
+    (a prompt job whose prefill goes on in a later step), as `segments` in that order. `lag`:
+    the decodes' input tokens are the previous step's draws, still on the device (the segments
+    carry placeholders)."""
 
     decodes: list[Sequence]
     prefills: list[PromptJob]
     segments: list[Segment]
     lag: bool
+    partial: PromptJob | None = None
 
     @property
     def decode_only(self) -> bool:
-        return not self.prefills
+        return not self.prefills and self.partial is None
+
+    @property
+    def sequences(self) -> list[Sequence]:
+        """The sequence of each segment, in order."""
+        return self.decodes + [job.prompt for job in self.prefills] + ([self.partial.prompt] if self.partial else [])
 
 
 class Scheduler:
@@ -67,8 +77,6 @@ class Scheduler:
         if n + sampling.max_new_tokens > self.context_limit:
             return (f"prompt of {n} tokens + max_new_tokens {sampling.max_new_tokens} exceeds the context "
                     f"of {self.context_limit} tokens")
-        if n > self.engine_cfg.max_batch_tokens:
-            return f"prompt of {n} tokens exceeds max_batch_tokens={self.engine_cfg.max_batch_tokens}"
         per_job = req.n if self.share_prompts else 1
         need = self._worst_blocks(n, per_job, sampling)
         if need > self.capacity:
@@ -88,27 +96,36 @@ class Scheduler:
                                           blocks=self._worst_blocks(len(req.prompt_ids), len(kids), sampling)))
 
     def schedule(self, running: list[Sequence], lag: bool = False) -> ScheduledStep:
-        """The next forward: every running sequence's next token, then the waiting prompts the
-        token budget and the cache admit (none with `lag`: the running sequences' tokens are not
-        on the host yet, and a prefill step would need them)."""
+        """The next forward: every running sequence's next token, then chunks of the waiting
+        prompts, in order, up to the token budget (`max_batch_tokens`) while the cache admits
+        their jobs; the last chunk may stop inside a prompt, which goes on first in the next
+        step. No prefill with `lag`: the running sequences' tokens are not on the host yet, and a
+        step that draws for a prompt's samples would need them."""
         segments = []
         for seq in running:
             n = seq.num_tokens + lag
             self._ensure_blocks(seq, n)
             segments.append(Segment([0 if lag else seq.tokens[-1]], n - 1, seq.block_table))
-        prefills = []
+        prefills, partial = [], None
         budget = self.engine_cfg.max_batch_tokens - len(segments)
-        while not lag and self.waiting and len(self.waiting[0].prompt.tokens) <= budget and \
-                self.committed + self.waiting[0].blocks <= self.capacity:
-            job = self.waiting.popleft()
-            self.committed += job.blocks
-            self._ensure_blocks(job.prompt, job.prompt.num_tokens)
-            segments.append(Segment(job.prompt.tokens, 0, job.prompt.block_table))
-            prefills.append(job)
-            budget -= job.prompt.num_tokens
+        while not lag and self.waiting and budget > 0:
+            job = self.waiting[0]
+            prompt, done = job.prompt, job.prompt.num_cached
+            if done == 0:  # not admitted yet: its worst case must fit beside the admitted jobs'
+                if self.committed + job.blocks > self.capacity:
+                    break
+                self.committed += job.blocks
+            chunk = min(prompt.num_tokens - done, budget)
+            self._ensure_blocks(prompt, done + chunk)
+            segments.append(Segment(prompt.tokens[done:done + chunk], done, prompt.block_table))
+            prompt.num_cached, budget = done + chunk, budget - chunk
+            if prompt.num_cached < prompt.num_tokens:
+                partial = job  # the budget is spent
+                break
+            prefills.append(self.waiting.popleft())
         if not segments:  # `check` keeps every job admissible into an empty engine
             raise RuntimeError("the scheduler found no work it could run")
-        return ScheduledStep(decodes=list(running), prefills=prefills, segments=segments, lag=lag)
+        return ScheduledStep(decodes=list(running), prefills=prefills, segments=segments, lag=lag, partial=partial)
 
     def fork(self, job: PromptJob) -> list[Sequence]:
         """The job's samples start from its prefilled prompt: full KV blocks shared, the partial

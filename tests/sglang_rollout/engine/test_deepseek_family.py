@@ -95,6 +95,20 @@ def test_decode_equals_a_full_sequence_forward(family, precision):
     assert sorted(routed) == cfg.moe_layers and routed[cfg.moe_layers[0]].shape == (8, cfg.top_k)
 
 
+def test_chunked_prefill_gives_what_whole_prompts_give(family):
+    """Prompts of 29 and 11 tokens through a token budget of 6 (chunks beside the decodes): MLA's
+    FP4 latent cache and GLM's half-rotary heads attend over earlier chunks' cached rows as a
+    whole prompt does, so tokens, log-probs and guidance bytes are those of whole prompts."""
+    _, cfg, _, sd = family
+    reqs = [GroupRequest("a", tuple(range(1, 30)), n=2), GroupRequest("b", tuple(range(40, 51)), n=2)]
+    params = SamplingParams(max_new_tokens=5, seed=3)
+    whole = engine(cfg, sd, "fp4", guide="all", max_batch_tokens=256).generate(reqs, params)
+    chunked = engine(cfg, sd, "fp4", guide="all", max_batch_tokens=6).generate(reqs, params)
+    for x, y in zip(whole.samples, chunked.samples, strict=True):
+        assert y.error is None and x.tokens == y.tokens and torch.equal(x.logprobs, y.logprobs)
+    assert whole.guidance.to_bytes() == chunked.guidance.to_bytes()
+
+
 def test_down_projections_share_one_global_scale(tmp_path_factory):
     """MLA's query and KV down projections quantized on receipt with one global scale, amax / (6 *
     448) over both, as the trainer quantizes them (FP4Site.weight_peers); other weights their own."""

@@ -269,7 +269,8 @@ def test_bad_requests_fail_alone_with_a_reason(sd):
     reasons = {s.group_id: s.error for s in out.samples}
     assert reasons["a"] is None and reasons["b"] is None
     assert all(len(s.tokens) == 6 for s in out.samples if s.group_id in ("a", "b"))
-    assert "need up to" in reasons["huge"] and "max_batch_tokens" in reasons["wide"]
+    assert "need up to" in reasons["huge"]
+    assert reasons["wide"] is None and len(out.samples[-1].tokens) == 6  # longer than the budget: chunked
     assert small.cache.allocator.num_free == 12 and small.scheduler.committed == 0
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0)
@@ -326,8 +327,8 @@ def test_trainer_follows_the_engine_with_guidance(sd):
 def test_overlapped_steps_give_the_serial_engines_outputs(sd, precision, guide, monkeypatch):
     """Launching each decode step before the last one's results are taken in (config.overlap)
     changes when the host learns of a stop, not what runs: the same tokens, log-probs, finish
-    reasons and guidance bytes. Stops land at many steps; g2's prompt waits for the token budget
-    (steps run serially until it is admitted)."""
+    reasons and guidance bytes. Stops land at many steps; g2's prompt is prefilled in chunks
+    beside the decodes (those steps run serially)."""
     reqs = REQUESTS + [GroupRequest("g2", tuple(range(20, 50)), n=4)]
     params = SamplingParams(max_new_tokens=9, seed=5, temperature=1.0, stop_token_ids=tuple(range(3, 256, 7)))
     ahead = []
@@ -348,6 +349,30 @@ def test_overlapped_steps_give_the_serial_engines_outputs(sd, precision, guide, 
         assert (a.tokens, a.finish_reason) == (b.tokens, b.finish_reason)
         assert torch.equal(a.logprobs, b.logprobs)
     assert serial.guidance.to_bytes() == overlapped.guidance.to_bytes()
+
+
+@pytest.mark.parametrize("precision, guide", [("bf16", "none"), ("fp4", "all")])
+def test_prompts_longer_than_the_budget_prefill_in_chunks_beside_decodes(sd, precision, guide):
+    """Chunked prefill: with a token budget of 8, prompts of 39, 11 and 27 tokens run in chunks
+    that fill each step beside the running samples' decodes (a prompt as long as the budget
+    does not wait for them to finish), and give what whole-prompt prefill gives: the same
+    tokens, log-probs and guidance bytes (a chunk's queries attend over the cached K/V of the
+    chunks before, as a whole prompt's do)."""
+    reqs = [GroupRequest("a", tuple(range(1, 40)), n=2), GroupRequest("b", tuple(range(50, 61)), n=3),
+            GroupRequest("c", tuple(range(70, 97)), n=1)]
+    params = SamplingParams(max_new_tokens=6, seed=5, temperature=1.0)
+    whole = engine(sd, precision, guide=guide, max_batch_tokens=256).generate(reqs, params)
+    chunked_engine = engine(sd, precision, guide=guide, max_batch_tokens=8)
+    steps, schedule = [], chunked_engine.scheduler.schedule
+    chunked_engine.scheduler.schedule = lambda *a, **k: steps.append(schedule(*a, **k)) or steps[-1]
+    chunked = chunked_engine.generate(reqs, params)
+    assert all(sum(len(seg.token_ids) for seg in w.segments) <= 8 for w in steps)
+    assert any(w.decodes and w.partial is not None for w in steps)  # a prompt goes on beside decodes
+    assert sum(len(w.prefills) for w in steps) == 3 and sum(w.partial is not None for w in steps) >= 5
+    for x, y in zip(whole.samples, chunked.samples, strict=True):
+        assert x.error is None and x.tokens == y.tokens and torch.equal(x.logprobs, y.logprobs)
+    assert whole.guidance.to_bytes() == chunked.guidance.to_bytes()
+    assert chunked_engine.cache.allocator.num_free == 128 and chunked_engine.scheduler.committed == 0
 
 
 def test_triton_kernels_decode_like_the_torch_path(sd):
