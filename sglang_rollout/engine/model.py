@@ -76,8 +76,10 @@ def _dense_capture(q: QTensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torc
 
 
 class _Batch:
-    """Index tensors of one forward, built once: token ids, positions, cache slots [N], and for
-    decode-only batches the block tables [B, max_blocks] and sequence lengths [B]."""
+    """Index tensors of one forward, built once: token ids, positions, cache slots [N], the block
+    tables [B, max_blocks] and sequence lengths [B]; in a batch that mixes prefill chunks with
+    one-token segments (decodes), those segments' rows, tables and lengths (`single_*`), whose
+    attention runs batched in the paged kernel as a decode-only batch's does."""
 
     def __init__(self, segments: list[Segment], block_size: int, dev):
         self.segments = segments
@@ -96,6 +98,12 @@ class _Batch:
         self.tables = tables.to(dev)
         self.lens = (starts + torch.tensor(lengths)).to(torch.int32).to(dev)
         self.last = None if self.decode_only else (torch.tensor(lengths).cumsum(0) - 1).to(dev)
+        single = [i for i, m in enumerate(lengths) if m == 1]
+        self.single_rows = self.single_tables = self.single_lens = None
+        if single and not self.decode_only:
+            self.single_rows = first[single].to(dev)
+            self.single_tables = tables[single].to(dev)
+            self.single_lens = (starts + torch.tensor(lengths))[single].to(torch.int32).to(dev)
 
 
 class ModelRunner:
@@ -296,18 +304,30 @@ class ModelRunner:
         return ctx_NQV.flatten(1)
 
     def _attention(self, L, batch, q_NQD):
-        """Attend over each sequence's cache (the segments' own K/V already written): [N, Q, D]."""
+        """Attend over each sequence's cache (the segments' own K/V already written): [N, Q, D].
+        With the paged kernel (not "torch"; on the CPU only "triton"), one-token segments run in
+        it, batched, whether the batch is decode-only or mixes them with prefill chunks (a
+        mixed step of 63 decodes at 8k would otherwise dequantize each one's whole cache); the
+        prefill chunks attend over their cached prefix one segment at a time."""
         n, nq, d = q_NQD.shape
-        if batch.decode_only and self.backend != "torch" and (self.backend == "triton" or q_NQD.is_cuda):
-            # "auto" on a GPU: the CUDA C++ kernel where it applies (FP4 cache, Hopper, head dim 128), else Triton
+        paged = self.backend != "torch" and (self.backend == "triton" or q_NQD.is_cuda)
+        # "auto" on a GPU: the CUDA C++ kernel where it applies (FP4 cache, Hopper, head dim 128), else Triton
+        backend = "auto" if self.backend == "auto" else "triton"
+        if batch.decode_only and paged:
             return paged_decode_attention(q_NQD, self.cache.k[L], self.cache.v[L], batch.tables, batch.lens,
-                                          self.cache.block_size, backend="auto" if self.backend == "auto" else "triton")
+                                          self.cache.block_size, backend=backend)
         ctx_NQD = torch.empty(n, nq, d, dtype=q_NQD.dtype, device=q_NQD.device)
+        singles = paged and batch.single_rows is not None
+        if singles:
+            ctx_NQD[batch.single_rows] = paged_decode_attention(
+                q_NQD[batch.single_rows], self.cache.k[L], self.cache.v[L], batch.single_tables, batch.single_lens,
+                self.cache.block_size, backend=backend)
         offset = 0
         for seg in batch.segments:
             m = len(seg.token_ids)
-            keys, values = self.cache.read(L, self.cache.slots(seg.block_table, 0, seg.start + m))
-            ctx_NQD[offset:offset + m] = cached_causal_attention(q_NQD[offset:offset + m], keys, values, seg.start)
+            if not (singles and m == 1):
+                keys, values = self.cache.read(L, self.cache.slots(seg.block_table, 0, seg.start + m))
+                ctx_NQD[offset:offset + m] = cached_causal_attention(q_NQD[offset:offset + m], keys, values, seg.start)
             offset += m
         return ctx_NQD
 

@@ -375,14 +375,25 @@ def test_prompts_longer_than_the_budget_prefill_in_chunks_beside_decodes(sd, pre
     assert chunked_engine.cache.allocator.num_free == 128 and chunked_engine.scheduler.committed == 0
 
 
-def test_triton_kernels_decode_like_the_torch_path(sd):
+@pytest.mark.parametrize("budget", [2048, 8])
+def test_triton_kernels_decode_like_the_torch_path(sd, budget, monkeypatch):
     """The GPU path (FP4 GEMMs, paged FP4 decode attention; on the CPU under the Triton
     interpreter, on a GPU machine on the GPU) against the torch path: same greedy tokens,
-    log-probs within accumulation-order noise."""
+    log-probs within accumulation-order noise. With a budget of 8 tokens g1's prompt is
+    prefilled in chunks beside g0's decodes, whose attention then runs in the paged kernel too."""
+    from sglang_rollout.engine import model
+
+    mixed, paged = [], model.paged_decode_attention
+    monkeypatch.setattr(model, "paged_decode_attention",
+                        lambda q, *a, **k: mixed.append(q.shape[0]) or paged(q, *a, **k))
     params = SamplingParams(max_new_tokens=5, temperature=0)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # Triton runs on CPU tensors only interpreted
-    torch_out = engine(sd, "fp4", kernels="torch", device=device, cuda_graph_max_batch=0).generate(REQUESTS, params)
-    triton_out = engine(sd, "fp4", kernels="triton", device=device, cuda_graph_max_batch=0).generate(REQUESTS, params)
+    options = dict(device=device, cuda_graph_max_batch=0, max_batch_tokens=budget)
+    torch_out = engine(sd, "fp4", kernels="torch", **options).generate(REQUESTS, params)
+    assert not mixed  # the torch path never runs the paged kernel
+    triton_out = engine(sd, "fp4", kernels="triton", **options).generate(REQUESTS, params)
+    # decode-only steps give it all 5 samples (or fewer as they finish); mixed steps g0's 3
+    assert (3 in mixed) == (budget == 8), mixed
     for a, b in zip(torch_out.samples, triton_out.samples, strict=True):
         assert a.tokens == b.tokens
         torch.testing.assert_close(a.logprobs, b.logprobs, atol=0.02, rtol=0)
