@@ -310,6 +310,11 @@ def report(path: Path, bandwidth: float) -> str:
             cells += [f"{d['prefill_s']:.2f}", "-" if tok is None else f"{tok:.0f}", streamed, f"{floor:.0f}",
                       "-" if tok is None else f"{tok / floor:.2f}", f"{d['generate_tok_s']:.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
+    for e in engines:  # below the batch's need, the long phases run in waves of smaller batches
+        r = next((r for r in rows if r["engine"] == e and r.get("kv_tokens") is not None), None)
+        if r is not None and r["kv_tokens"] < r["kv_tokens_needed"]:
+            lines.append(f"\n{NAMES.get(e, e)}: its KV pool holds {r['kv_tokens']} tokens of the "
+                         f"{r['kv_tokens_needed']} the batch needs; its longest phases ran in waves.")
     return "\n".join(lines)
 
 
