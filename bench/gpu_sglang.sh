@@ -12,7 +12,9 @@
 # install keeps SGLang in /tmp/sglsite on the warm machine; check runs bench/sglang_gpu_check.py,
 # test the SGLang tests on CUDA (tests/sglang_rollout/sglang/, TESTS narrows them), smoke a 2-layer
 # throughput run of each engine, bench the throughput at Qwen3-30B-A3B's shape
-# (bench/sglang_throughput.py; ENGINES picks them, BENCH_ARGS adds options), export SGLang's own
+# (bench/sglang_throughput.py; ENGINES picks them, BENCH_ARGS adds options; on an 80 GB H100 the 48-layer
+# BF16 engine cannot hold the 8k batch's KV cache and runs in waves: BENCH_ARGS="--layers 24" fits all four),
+# export SGLang's own
 # loaders on TRACE's FP4 exports (bench/sglang_export_check.py; EXPORT_ARGS adds options), train `trace-rl train` colocated
 # on the built-in engine and on SGLang, step split (bench/sglang_train_step.py; TRAIN_RUNS picks
 # the models), workspace SGLang's activation + CUDA-graph memory for `trace-rl plan`
