@@ -96,14 +96,15 @@ class _Batch:
         self.slots = (tables[seg_of, pos // block_size].long() * block_size + pos % block_size).to(dev)
         self.decode_only = len(seg_of) == len(segments)
         self.tables = tables.to(dev)
-        self.lens = (starts + torch.tensor(lengths)).to(torch.int32).to(dev)
+        lens = (starts + torch.tensor(lengths)).to(torch.int32)
+        self.lens = lens.to(dev)
         self.last = None if self.decode_only else (torch.tensor(lengths).cumsum(0) - 1).to(dev)
         single = [i for i, m in enumerate(lengths) if m == 1]
         self.single_rows = self.single_tables = self.single_lens = None
         if single and not self.decode_only:
             self.single_rows = first[single].to(dev)
             self.single_tables = tables[single].to(dev)
-            self.single_lens = (starts + torch.tensor(lengths))[single].to(torch.int32).to(dev)
+            self.single_lens = lens[single].to(dev)
 
 
 class ModelRunner:
