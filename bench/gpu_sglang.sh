@@ -10,7 +10,7 @@
 # SGLang compiles its Marlin kernels (ModelOpt NVFP4 weight-only on Hopper) with nvcc at first use, for
 # minutes; .sgljit, built here by bench/sglang_h200/prebuild_jit.py, carries them ready (TVM_FFI_CACHE_DIR).
 # install keeps SGLang in /tmp/sglsite on the warm machine; check runs bench/sglang_gpu_check.py,
-# test the SGLang tests on CUDA (tests/sglang_rollout/sglang/, TESTS narrows them), smoke a 2-layer
+# test the SGLang tests on CUDA (tests/sglang_rollout/sglang/, TESTS narrows them; stopped at TEST_TIMEOUT s), smoke a 2-layer
 # throughput run of each engine, bench the throughput at Qwen3-30B-A3B's shape
 # (bench/sglang_throughput.py; ENGINES picks them, BENCH_ARGS adds options; on an 80 GB H100 the 48-layer
 # BF16 engine cannot hold the 8k batch's KV cache and runs in waves: BENCH_ARGS="--layers 24" fits all four),
@@ -62,8 +62,9 @@ for step in "$@"; do
           tail -n 6 "$OUT/train_step_${model}_${layers}l.log"
         done
       else
-        bash $run -m pytest -q -p no:cacheprovider -rs ${TESTS:-tests/sglang_rollout/sglang} \
-          > "$OUT/pytest_sglang_gpu.log" 2>&1
+        # SIGINT at TEST_TIMEOUT: pytest then still prints which tests failed and why (a kill would not)
+        timeout -s INT -k 30 "${TEST_TIMEOUT:-520}" bash $run -m pytest -q -p no:cacheprovider -rfs \
+          ${TESTS:-tests/sglang_rollout/sglang} > "$OUT/pytest_sglang_gpu.log" 2>&1
         tail -n 15 "$OUT/pytest_sglang_gpu.log"
       fi ;;
     cache)  # the kernel caches into $OUT/gpu_cache.tar.gz: copy it into .gpucache/ here for the next machine

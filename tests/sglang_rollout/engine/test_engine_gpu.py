@@ -106,7 +106,7 @@ def test_overlapped_graph_steps_give_the_serial_outputs(precision, guide):
                                                guide=guide, overlap=overlap))
         engine.update_weights(sd, 0)
         outs[overlap] = engine.generate(requests, params)
-        assert engine.cache.allocator.num_free == 64 - 1  # all but the graphs' scratch block
+        assert engine.cache.allocator.num_free == 64  # every block back (the graphs' scratch block is on top)
     assert "stop" in {s.finish_reason for s in outs[False].samples}
     for a, b in zip(outs[False].samples, outs[True].samples, strict=True):
         assert (a.tokens, a.finish_reason) == (b.tokens, b.finish_reason)
