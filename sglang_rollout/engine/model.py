@@ -84,10 +84,11 @@ class _Batch:
     def __init__(self, segments: list[Segment], block_size: int, dev):
         self.segments = segments
         lengths = [len(s.token_ids) for s in segments]
+        counts = torch.tensor(lengths)
         width = max(len(s.block_table) for s in segments)
         tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in segments],
                               dtype=torch.int32)
-        seg_of = torch.repeat_interleave(torch.arange(len(segments)), torch.tensor(lengths))
+        seg_of = torch.repeat_interleave(torch.arange(len(segments)), counts)
         starts = torch.tensor([s.start for s in segments])
         first = torch.tensor([0] + lengths[:-1]).cumsum(0)
         pos = starts[seg_of] + torch.arange(len(seg_of)) - first[seg_of]
@@ -96,9 +97,9 @@ class _Batch:
         self.slots = (tables[seg_of, pos // block_size].long() * block_size + pos % block_size).to(dev)
         self.decode_only = len(seg_of) == len(segments)
         self.tables = tables.to(dev)
-        lens = (starts + torch.tensor(lengths)).to(torch.int32)
+        lens = (starts + counts).to(torch.int32)
         self.lens = lens.to(dev)
-        self.last = None if self.decode_only else (torch.tensor(lengths).cumsum(0) - 1).to(dev)
+        self.last = None if self.decode_only else (first + counts - 1).to(dev)
         single = [i for i, m in enumerate(lengths) if m == 1]
         self.single_rows = self.single_tables = self.single_lens = None
         if single and not self.decode_only:
