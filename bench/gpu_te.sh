@@ -10,6 +10,7 @@
 # install builds TE's torch extension (90 s on 16 cores) and returns its wheel in $OUT: put it in .te/ext/
 # and carry that too, and later machines skip the build.
 # part keeps what arrived (a warm machine keeps ignored folders, so .te/ fills up piece by piece);
+# reinstall puts this package into /tmp/site again after a change (kernels/ is imported from there);
 # install joins the pieces (checksum), installs TE's core and Python and the carried wheels into
 # /tmp/site, builds the torch extension there (sm_90 only, MAX_JOBS=16) and imports
 # transformer_engine.pytorch; test runs tests/megatron_trace/te (TESTS narrows) with TE real; bench
@@ -47,6 +48,9 @@ for step in "$@"; do
       fi
       python3 -m zipfile -e "$ext" /tmp/site || exit 1
       python3 -c 'import transformer_engine.pytorch as te, transformer_engine; print("TE", transformer_engine.__version__, te.Linear)' ;;
+    reinstall)  # this package again into the installed /tmp/site, after a change on a warm machine
+      python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target /tmp/site . >/dev/null 2>&1 \
+        && echo "reinstalled trace into /tmp/site" ;;
     test)
       export PYTHONPATH=/tmp/site
       python3 -m pytest -q -p no:cacheprovider -rs ${TESTS:-tests/megatron_trace/te} 2>&1 | tee "$OUT/te_tests.log" | tail -n 30 ;;
@@ -64,6 +68,6 @@ for step in "$@"; do
       python3 bench/fp4_quantize.py --record 2>&1 | tr '\r' '\n' | grep -v '%|' | tee "$OUT/fp4_quantize.log" | tail -n 30
       find bench/results -name 'fp4_quantize_*' -newer /tmp/fp4_mark -exec cp {} "$OUT/" \; ;;
     *)
-      echo "unknown step $step (part, install, test, diff, bench, fp4)"; exit 2 ;;
+      echo "unknown step $step (part, install, reinstall, test, diff, bench, fp4)"; exit 2 ;;
   esac
 done

@@ -275,9 +275,10 @@ def set_precision(model: torch.nn.Module, precision: TrainerPrecision | str) -> 
             m.precision = precision  # its fc1_input site is among fp4_sites
 
 
-def sequence_padding(num_tokens: int) -> int:
-    """Tokens to append so that sequence parallelism can split the micro-batch (0 without TP)."""
-    return -num_tokens % ps.get_tensor_model_parallel_world_size()
+def sequence_padding(num_tokens: int, multiple: int = 1) -> int:
+    """Tokens to append so that sequence parallelism can split the micro-batch into parts of a
+    multiple of `multiple` tokens each (`Linears.token_multiple`; 0 without TP when it is 1)."""
+    return -num_tokens % (ps.get_tensor_model_parallel_world_size() * multiple)
 
 
 def pack_sequences(seqs: list[torch.Tensor], device=None, pad: int = 0):

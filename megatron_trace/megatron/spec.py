@@ -74,6 +74,7 @@ class Linears:
     experts: Callable[[bool], object]
     mla: bool = True  # whether multi-head latent attention can be built from these linears
     config: dict = field(default_factory=dict)  # TransformerConfig settings they need (its transformer_impl)
+    token_multiple: int = 1  # a micro-batch's token count must be a multiple of this (per sequence-parallel rank)
 
 
 def _local_experts(grouped_gemm: bool):

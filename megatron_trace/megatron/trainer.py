@@ -79,7 +79,7 @@ class MegatronTrainer:
         return next(self.model.parameters()).device
 
     def sequence_padding(self, num_tokens: int) -> int:
-        return model_lib.sequence_padding(num_tokens)
+        return model_lib.sequence_padding(num_tokens, self.linears.token_multiple)
 
     # -- forward and backward -----------------------------------------------------------------
     def set_precision(self, precision: TrainerPrecision | str) -> None:

@@ -77,6 +77,14 @@ class _SiteScoped(SiteHolder):
         finally:
             active_site.reset(token)
 
+    def get_extra_state(self) -> torch.Tensor:
+        """TE's "no quantization state" marker, an empty uint8 tensor: TRACE's recipe keeps no
+        state between steps (scales come from the tensor at hand; the factory is named in the
+        config). TE 2.20 would pickle the CustomRecipe, factory callable and all, which Megatron's
+        checkpoint code refuses to unpickle (`safe_globals.SafeUnpickler` admits TE's built-in
+        recipes only) and which would tie a checkpoint to a Python path."""
+        return torch.empty(0, dtype=torch.uint8)
+
 
 class _InputQuantizedFirst(_SiteScoped):
     """A plain TE linear (one GEMM) whose input rows TRACE fake-quantizes before TE sees them, on
@@ -215,8 +223,14 @@ def te_linears() -> Linears:
     TE's own weight cache is off (`disable_parameter_transpose_cache`): it holds a weight quantized
     at the first micro-batch until Megatron's schedule says a new step began, so a forward outside
     the schedule, or after a precision switch, would compute with a stale weight. TRACE's weight
-    cache (`qat.cached_weights`, keyed on the parameter's version) does that job for both specs."""
+    cache (`qat.cached_weights`, keyed on the parameter's version) does that job for both specs.
+
+    TE's quantized execution asserts that a GEMM input's leading dimensions multiply to a multiple
+    of 8 (`assert_dim_for_fp8_exec`, custom recipes included), and NVFP4's 1x16 tiles along the
+    tokens want 16 for the transposed operand: micro-batches are padded to 16 tokens, as Megatron
+    pads sequences under FP8/FP4."""
     return Linears("transformer_engine", TraceTEColumnParallelLinear, TraceTERowParallelLinear, _te_experts,
                    mla=False, config={"transformer_impl": "transformer_engine", "fp4": "e2m1", "fp4_recipe": "custom",
-                                      "fp4_quantizer_factory": FACTORY, "disable_parameter_transpose_cache": True})
+                                      "fp4_quantizer_factory": FACTORY, "disable_parameter_transpose_cache": True},
+                   token_multiple=16)
 

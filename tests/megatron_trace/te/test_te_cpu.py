@@ -538,6 +538,37 @@ def test_the_te_spec_is_the_local_spec_with_tes_linears():
         block(_tiny_config(multi_latent_attention=True, **linears.config), True, linears)
 
 
+def _micro_batch_lengths(rank, *, num_tokens, token_multiple):
+    import dataclasses
+
+    from megatron_trace.megatron.model import pack_sequences
+    from megatron_trace.megatron.spec import LOCAL_LINEARS
+    from megatron_trace.megatron.trainer import MegatronTrainer
+
+    trainer = MegatronTrainer(torch.nn.Linear(1, 1), None,
+                              linears=dataclasses.replace(LOCAL_LINEARS, token_multiple=token_multiple))
+    out = []
+    for n in num_tokens:
+        ids, _, psp = pack_sequences([torch.arange(n)], pad=trainer.sequence_padding(n))
+        out.append((ids.shape[1], int(psp.cu_seqlens_q[-1])))
+    return out
+
+
+def test_te_micro_batches_are_padded_to_16_tokens_per_sequence_parallel_rank():
+    """TE's quantized GEMMs refuse a token count that is not a multiple of 8 (the RL loop's first
+    GPU run stopped at 659): on the TE spec the trainer pads each micro-batch to 16 tokens per
+    tensor-parallel rank (the RL loop's padding, which carries no loss); the local spec to the TP size."""
+    from megatron_trace.megatron.spawn import spawn
+    from megatron_trace.megatron.spec import LOCAL_LINEARS
+
+    assert TE.spec.te_linears().token_multiple == 16 and LOCAL_LINEARS.token_multiple == 1
+    sizes = [659, 640, 1]
+    te_lengths = spawn(_micro_batch_lengths, {"tp": 2}, num_tokens=sizes, token_multiple=16)[0]
+    local_lengths = spawn(_micro_batch_lengths, {"tp": 2}, num_tokens=sizes, token_multiple=1)[0]
+    assert te_lengths == [(672, 672), (640, 640), (32, 32)]
+    assert local_lengths == [(660, 660), (640, 640), (2, 2)]
+
+
 def test_te_modules_tell_the_recipe_their_site():
     """A TE linear's forward runs with its site active; a column-parallel one takes the whole
     micro-batch's rows (TE gathers sequence-parallel inputs before a custom quantizer sees them);
@@ -573,6 +604,39 @@ def test_te_modules_tell_the_recipe_their_site():
     fc1, fc2 = FP4Site(name="fc1", layer=2, all_experts=True), FP4Site(name="fc2", layer=2, all_experts=True)
     mlp.fc1_site, mlp.fc2_site = fc1, fc2
     assert mlp.linear_fc1.fp4_site is fc1 and mlp.linear_fc2.fp4_site is fc2 and mlp.fc2_site is fc2
+
+
+def test_te_modules_save_no_recipe_state_that_megatron_would_refuse():
+    """TE 2.20 pickles a CustomRecipe (its factory callable included) into a module's extra state;
+    Megatron's checkpoint code refuses to unpickle it (the RL loop's first GPU run on the TE spec
+    failed at its first checkpoint). TRACE's recipe holds no state, so TRACE's TE modules save TE's
+    empty "no state" marker, which Megatron's grouped-linear split hands to each GEMM as is."""
+    import io
+    import pickle
+
+    from megatron.core.safe_globals import SafeUnpickler
+
+    from tests.support.te_cpu import te_importable
+
+    with te_importable():  # pickle finds the recipe's class and the factory by name
+        from transformer_engine.common.recipe import CustomRecipe
+
+        from megatron_trace.te.recipe import trace_fp4_quantizer_factory
+
+        recipe = CustomRecipe(qfactory=trace_fp4_quantizer_factory)
+        pickled = pickle.dumps({"recipe": recipe})
+    with pytest.raises(pickle.UnpicklingError, match="CustomRecipe"):
+        SafeUnpickler(io.BytesIO(pickled)).load()
+    for cls in (TE.spec.TraceTEColumnParallelLinear, TE.spec.TraceTERowParallelLinear,
+                TE.spec.TraceTEColumnParallelGroupedLinear, TE.spec.TraceTERowParallelGroupedLinear):
+        module = cls.__new__(cls)  # built bare: TE's own __init__ needs CUDA
+        torch.nn.Module.__init__(module)
+        module.fp8_meta = {"fp8_checkpoint": True, "recipe": recipe}
+        module.fp8, module.fp8_calibration, module.num_gemms = True, False, 3
+        state = module.get_extra_state()
+        assert state.dtype == torch.uint8 and state.numel() == 0, cls.__name__
+        if hasattr(module, "_split_extra_state"):  # Megatron's TE grouped linears
+            assert [s.numel() for s in module._split_extra_state(state)] == [0, 0, 0]
 
 
 def test_te_linears_get_their_input_quantized_by_trace_with_traces_backward():
