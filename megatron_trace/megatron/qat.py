@@ -94,7 +94,8 @@ def caching_weights() -> bool:
 
 class _CachedSTE(torch.autograd.Function):
     """Returns a cached fake-quantized weight; backward: grad * mask to the parameter(s)
-    (stacked along dim 0 when there are several)."""
+    (stacked along dim 0 when there are several), or grad as is where the mask is None (no
+    element clipped)."""
 
     @staticmethod
     def forward(ctx, w_q, inside, *params):
@@ -105,7 +106,7 @@ class _CachedSTE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (inside,) = ctx.saved_tensors
-        g = grad * inside
+        g = grad if inside is None else grad * inside
         return (None, None, *(g.unbind(0) if ctx.stacked else (g,)))
 
 
@@ -133,10 +134,16 @@ def _cached(params: list[torch.Tensor], compute, peers: tuple = (), each: bool =
         # the entry holds the memory it is keyed on, so no other tensor gets that address inside
         # the scope (not even where a parameter's .data is swapped, as sharding frameworks do)
         held = tuple(t.untyped_storage() for t in tensors)
-        hit = _weight_cache[key] = (version, w_q.reshape(w.shape), inside.reshape(w.shape), held)
+        # A weight scaled by its own amax (or a larger shared one) never clips, so its mask is all
+        # true: dropping it spares every micro-batch's backward a pass over the weight's gradient
+        # (1.5 ms per layer for Qwen3-30B-A3B's fc1 experts on an H100) and the mask's memory, for
+        # one host sync per weight and optimizer step.
+        inside = None if bool(inside.all()) else inside.reshape(w.shape)
+        hit = _weight_cache[key] = (version, w_q.reshape(w.shape), inside, held)
         if each and len(params) > 1 and not peers:
-            for p, p_q, p_inside, p_held in zip(params, hit[1], hit[2], held, strict=True):
-                _weight_cache[(_memory_key(p),)] = ((p._version,), p_q, p_inside, (p_held,))
+            for i, (p, p_q, p_held) in enumerate(zip(params, hit[1], held, strict=True)):
+                _weight_cache[(_memory_key(p),)] = ((p._version,), p_q, None if inside is None else inside[i],
+                                                    (p_held,))
     return _CachedSTE.apply(hit[1], hit[2], *params)
 
 

@@ -104,3 +104,31 @@ def test_expert_weights_quantized_at_once_are_found_expert_by_expert():
         again = site.quantize_weight(ws[2].detach())
         assert torch.equal(again, dequantize(quantize(ws[2].detach()), torch.bfloat16))
         assert again.data_ptr() != stacked[2].data_ptr()
+
+
+def test_the_cache_drops_an_all_true_mask_and_keeps_one_that_clips():
+    """A weight scaled by its own amax never clips: the cache keeps no mask and the backward hands
+    the gradient on untouched; a scale that clips (here a global amax 4x below the weight's) keeps
+    its mask, and the clipped elements get no gradient."""
+    from megatron_trace.megatron import qat
+    from trace_kernels.fp4 import fake_quantize_ste
+
+    (w,) = _weights(seed=2, shapes=((64, 48),))
+    upstream = torch.randn(64, 48).bfloat16()
+    site = FP4Site(name="proj", layer=0, precision=TrainerPrecision.FP4_RNE)
+    with cached_weights():
+        (site.quantize_weight(w) * upstream).sum().backward()
+        (entry,) = qat._weight_cache.values()
+        assert entry[2] is None
+    assert torch.equal(w.grad, upstream)
+    w.grad = None
+    low = amax(w.detach()) / 4
+    with cached_weights():
+        w_q = qat._cached([w], lambda t: fake_quantize_ste(t, "nvfp4", global_amax=low, check_finite=False))
+        (w_q * upstream).sum().backward()
+        (entry,) = qat._weight_cache.values()
+    clipped = w.detach().abs() > 7 * low / 6  # beyond the largest block scale's reach, 7/6 of g*2688/448*6
+    assert entry[2] is not None and bool(clipped.any()) and not bool(clipped.all())
+    assert torch.equal(w.grad[clipped], torch.zeros_like(w.grad[clipped]))
+    assert torch.equal(w.grad[~entry[2]], torch.zeros_like(w.grad[~entry[2]]))
+    assert torch.equal(w.grad[entry[2]], upstream[entry[2]])
