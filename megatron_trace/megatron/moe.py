@@ -125,10 +125,11 @@ class TraceMoELayer(MoELayer):
                                       "(rollout routing replay)")
         rows = self._local_token_rows(mb.num_tokens)
         top_k = self.config.moe_router_topk
-        token_rows = torch.arange(mb.num_tokens)[rows]
-        slot_rows = (token_rows[:, None] * top_k + torch.arange(top_k)).reshape(-1).to(fc2.g.device)
+        dev = fc2.g.device
+        token_rows = torch.arange(rows.start, rows.stop, device=dev)
+        slot_rows = (token_rows[:, None] * top_k + torch.arange(top_k, device=dev)).reshape(-1)
         parts = [fc2.select_rows(slot_rows).to_row_bytes().reshape(num_local, -1),
-                 ids[rows].to(torch.int32).contiguous().view(torch.uint8).reshape(num_local, -1).to(fc2.g.device)]
+                 ids[rows].to(torch.int32).contiguous().view(torch.uint8).reshape(num_local, -1).to(dev)]
         return torch.cat(parts, dim=1), int(code)
 
     def preprocess(self, hidden_states, probs, routing_map):
@@ -158,7 +159,8 @@ class TraceMoELayer(MoELayer):
             (payload, payload_probs), code = self._payload
             self._payload = None
             rows, counts, _ = self.guidance_dispatcher.dispatch_postprocess(payload, payload_probs)
-            mb.expert_rows[self.layer] = (self._fc2_rows(rows, counts.tolist(), code), counts.tolist())
+            counts = counts.tolist()  # one copy to the host (each waits for the GPU's queue to drain)
+            mb.expert_rows[self.layer] = (self._fc2_rows(rows, counts, code), counts)
         elif mb is not None:
             mb.expert_rows.pop(self.layer, None)
         return super().routed_experts_compute(hidden_states, probs)
@@ -170,7 +172,7 @@ class TraceMoELayer(MoELayer):
         per_slot = rows[:, : top_k * n2].reshape(-1, top_k, n2)
         ids = rows[:, top_k * n2:].contiguous().view(torch.int32).long()
         expert = torch.repeat_interleave(torch.tensor(self.local_expert_indices, device=rows.device),
-                                         torch.tensor(counts, device=rows.device))
+                                         torch.tensor(counts, device=rows.device), output_size=sum(counts))
         hit = ids == expert[:, None]
         if not bool(hit.any(1).all()):
             raise GuidanceFormatError(f"layer {self.layer}: a token reached an expert the engine did not route it "
