@@ -143,11 +143,11 @@ def test_checkpoints_move_between_the_te_and_local_specs(case, runs, tmp_path):
 
 
 # -- the RL loop on the TE spec -----------------------------------------------------------------
-def _train(rank, *, out_dir, mode):
+def _train(rank, *, out_dir):
     from megatron_trace.cli import main
 
     main(["train", "--set", "sft.steps=20", "--set", "rl.steps=2", "--set", "rl.prompts_per_step=4",
-          "--set", f"rl.mode={mode}", "--set", f"output_dir={out_dir}",
+          "--set", "rl.mode=trace", "--set", f"output_dir={out_dir}",
           "--set", "trainer.transformer_impl=transformer_engine"])
 
 
@@ -159,7 +159,7 @@ def test_the_rl_loop_trains_on_the_te_spec(tmp_path):
     (On a GPU the tiny model's unguided FP4 trainer already rarely flips: 0 to 2e-4 of its
     elements on 2026-12-06, on both specs; the engine's codes at every site are checked against an
     independent engine in test_te_spec_reproduces_the_engines_codes_at_every_guided_site.)"""
-    spawn(_train, {}, out_dir=str(tmp_path), mode="trace")
+    spawn(_train, {}, out_dir=str(tmp_path))
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
     for r in rows:
