@@ -3,11 +3,13 @@
 # task, GRPO in six modes x three seeds, evaluation of the final policies) on one H200 (device
 # tool, kind nvidia-h200), one call at a time:
 #   bash bench/gpu_rl_experiment.sh [TIME_LIMIT_S] [more bench/rl_experiment.py options]
-#   e.g. bash bench/gpu_rl_experiment.sh 560 --parallel 6 --seeds 0   (run with timeout_s=600)
+#   e.g. bash bench/gpu_rl_experiment.sh 560 --parallel 4 --seeds 0   (run with timeout_s=600)
 #        bash bench/gpu_rl_experiment.sh 560 --modes bf16,trace-all --seeds 0
 # --parallel N trains N runs at once (each a process on the one GPU: a 0.4 B model leaves it
-# mostly idle, the steps are host-bound). A seed's modes share one SFT model only when they are
-# trained on one machine: give each fresh machine whole seeds.
+# mostly idle, the steps are host-bound). Each takes 14-19 GB of GPU memory (2026-12-06: five at
+# once ran out on an 80 GB H100, four fit): --parallel 4 on an H100, 6 on an H200. A seed's modes
+# share one SFT model only when they are trained on one machine (GPU SFT is not bitwise
+# reproducible): give each fresh machine whole seeds.
 # It stops cleanly TIME_LIMIT_S seconds (default 540) after it starts, setup included: a trainer
 # still running then is stopped and resumes from its checkpoint at the next call. The run
 # directories live in runs/rl_experiment/ (ignored by git: it survives between calls while the
@@ -26,6 +28,8 @@ export OMP_NUM_THREADS=2  # per process: up to --parallel trainers share the 16 
 # them (2026-12-04: FP4 rollouts at 410-500 tokens/s each, six at once). MPS=1 (the default) starts
 # NVIDIA's MPS daemon so their kernels run side by side; if it is missing or a CUDA process then
 # fails to start, the daemon is stopped and the run goes on without it (the log says which).
+# Measured 2026-12-06 (H100, MPS on, four to six at once): FP4 modes 1.7-3.2 s a step (trace-sparse
+# 11.7 s) against 14-16 s (23.6 s) time-sliced (H200, six at once, 12-04).
 if [ "${MPS:-1}" = 1 ] && command -v nvidia-cuda-mps-control >/dev/null; then
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
@@ -40,7 +44,9 @@ else
   echo "MPS: off (MPS=${MPS:-1}; nvidia-cuda-mps-control $(command -v nvidia-cuda-mps-control >/dev/null && echo found || echo 'not found'))"
 fi
 resume=()
-latest=$(ls -t bench/results/rl_experiment_*_gpu.json 2>/dev/null | head -n 1)
+# the newest by its name (dated; C collation: 2026-12-04b after 2026-12-04): a fresh checkout
+# gives every file the same mtime, and the GPU machine's locale sorts "04_gpu" after "04b_gpu"
+latest=${RESUME:-$(ls bench/results/rl_experiment_*_gpu.json 2>/dev/null | LC_ALL=C sort | tail -n 1)}
 if [ -n "$latest" ]; then resume=(--resume-from "$latest"); echo "resuming from $latest"; fi
 left=$((LIMIT - SECONDS))
 python3 bench/rl_experiment.py --time-limit "$left" --runs runs/rl_experiment --out "$OUT" "${resume[@]}" "$@" \

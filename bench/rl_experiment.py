@@ -32,7 +32,10 @@ finished runs and evaluations are not redone. A run interrupted by `--time-limit
 continues from its last checkpoint while its run directory survives (a warm machine); on a fresh
 machine the SFT is redone first (its weights' SHA-256 is recorded per run, so the report says
 whether every run started from the same SFT model: GPU training need not be bitwise
-reproducible). A run's checkpoints are deleted once it is evaluated (`--keep-checkpoints` keeps
+reproducible, and a fresh machine's model differs). The modes of a seed are compared from one SFT
+model: a mode of a seed whose other runs started from another model is skipped there, with the
+reason (give it a new seed). Each SFT model is evaluated once, and the report pairs each policy
+with the PTQ baseline of its own seed. A run's checkpoints are deleted once it is evaluated (`--keep-checkpoints` keeps
 them). With `--time-limit S` nothing is started that cannot make progress before S seconds, a
 training process still running then is stopped (it resumes from its checkpoint), the report is
 written and the script exits with status 3: run it again to continue. When a trainer or a tool
@@ -62,7 +65,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `python bench/rl_experiment.py` from a checkout
     sys.path.insert(0, str(ROOT))
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: the SFT evaluations are kept per SFT model (its weights' fingerprint)
 STOPPED = 3  # exit status when the time limit stopped the experiment (run again to continue)
 
 
@@ -139,8 +142,21 @@ def make_chain_task(s: Settings, seed: int = 0):
 
 # -- the state ----------------------------------------------------------------------------------
 def new_state(s: Settings) -> dict:
+    """sft.eval: {SFT fingerprint: {kind: result}}; runs: {"<mode>/s<seed>": entry}."""
     return {"version": STATE_VERSION, "settings": asdict(s), "sft": {"fingerprints": [], "wall_s": [], "eval": {}},
             "runs": {}, "sessions": []}
+
+
+def upgrade_state(state: dict, source: str) -> dict:
+    """A recorded state in this script's version. Version 1 kept one set of SFT evaluations; they
+    were made in the session of the first SFT recorded (the SFT model is evaluated right after its
+    training), so they belong to its fingerprint."""
+    if state.get("version") == 1:
+        ev, fps = state["sft"]["eval"], state["sft"]["fingerprints"]
+        state = {**state, "version": 2, "sft": {**state["sft"], "eval": {fps[0]: ev} if ev and fps else {}}}
+    if state.get("version") != STATE_VERSION:
+        raise SystemExit(f"{source}: state version {state.get('version')}, this script writes {STATE_VERSION}")
+    return state
 
 
 def run_progress(entry: dict) -> tuple[int, int, int]:
@@ -171,8 +187,7 @@ def merge_state(into: dict, other: dict, source: str) -> None:
     difference); per run the entry with more done wins."""
     if "state" in other:  # a report's JSON
         other = other["state"]
-    if other.get("version") != STATE_VERSION:
-        raise SystemExit(f"{source}: state version {other.get('version')}, this script writes {STATE_VERSION}")
+    other = upgrade_state(other, source)
     for key, value in into["settings"].items():
         if other["settings"].get(key) != value:
             raise SystemExit(f"{source}: recorded with {key}={other['settings'].get(key)!r}, now {value!r}; "
@@ -180,8 +195,9 @@ def merge_state(into: dict, other: dict, source: str) -> None:
     sft, osft = into["sft"], other["sft"]
     sft["fingerprints"] += [f for f in osft["fingerprints"] if f not in sft["fingerprints"]]
     sft["wall_s"] = sft["wall_s"] or osft["wall_s"]
-    for kind, res in osft["eval"].items():
-        sft["eval"].setdefault(kind, res)
+    for fp, evals in osft["eval"].items():
+        for kind, res in evals.items():
+            sft["eval"].setdefault(fp, {}).setdefault(kind, res)
     for key, entry in other["runs"].items():
         mine = into["runs"].get(key)
         if mine is None or run_progress(entry) > run_progress(mine):
@@ -453,6 +469,21 @@ class Experiment:
                     out.append((mode, seed))
         return out
 
+    def sft_conflict(self, mode: str, seed: int) -> str | None:
+        """Why the run cannot be trained on this machine, or None: the seed's other finished runs
+        started from another SFT model (a fresh machine's SFT differs: GPU training is not bitwise
+        reproducible), and a seed's modes are compared from one."""
+        entry = self.state["runs"].get(f"{mode}/s{seed}", {})
+        if entry.get("rl_done") and self.final_model(mode, seed) is not None:
+            return None  # trained here, only its evaluation is left
+        theirs = sorted({e["sft_fingerprint"] for key, e in self.state["runs"].items() if e["seed"] == seed
+                         and key != f"{mode}/s{seed}" and e.get("rl_done") and e.get("sft_fingerprint")})
+        if theirs and self.sft_fingerprint not in theirs:
+            return (f"{mode} seed {seed}: not trained here: the seed's other runs started from SFT model "
+                    f"{', '.join(theirs)}, this machine's is {self.sft_fingerprint} (GPU SFT is not bitwise "
+                    "reproducible); give this mode a new seed")
+        return None
+
     def train_run(self, mode: str, seed: int) -> tuple[dict, Path]:
         """A run trained to its end (again when its final checkpoint is gone); its entry and final model."""
         entry = self.rl(mode, seed)
@@ -486,19 +517,23 @@ class Experiment:
         from tqdm import tqdm
 
         todo = self.pending(modes, seeds)
-        sft_eval_todo = [k for k in eval_kinds("sft") if k not in self.state["sft"]["eval"]]
-        bar = tqdm(total=len(todo) + bool(todo or sft_eval_todo), desc="experiment", unit="run", file=sys.stdout)
+        bar = tqdm(total=len(todo) + bool(todo), desc="experiment", unit="run", file=sys.stdout)
         stopped: list[str] = []
+        sft_eval_todo = []
         try:
-            if todo or sft_eval_todo:
+            if todo:  # an SFT model is evaluated once per fingerprint: a fresh machine's SFT differs
                 bar.set_postfix_str("sft")
                 self.sft()
+                done = self.state["sft"]["eval"].get(self.sft_fingerprint, {})
+                sft_eval_todo = [k for k in eval_kinds("sft") if k not in done]
         except TimeUp as e:
             stopped.append(str(e))
         except RuntimeError as e:
             self.failed = str(e)
         if stopped or self.failed:
             todo = sft_eval_todo = []
+        skipped = [why for mode, seed in todo if (why := self.sft_conflict(mode, seed))]
+        todo = [(mode, seed) for mode, seed in todo if not self.sft_conflict(mode, seed)]
         with ThreadPoolExecutor(max_workers=max(1, self.args.parallel)) as pool:
             running = {pool.submit(self.train_and_evaluate, mode, seed): (mode, seed) for mode, seed in todo}
             bar.set_postfix_str(f"{len(running)} runs, up to {self.args.parallel} at once")
@@ -507,10 +542,10 @@ class Experiment:
                     self.check_time(f"evaluating the SFT model as {kind}")
                     ev = self.evaluate(kind, self.sft_model, self.runs / "sft-eval")
                     with self.lock:
-                        self.state["sft"]["eval"][kind] = ev
+                        self.state["sft"]["eval"].setdefault(self.sft_fingerprint, {})[kind] = ev
                     self.save()
                 shutil.rmtree(self.runs / "sft-eval", ignore_errors=True)
-                if todo or sft_eval_todo:
+                if todo:
                     bar.update(1)
                     self.print_sft()
             except TimeUp as e:
@@ -535,15 +570,18 @@ class Experiment:
         if self.failed:
             print(f"FAILED: {self.failed}")
             return False
+        for why in skipped:
+            print(f"skipped: {why}")
         if stopped:
             print(f"stopped: {stopped[0]}" + (f" (and {len(stopped) - 1} more)" if len(stopped) > 1 else "")
                   + f". Run the same command again to continue (state: {self.state_path}).")
             return False
-        return True
+        return not skipped
 
     def print_sft(self) -> None:
-        ev = self.state["sft"]["eval"]
-        print("SFT model: " + ", ".join(f"{EVAL_LABELS[k]} {fmt_acc(v)}" for k, v in ev.items()))
+        ev = self.state["sft"]["eval"].get(self.sft_fingerprint, {})
+        print(f"SFT model {self.sft_fingerprint}: "
+              + ", ".join(f"{EVAL_LABELS[k]} {fmt_acc(v)}" for k, v in ev.items()))
 
 
 def fingerprint(model_dir: Path) -> str:
@@ -592,16 +630,21 @@ def spread(values: list[float], fmt: str = ".3f") -> str:
     return f"{m:{fmt}}" if len(values) == 1 else f"{m:{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
 
 
-def summarise(state: dict, modes: list[str]) -> dict:
-    """Per mode: rewards, mismatch, flips, speed and evaluations over its finished seeds."""
+def finished_runs(state: dict, mode: str, seeds: list[int]) -> list[dict]:
+    """The mode's runs that trained to their end, of these seeds, in seed order."""
+    return sorted((e for e in state["runs"].values() if e["mode"] == mode and e["seed"] in seeds and e.get("rl_done")),
+                  key=lambda e: e["seed"])
+
+
+def summarise(state: dict, modes: list[str], seeds: list[int]) -> dict:
+    """Per mode: rewards, mismatch, flips, speed and evaluations over its finished runs of `seeds`."""
     from megatron_trace.rl.evaluate import wilson_interval
 
     out = {}
     for mode in modes:
-        entries = [e for e in state["runs"].values() if e["mode"] == mode and e.get("rl_done")]
+        entries = finished_runs(state, mode, seeds)
         if not entries:
             continue
-        entries.sort(key=lambda e: e["seed"])
         per = []
         for e in entries:
             rows = e["metrics"]
@@ -634,6 +677,26 @@ def summarise(state: dict, modes: list[str]) -> dict:
     return out
 
 
+def sft_by_seed(state: dict, modes: list[str], seeds: list[int]) -> dict[int, list[str]]:
+    """{seed: the fingerprints of the SFT models its finished runs started from} (one, when the
+    seed's modes were trained on one machine)."""
+    out: dict[int, list[str]] = {}
+    for mode in modes:
+        for e in finished_runs(state, mode, seeds):
+            fp = e.get("sft_fingerprint")
+            if fp and fp not in out.setdefault(e["seed"], []):
+                out[e["seed"]].append(fp)
+    return dict(sorted(out.items()))
+
+
+def sft_line(by_seed: dict[int, list[str]]) -> str:
+    """'seed 0 `ab12`, seeds 1, 2 `cd34`': the SFT model of each seed, seeds sharing one together."""
+    groups: dict[str, list[int]] = {}
+    for seed, fps in by_seed.items():
+        groups.setdefault(" + ".join(f"`{fp}`" for fp in fps), []).append(seed)
+    return ", ".join(f"seed{'s' if len(xs) > 1 else ''} {', '.join(map(str, xs))} {fps}" for fps, xs in groups.items())
+
+
 def layer_means(per: list[dict], key: str) -> dict[str, float]:
     dicts = [p[key] for p in per if key in p]
     return {L: mean(d[L] for d in dicts) for L in dicts[0]} if dicts else {}
@@ -663,15 +726,19 @@ def report(exp: Experiment, modes: list[str], seeds: list[int], complete: bool) 
 
     state, s = exp.state, exp.s
     date = datetime.date.today().isoformat()
-    tag = "gpu" if torch.cuda.is_available() else "cpu"
+    # the machines that did the work (a --report-only run elsewhere names them, not itself)
+    devices = ", ".join(dict.fromkeys(x["device"] for x in state["sessions"])) or device_name()
+    gpu = any(not x["device"].startswith("CPU") for x in state["sessions"]) or torch.cuda.is_available()
+    tag = "gpu" if gpu else "cpu"
     out = Path(exp.args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"rl_experiment_{date}_{tag}"
-    summary = summarise(state, modes)
+    summary = summarise(state, modes, seeds)
+    by_seed = sft_by_seed(state, modes, seeds)
     task = make_chain_task(s, seed=99)
     example = task.problems(1)[0]
     sessions = state["sessions"]
-    lines = [f"# RL experiment: SFT, then GRPO per run mode — {date}, {device_name()}", "",
+    lines = [f"# RL experiment: SFT, then GRPO per run mode — {date}, {devices}", "",
              "Command: " + ", ".join(dict.fromkeys(f"`python bench/rl_experiment.py {x['command']}`".replace(" `", "`")
                                                    for x in sessions) or ["-"])
              + f" (this report: commit {git_commit()}); {len(sessions)} session(s)"
@@ -684,9 +751,10 @@ def report(exp: Experiment, modes: list[str], seeds: list[int], complete: bool) 
              "reward 1 for the exact final answer.",
              f"- SFT: {s.sft_steps} steps of {s.sft_batch}, lr {s.sft_lr}, seed 0"
              + (f", {spread([w / 60 for w in state['sft']['wall_s']], '.1f')} min" if state["sft"]["wall_s"] else "")
-             + f"; SFT weights' SHA-256 prefixes seen: {', '.join(state['sft']['fingerprints']) or '-'}"
-             + (" (**more than one**: SFT was redone on a fresh machine and differed; runs record theirs)"
-                if len(state["sft"]["fingerprints"]) > 1 else "") + ".",
+             + f"; the SFT model of each seed's runs (SHA-256 prefix of its weights): {sft_line(by_seed) or '-'}"
+             + (" (**more than one model**: GPU SFT is not bitwise reproducible, so a fresh machine trains another; "
+                "the modes of a seed are compared on one)" if len({f for v in by_seed.values() for f in v}) > 1
+                else "") + ".",
              f"- GRPO: {s.rl_steps} steps of {s.prompts_per_step} prompts x {s.group_size} samples, "
              f"{s.mini_batches} mini-batch(es) per step, lr {s.rl_lr} (a mode named `@lr=X` uses X), "
              f"temperature {s.temperature}, "
@@ -726,11 +794,20 @@ def report(exp: Experiment, modes: list[str], seeds: list[int], complete: bool) 
               "pooled interval is optimistic).", "",
               "| policy | served as | " + " | ".join(f"seed {x}" for x in seeds) + " | mean (min-max) | pooled |",
               "|---|---|" + "---|" * len(seeds) + "---|---|"]
-    sft_eval = state["sft"]["eval"]
-    for kind, e in sft_eval.items():
-        lines.append(f"| SFT model (before RL) | {EVAL_LABELS[kind]} | " + " | ".join(
-            fmt_acc(e) if x == seeds[0] else "" for x in seeds) + f" | {e['accuracy']:.3f} (one model) | "
-            f"{e['correct']}/{e['total']} |")
+    for kind in eval_kinds("sft"):  # each seed's SFT model; the mean and pool count each model once
+        cells, models = [], {}
+        for x in seeds:
+            fps = by_seed.get(x, [])
+            e = state["sft"]["eval"].get(fps[0], {}).get(kind) if len(fps) == 1 else None
+            cells.append(fmt_acc(e) if e else "-")
+            if e:
+                models[fps[0]] = e
+        if models:
+            done = list(models.values())
+            correct, total = sum(d["correct"] for d in done), sum(d["total"] for d in done)
+            lines.append(f"| SFT model (before RL) | {EVAL_LABELS[kind]} | " + " | ".join(cells) +
+                         f" | {spread([d['accuracy'] for d in done])} ({len(done)} model{'s' * (len(done) > 1)}) | "
+                         f"{correct}/{total} |")
     order = [("trace", "fp4-export"), ("fp4-qat", "fp4-export"), ("bf16", "ptq-fp4"), ("bf16", "bf16"),
              ("fp4-rollout", "ptq-fp4"), ("fp4-rollout", "bf16")]
     rows = [(mode, kind) for prefix, kind in order for mode in summary if mode.startswith(prefix)
@@ -744,25 +821,47 @@ def report(exp: Experiment, modes: list[str], seeds: list[int], complete: bool) 
     lines += ["", "Headline comparison: `trace-*` exported to FP4 vs `bf16` after PTQ to FP4 (both served by the FP4 "
               "engine), against `bf16` in BF16 (the ceiling). The export's static input scales are not used by the "
               "built-in engine (per-token activation scales, docs/design.md section 2).", ""]
+    lines += paired_headline(summary, seeds)
     missing = [f"{m}/s{x}" for x in seeds for m in modes if f"{m}/s{x}" not in state["runs"]
                or not state["runs"][f"{m}/s{x}"].get("rl_done")]
     if missing:
         lines += [f"Not finished: {', '.join(partial_line(k, state['runs'].get(k, {}), s.rl_steps) for k in missing)}.",
                   ""]
     png = stem.with_suffix(".png")
-    if plot(summary, state, png, f"{s.preset}, chain task ({s.terms}x{s.digits} digits, `{s.ops}`), {device_name()}"):
+    if plot(summary, state, seeds, png, f"{s.preset}, chain task ({s.terms}x{s.digits} digits, `{s.ops}`), {devices}"):
         lines += [f"Plot: `{png.name}` (reward and k3_kl per step: mean over seeds, band min-max; flip rate by layer; "
                   "evaluation accuracy with Wilson intervals). Every step's metrics and every evaluation: "
                   f"`{stem.name}.json` (its `state` resumes the experiment: `--resume-from`)."]
     md = stem.with_suffix(".md")
     md.write_text("\n".join(lines) + "\n")
-    write_json(stem.with_suffix(".json"), {"date": date, "device": device_name(), "command": sys.argv,
+    write_json(stem.with_suffix(".json"), {"date": date, "device": devices, "command": sys.argv,
                                            "commit": git_commit(), "complete": complete, "modes": modes,
                                            "seeds": seeds, "summary": summary, "state": state})
     return md
 
 
-def plot(summary: dict, state: dict, path: Path, title: str) -> bool:
+def paired_headline(summary: dict, seeds: list[int]) -> list[str]:
+    """Markdown lines: each FP4-served policy's accuracy minus that of PTQ FP4 of the `bf16`
+    policy of the same seed (one SFT model, the same prompts and sampling seeds), on the seeds
+    where both were evaluated; the means above can average over different seeds."""
+    base = summary.get("bf16", {}).get("eval", {}).get("ptq-fp4", {}).get("per_seed", {})
+    rows = [(mode, kind) for mode in summary for kind in ("fp4-export", "ptq-fp4", "bf16")
+            if kind in summary[mode]["eval"] and (mode, kind) != ("bf16", "ptq-fp4")]
+    out = []
+    for mode, kind in rows:
+        mine = summary[mode]["eval"][kind]["per_seed"]
+        both = [x for x in seeds if x in mine and x in base]
+        if both:
+            diffs = [mine[x]["accuracy"] - base[x]["accuracy"] for x in both]
+            out.append(f"| {mode} | {EVAL_LABELS[kind]} | {', '.join(map(str, both))} | "
+                       + ", ".join(f"{d:+.3f}" for d in diffs) + f" | {sum(diffs) / len(diffs):+.3f} |")
+    if not out:
+        return []
+    return ["Paired by seed: accuracy minus that of `bf16` -> `trace-ptq-fp4` (the PTQ baseline) of the same seed.",
+            "", "| policy | served as | seeds | per seed | mean |", "|---|---|---|---|---|", *out, ""]
+
+
+def plot(summary: dict, state: dict, seeds: list[int], path: Path, title: str) -> bool:
     """Reward and k3_kl per step (mean over seeds, min-max band), flip rate by layer (mean over
     seeds, min-max bars), evaluation accuracy (Wilson intervals). False without matplotlib."""
     try:
@@ -777,7 +876,7 @@ def plot(summary: dict, state: dict, path: Path, title: str) -> bool:
     fig, (ax_r, ax_k, ax_f, ax_e) = plt.subplots(1, 4, figsize=(21, 4.2))
     for i, mode in enumerate(summary):
         color = f"C{i}"
-        runs = [e["metrics"] for e in state["runs"].values() if e["mode"] == mode and e.get("rl_done")]
+        runs = [e["metrics"] for e in finished_runs(state, mode, seeds)]
         steps = min(len(r) for r in runs)
         x = list(range(steps))
         for ax, key, floor in ((ax_r, "reward", None), (ax_k, "k3_kl", 1e-18)):
@@ -800,8 +899,11 @@ def plot(summary: dict, state: dict, path: Path, title: str) -> bool:
                [max(d[L] for d in dicts) - m for m, L in zip(means, layers, strict=True)]]
         ax_f.bar([int(L) + j * width for L in layers], means, width, color=color, label=mode, yerr=err, capsize=2)
     bars = []
-    for kind, e in state["sft"]["eval"].items():
-        bars.append((f"SFT\n{kind}", e["accuracy"], e["lo"], e["hi"], "gray"))
+    used = {fp for fps in sft_by_seed(state, list(summary), seeds).values() for fp in fps}
+    for fp, evals in state["sft"]["eval"].items():
+        for kind, e in evals.items():
+            if fp in used:
+                bars.append((f"SFT {fp[:6]}\n{kind}", e["accuracy"], e["lo"], e["hi"], "gray"))
     for i, (mode, m) in enumerate(summary.items()):
         for kind, ev in m["eval"].items():
             bars.append((f"{mode}\n{kind}", ev["pooled"], ev["pooled_lo"], ev["pooled_hi"], f"C{i}"))
@@ -899,7 +1001,7 @@ def main(argv: list[str] | None = None) -> int:
         complete = not exp.pending(modes, seeds)
     md = report(exp, modes, seeds, complete and not exp.pending(modes, seeds))
     print(f"\nreport: {md} (+ .json, .png); state: {exp.state_path}; {(time.time() - t0) / 60:.1f} min")
-    summary = summarise(exp.state, modes)
+    summary = summarise(exp.state, modes, seeds)
     for mode, m in summary.items():
         per = m["per_seed"]
         ev = "; ".join(f"{k} {spread([v['accuracy'] for v in e['per_seed'].values()])}" for k, e in m["eval"].items())
