@@ -915,7 +915,9 @@ def plot(summary: dict, state: dict, seeds: list[int], path: Path, title: str) -
     ax_f.set(xlabel="layer", ylabel="fraction of FP4 elements", title="flip rate by layer (bars: min-max over seeds)")
     if flips:
         ax_f.set_xticks(sorted({int(L) for _, per in flips for p in per for L in p.get("flip_rate_by_layer", {})}))
-    ax_e.set(ylabel="held-out accuracy (greedy)", title="evaluation (pooled over seeds, 95% Wilson)", ylim=(0, 1))
+    # zoomed to the bars' intervals: the policies differ by points, not tens of points
+    floor = max(0.0, math.floor((min((b[2] for b in bars), default=0.0) - 0.05) * 20) / 20)
+    ax_e.set(ylabel="held-out accuracy (greedy)", title="evaluation (pooled over seeds, 95% Wilson)", ylim=(floor, 1))
     if not flips:
         ax_f.text(0.5, 0.5, "no FP4 trainer in these runs", ha="center", va="center", transform=ax_f.transAxes)
     for ax in (ax_r, ax_k, ax_f, ax_e):
