@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from trace_kernels.fp4 import pack_bits, unpack_bits
+from trace_kernels.fp4 import pack_bits
 from trace_kernels.fp4.reference import (
     nvfp4_block_amax,
     nvfp4_block_scales,
@@ -33,11 +33,27 @@ def _leading_bits(streams: list[torch.Tensor], counts: np.ndarray) -> torch.Tens
     """The first counts[i] bits of each packed bit stream streams[i] (uint8 [ceil(counts[i] / 8)],
     as GuidanceRecord checks), joined: uint8 [sum(counts)] of 0/1, unpacked in one call."""
     sizes = np.array([t.numel() for t in streams], dtype=np.int64)
-    flat = unpack_bits(torch.cat([t.reshape(-1) for t in streams]))
+    # numpy's unpackbits: torch's shift-and-mask broadcast took 5x as long
+    flat = np.unpackbits(np.concatenate([t.reshape(-1).cpu().numpy() for t in streams]), bitorder="little")
     first_bit = (np.cumsum(sizes) - sizes) * 8  # where each stream's bits start in `flat`
     taken = np.cumsum(counts) - counts
     index = np.arange(int(counts.sum())) + np.repeat(first_bit - taken, counts)
-    return flat[torch.from_numpy(index)]
+    return torch.from_numpy(flat[index])
+
+
+def _packed_at(pos: np.ndarray, nbytes: int, bits: np.ndarray | None = None) -> torch.Tensor:
+    """uint8 [nbytes]: bit p % 8 of byte p // 8 set for each position p of the sorted, distinct
+    int64 `pos` (to bits[k] for the k-th, 0/1, when given), every other bit 0: pack_bits' layout,
+    built in O(len(pos)) without the [nbytes * 8] array pack_bits would read (a sparse record
+    keeps a few percent of its elements: building and packing the dense array was most of a
+    trace-sparse step's trainer time, 2026-12-06)."""
+    out = np.zeros(nbytes, dtype=np.uint8)
+    if pos.size:
+        byte = pos >> 3
+        one = np.left_shift(np.uint8(1) if bits is None else bits.astype(np.uint8), (pos & 7).astype(np.uint8))
+        first = np.flatnonzero(np.concatenate(([True], byte[1:] != byte[:-1])))  # sorted: a byte's bits are adjacent
+        out[byte[first]] = np.add.reduceat(one.astype(np.uint8), first)  # distinct bits: their sum is their OR
+    return torch.from_numpy(out)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,13 +136,12 @@ class RowGuidance:
         elem_start, block_start = np.cumsum(numel) - numel, np.cumsum(blocks) - blocks
         total_rows = int(rows.sum())
         g = torch.cat([r.payload["g"].reshape(-1) for r in records]).float()[:, None]
-        pos = torch.from_numpy(np.concatenate([
+        pos = np.concatenate([  # increasing: each record's positions, offset by the rows before it
             decode_positions(r.payload["elem_pos"], r.header.n_elems, int(numel[i])).numpy() + elem_start[i]
-            for i, r in enumerate(records)]))
-        bits = torch.zeros(total_rows * cols, dtype=torch.uint8)
-        bits[pos] = _leading_bits([r.payload["elem_bits"] for r in records], n_elems)
-        known = torch.zeros(total_rows * cols, dtype=torch.bool)
-        known[pos] = True
+            for i, r in enumerate(records)])
+        kept = _leading_bits([r.payload["elem_bits"] for r in records], n_elems).numpy()
+        bits = _packed_at(pos, total_rows * cols // 8, kept).reshape(total_rows, cols // 8)
+        known = _packed_at(pos, total_rows * cols // 8).reshape(total_rows, cols // 8)
         if scale_lsb:
             scales = _leading_bits([r.payload["scale_bits"] for r in records], blocks)
             scale_known = None
@@ -139,8 +154,8 @@ class RowGuidance:
             scale_known = torch.zeros(int(blocks.sum()), dtype=torch.bool)
             scale_known[spos] = True
             scale_known = scale_known.reshape(total_rows, cols // 16)
-        return cls(g=g, scales=scales.reshape(total_rows, cols // 16), bits=pack_bits(bits.reshape(total_rows, cols)),
-                   scale_lsb=scale_lsb, scale_known=scale_known, bit_known=pack_bits(known.reshape(total_rows, cols)))
+        return cls(g=g, scales=scales.reshape(total_rows, cols // 16), bits=bits, scale_lsb=scale_lsb,
+                   scale_known=scale_known, bit_known=known)
 
     @classmethod
     def cat(cls, parts: list[RowGuidance]) -> RowGuidance:

@@ -1,5 +1,6 @@
 """Row-aligned guidance (what FP4 sites consume) and a micro-batch's guidance."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -9,6 +10,7 @@ from megatron_trace.guidance import (
     GuidanceFormatError,
     SampleGuidance,
 )
+from megatron_trace.guidance.capture import sparse_parts
 from megatron_trace.guidance.rows import RowGuidance
 from megatron_trace.megatron.context import MicroBatchGuidance
 from tests.support.guidance import CODINGS, matmul_two_orders, record_for
@@ -139,3 +141,26 @@ def test_records_join_as_their_rows_do(coding, scale_coding):
         assert torch.equal(bits, torch.cat([pack_bits(unpack_codes(q.codes) & 1) for _, q in made]))
     with pytest.raises(GuidanceFormatError, match="widths"):
         RowGuidance.from_records([records[0], record_for(matmul_two_orders(2, 64, 32, seed=3)[0], coding)[0]])
+
+
+@pytest.mark.parametrize("scale_coding", ["lsb", "near"])
+def test_sparse_records_decode_to_the_engine_bits_they_ship(scale_coding):
+    """Sparse records of several samples decoded together (the micro-batch's join, packed from the
+    kept positions alone) against numpy's packbits of the dense arrays: bit_known is the engine's
+    near-boundary mask, the known bits and scales are the engine's."""
+    xs = [matmul_two_orders(rows, 64, 128, seed=20 + rows)[0] for rows in (5, 1, 9)]
+    made = [record_for(x, "sparse", scale_coding=scale_coding) for x in xs]
+    joined = RowGuidance.from_records([rec for rec, _ in made])
+    parts = [sparse_parts(x, q, scale_coding=scale_coding) for x, (_, q) in zip(xs, made, strict=True)]
+    near = np.concatenate([np.unpackbits(p[3].numpy().reshape(-1), bitorder="little") for p in parts])
+    mantissa = np.concatenate([(unpack_codes(q.codes).numpy() & 1).reshape(-1) for _, q in made])
+    assert 0.001 < near.mean() < 0.5  # some elements kept, most not
+    assert np.array_equal(joined.bit_known.numpy().reshape(-1), np.packbits(near, bitorder="little"))
+    assert np.array_equal(joined.bits.numpy().reshape(-1), np.packbits(near & mantissa, bitorder="little"))
+    engine_scales = torch.cat([q.block_scales.view(torch.uint8) for _, q in made])
+    if scale_coding == "lsb":
+        assert joined.scale_known is None and torch.equal(joined.scales & 1, engine_scales & 1)
+    else:
+        marked = torch.cat([p[4].bool() for p in parts])
+        assert torch.equal(joined.scale_known, marked)
+        assert torch.equal(joined.scales[marked], engine_scales[marked]) and not joined.scales[~marked].any()
