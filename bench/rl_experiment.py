@@ -35,11 +35,12 @@ whether every run started from the same SFT model: GPU training need not be bitw
 reproducible, and a fresh machine's model differs). The modes of a seed are compared from one SFT
 model: a mode of a seed whose other runs started from another model is skipped there, with the
 reason (give it a new seed). Each SFT model is evaluated once, and the report pairs each policy
-with the PTQ baseline of its own seed. A run's checkpoints are deleted once it is evaluated (`--keep-checkpoints` keeps
-them). With `--time-limit S` nothing is started that cannot make progress before S seconds, a
-training process still running then is stopped (it resumes from its checkpoint), the report is
-written and the script exits with status 3: run it again to continue. When a trainer or a tool
-fails, the report of what finished is written, with the failing log's tail, and the status is 1.
+with the PTQ baseline of its own seed. A run's checkpoints are deleted once it is evaluated
+(`--keep-checkpoints` keeps them). With `--time-limit S` nothing is started that cannot make
+progress before S seconds, a training process still running then is stopped (it resumes from its
+checkpoint), the report is written and the script exits with status 3: run it again to continue.
+When a trainer or a tool fails, the report of what finished is written, with the failing log's
+tail, and the status is 1.
 """
 
 from __future__ import annotations
@@ -194,7 +195,7 @@ def merge_state(into: dict, other: dict, source: str) -> None:
                              "use another --runs/--state (or the same settings)")
     sft, osft = into["sft"], other["sft"]
     sft["fingerprints"] += [f for f in osft["fingerprints"] if f not in sft["fingerprints"]]
-    sft["wall_s"] = sft["wall_s"] or osft["wall_s"]
+    sft["wall_s"] += [w for w in osft["wall_s"] if w not in sft["wall_s"]]  # one per SFT trained
     for fp, evals in osft["eval"].items():
         for kind, res in evals.items():
             sft["eval"].setdefault(fp, {}).setdefault(kind, res)
@@ -531,8 +532,9 @@ class Experiment:
             self.failed = str(e)
         if stopped or self.failed:
             todo = sft_eval_todo = []
-        skipped = [why for mode, seed in todo if (why := self.sft_conflict(mode, seed))]
-        todo = [(mode, seed) for mode, seed in todo if not self.sft_conflict(mode, seed)]
+        conflicts = {unit: self.sft_conflict(*unit) for unit in todo}
+        skipped = [why for why in conflicts.values() if why]
+        todo = [unit for unit in todo if not conflicts[unit]]
         with ThreadPoolExecutor(max_workers=max(1, self.args.parallel)) as pool:
             running = {pool.submit(self.train_and_evaluate, mode, seed): (mode, seed) for mode, seed in todo}
             bar.set_postfix_str(f"{len(running)} runs, up to {self.args.parallel} at once")

@@ -52,7 +52,7 @@ def _packed_at(pos: np.ndarray, nbytes: int, bits: np.ndarray | None = None) -> 
         byte = pos >> 3
         one = np.left_shift(np.uint8(1) if bits is None else bits.astype(np.uint8), (pos & 7).astype(np.uint8))
         first = np.flatnonzero(np.concatenate(([True], byte[1:] != byte[:-1])))  # sorted: a byte's bits are adjacent
-        out[byte[first]] = np.add.reduceat(one.astype(np.uint8), first)  # distinct bits: their sum is their OR
+        out[byte[first]] = np.add.reduceat(one, first)  # distinct bits: their sum is their OR
     return torch.from_numpy(out)
 
 

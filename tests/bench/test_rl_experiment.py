@@ -76,6 +76,9 @@ def test_sft_evaluations_are_kept_per_sft_model_and_old_states_upgrade(rx):
     rx.merge_state(mine, old, "old.json")
     assert mine["sft"]["eval"] == {"ef": {"bf16": ev | {"correct": 8}}, "ab": {"bf16": ev}}
     assert mine["sft"]["fingerprints"] == ["ef", "ab", "cd"]
+    assert mine["sft"]["wall_s"] == [2.0, 1.0]  # each SFT's time, once however often merged
+    rx.merge_state(mine, old, "old.json")
+    assert mine["sft"]["wall_s"] == [2.0, 1.0]
     with pytest.raises(SystemExit, match="state version 7"):
         rx.merge_state(mine, rx.new_state(s) | {"version": 7}, "new.json")
 
