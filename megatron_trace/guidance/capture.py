@@ -22,7 +22,7 @@ from trace_kernels.fp4.reference import (
     nvfp4_scaled_values,
 )
 
-from .codec import GuidanceFormatError, encode_positions
+from .codec import GuidanceFormatError, encode_position_lists, pack_bits_at
 from .record import Coding, GuidanceRecord, RecordHeader
 from .rows import RowGuidance
 
@@ -159,55 +159,112 @@ def capture_sparse(
     near_RK8: torch.Tensor,
     scale_near_RB: torch.Tensor | None = None,
     *,
-    model_id: str,
     layer: int,
     site: str,
+    **header,
+) -> GuidanceRecord:
+    """A sparse guidance record from (a row slice of) `sparse_parts`: g always, the mantissa
+    bits of the near-boundary elements with their positions, block scales by `scale_coding`
+    ("lsb": every scale's last bit; "near": the marked scales with their positions).
+    Payload tensors on the CPU. `header`: `capture_sparse_sites`' keyword arguments."""
+    parts = (bits_RK8, scales_RB, g_R, near_RK8) + (() if scale_near_RB is None else (scale_near_RB,))
+    return capture_sparse_sites({(layer, site): parts}, **header)[(layer, site)]
+
+
+def capture_sparse_sites(
+    parts: dict[tuple[int, str], tuple[torch.Tensor, ...]],
+    *,
+    model_id: str,
     sample_id: str,
     weight_version: int,
     policy: str,
     tau: float = DEFAULT_TAU,
     scale_coding: str = "lsb",
     scale_tau: float = DEFAULT_SCALE_TAU,
-) -> GuidanceRecord:
-    """A sparse guidance record from (a row slice of) `sparse_parts`: g always, the mantissa
-    bits of the near-boundary elements with their positions, block scales by `scale_coding`
-    ("lsb": every scale's last bit; "near": the marked scales with their positions).
-    Payload tensors on the CPU."""
-    if (scale_coding == "near") != (scale_near_RB is not None):
-        raise GuidanceFormatError(f"capture_sparse: scale_coding {scale_coding!r} "
-                                  f"{'needs' if scale_coding == 'near' else 'takes no'} marked scales")
-    rows, cols = bits_RK8.shape[0], bits_RK8.shape[1] * 8
-    header = dict(model_id=model_id, layer=layer, site=site, rows=rows, cols=cols, sample_id=str(sample_id),
-                  weight_version=weight_version, policy=policy, coding=Coding.SPARSE)
-    # in numpy on the host: a record is a few hundred bytes and a step makes ~10^4 of them, where
-    # torch's per-op overhead (and, on a GPU, a sync per nonzero) was most of a sparse step's time;
-    # bit order as pack_bits' (element 8j+i in bit i of byte j: little-endian), zero-padded
-    # positions from the nonzero bytes only (a few percent of elements are near a boundary:
-    # unpacking every element and scanning them was most of a record's time)
-    near = _host(near_RK8)
-    near_bytes = np.flatnonzero(near)
-    in_byte = np.unpackbits(near[near_bytes, None], axis=1, bitorder="little").astype(bool)
-    elem_idx = (near_bytes[:, None] * 8 + np.arange(8))[in_byte]  # increasing: bytes, then bits
-    kept_bits = (_host(bits_RK8)[elem_idx >> 3] >> (elem_idx & 7)) & 1
-    payload = {"g": g_R.reshape(-1).float().cpu(), "elem_pos": encode_positions(torch.from_numpy(elem_idx)),
-               "elem_bits": torch.from_numpy(np.packbits(kept_bits, bitorder="little"))}
-    scale_bytes = _host(scales_RB)
+) -> dict[tuple[int, str], GuidanceRecord]:
+    """`capture_sparse` of one owner's (layer, site)s at once: {(layer, site): (a row slice of)
+    `sparse_parts`} -> {(layer, site): record}. The sites' bytes are joined and their positions
+    found, split and encoded in one pass: an engine makes ~10^4 sparse records a step, and numpy's
+    per-call cost, paid per record, was most of a sparse rollout's host time."""
+    keys = list(parts)
+    if not keys:
+        return {}
+    for key in keys:
+        if (scale_coding == "near") != (len(parts[key]) == 5):
+            raise GuidanceFormatError(f"capture_sparse: scale_coding {scale_coding!r} "
+                                      f"{'needs' if scale_coding == 'near' else 'takes no'} marked scales "
+                                      f"(layer {key[0]} site {key[1]})")
+        # the parts are joined as flat bytes: one site's parts that disagree would shift the others'
+        shapes = [tuple(t.shape) for t in parts[key]]
+        r, k8 = shapes[0] if len(shapes[0]) == 2 else (-1, 0)
+        if r < 0 or shapes != [(r, k8), (r, k8 // 2), (r,), (r, k8)] + [(r, k8 // 2)] * (len(shapes) == 5):
+            raise GuidanceFormatError(f"capture_sparse: layer {key[0]} site {key[1]}: parts of shapes {shapes}, "
+                                      "want bits [R, K/8], scales [R, K/16], g [R], near [R, K/8] (and "
+                                      "marked scales [R, K/16])")
+    bits, scales, g, near = ([parts[k][i] for k in keys] for i in range(4))
+    # on the host in numpy (torch's per-op overhead, and on a GPU a sync per nonzero, was most of
+    # a sparse step's time); bit order as pack_bits' (element 8j+i in bit i of byte j)
+    nbytes = np.array([b.numel() for b in bits], dtype=np.int64)
+    byte_start = np.cumsum(nbytes) - nbytes
+    near_all = _joined(near)
+    # positions from the nonzero bytes only (a few percent of elements are near a boundary)
+    near_bytes = np.flatnonzero(near_all)
+    in_byte = np.unpackbits(near_all[near_bytes, None], axis=1, bitorder="little").astype(bool)
+    elem = (near_bytes[:, None] * 8 + np.arange(8))[in_byte]  # increasing: bytes, then bits
+    kept = (_joined(bits)[elem >> 3] >> (elem & 7)) & 1
+    n_elems, elem_pos = _split_positions(elem, byte_start * 8)
+    first = np.cumsum(n_elems) - n_elems
+    # each site's kept bits packed from its own byte 0: kept bit k of site i at bit 8 * out_start[i] + k
+    bits_nbytes = (n_elems + 7) // 8
+    out_start = np.cumsum(bits_nbytes) - bits_nbytes
+    at = np.arange(elem.size) + np.repeat(out_start * 8 - first, n_elems)
+    elem_bits = _split(pack_bits_at(at, int(bits_nbytes.sum()), kept), bits_nbytes)
+    scale_bytes = _joined(scales)
+    nblocks = np.array([t.numel() for t in scales], dtype=np.int64)
+    block_start = np.cumsum(nblocks) - nblocks
     if scale_coding == "lsb":
-        payload["scale_bits"] = torch.from_numpy(np.packbits(scale_bytes & 1, bitorder="little"))
-        n_scales = scale_bytes.size
+        set_at = np.flatnonzero(scale_bytes & 1)
+        per, _ = _split_positions(set_at, block_start)
+        lsb_nbytes = (nblocks + 7) // 8
+        at = set_at + np.repeat((np.cumsum(lsb_nbytes) - lsb_nbytes) * 8 - block_start, per)
+        scale_payload = [{"scale_bits": b} for b in _split(pack_bits_at(at, int(lsb_nbytes.sum())), lsb_nbytes)]
+        n_scales = nblocks
     else:
-        scale_idx = np.flatnonzero(_host(scale_near_RB))
-        payload |= {"scale_pos": encode_positions(torch.from_numpy(scale_idx)),
-                    "scale_val": torch.from_numpy(scale_bytes[scale_idx])}
-        n_scales = scale_idx.size
-    return GuidanceRecord(RecordHeader(**header, tau=tau, scale_coding=scale_coding,
-                                       scale_tau=scale_tau if scale_coding == "near" else None,
-                                       n_scales=n_scales, n_elems=elem_idx.size), payload)
+        marked = np.flatnonzero(_joined([parts[k][4] for k in keys]))
+        n_scales, scale_pos = _split_positions(marked, block_start)
+        scale_payload = [{"scale_pos": p, "scale_val": v}
+                         for p, v in zip(scale_pos, _split(scale_bytes[marked], n_scales), strict=True)]
+    records = {}
+    for i, (layer, site) in enumerate(keys):
+        header = RecordHeader(model_id=model_id, layer=layer, site=site, rows=bits[i].shape[0],
+                              cols=bits[i].shape[1] * 8, sample_id=str(sample_id), weight_version=weight_version,
+                              policy=policy, coding=Coding.SPARSE, tau=tau, scale_coding=scale_coding,
+                              scale_tau=scale_tau if scale_coding == "near" else None,
+                              n_scales=int(n_scales[i]), n_elems=int(n_elems[i]))
+        payload = {"g": g[i].reshape(-1).float().cpu(), "elem_pos": elem_pos[i], "elem_bits": elem_bits[i],
+                   **scale_payload[i]}
+        records[(layer, site)] = GuidanceRecord(header, payload)
+    return records
 
 
-def _host(t: torch.Tensor) -> np.ndarray:
-    """A uint8 tensor's bytes, flat, as a numpy array on the host."""
-    return t.detach().reshape(-1).cpu().numpy()
+def _joined(ts: list[torch.Tensor]) -> np.ndarray:
+    """uint8 tensors' bytes, flat, one after another, as a numpy array on the host."""
+    return torch.cat([t.detach().reshape(-1) for t in ts]).cpu().numpy()
+
+
+def _split(a: np.ndarray, sizes: np.ndarray) -> list[torch.Tensor]:
+    """A joined array cut into consecutive pieces of `sizes`, as tensors of their own (a view
+    would keep, and a pickle would carry, the whole joined array)."""
+    return [torch.from_numpy(x.copy()) for x in np.split(a, np.cumsum(sizes)[:-1])]
+
+
+def _split_positions(pos: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, list[torch.Tensor]]:
+    """Increasing positions in joined arrays whose parts start at `starts` -> (how many fall in
+    each part int64 [P], each part's positions relative to its start as a gap stream)."""
+    cut = np.searchsorted(pos, starts)
+    counts = np.diff(np.append(cut, pos.size))
+    streams, sizes = encode_position_lists(pos - np.repeat(starts, counts), counts)
+    return counts, _split(streams, sizes)
 
 
 def capture_dense(

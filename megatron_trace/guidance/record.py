@@ -114,6 +114,9 @@ class GuidanceRecord:
                 shapes |= {"scale_bits": (torch.uint8, ((r * k // 16 + 7) // 8,))}
             else:
                 shapes |= {"scale_val": (torch.uint8, (self.header.n_scales,))}
+        for key in ("elem_pos", "scale_pos"):  # gap streams: flat bytes of any length (checked when decoded)
+            if key in self.payload:
+                shapes[key] = (torch.uint8, (self.payload[key].numel(),))
         for key, (dtype, shape) in shapes.items():
             t = self.payload[key]
             if t.dtype != dtype or tuple(t.shape) != shape:

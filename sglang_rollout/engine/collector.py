@@ -11,7 +11,7 @@ from megatron_trace.guidance import (
     GuidanceBatch,
     SampleGuidance,
     capture_dense,
-    capture_sparse,
+    capture_sparse_sites,
 )
 from megatron_trace.model_config import ModelConfig
 from megatron_trace.rollout import GroupRequest, RolloutOutput, SampleResult
@@ -98,15 +98,11 @@ class RolloutCollector:
         return {layer: routed[:, i].contiguous() for i, layer in enumerate(self.model_cfg.moe_layers)}
 
     def _records(self, rows: dict, owner: str) -> dict:
-        cfg, records = self.engine_cfg, {}
-        for key, kept in rows.items():
-            if key == "experts":
-                continue
-            layer, site = key
-            header = dict(model_id=cfg.model_id, layer=layer, site=site, sample_id=owner,
-                          weight_version=self.weight_version, policy=cfg.guide)
-            if cfg.coding == "dense":  # (bits, scales, g) of the fused quantize kernel
-                records[(layer, site)] = capture_dense(*kept, **header)
-            else:  # guidance.sparse_parts, computed by the engine for the whole step
-                records[(layer, site)] = capture_sparse(*kept, **header, tau=cfg.tau, scale_coding=cfg.scale_coding)
-        return records
+        cfg = self.engine_cfg
+        header = dict(model_id=cfg.model_id, sample_id=owner, weight_version=self.weight_version, policy=cfg.guide)
+        kept = {key: parts for key, parts in rows.items() if key != "experts"}
+        if cfg.coding == "dense":  # (bits, scales, g) of the fused quantize kernel
+            return {(layer, site): capture_dense(*parts, layer=layer, site=site, **header)
+                    for (layer, site), parts in kept.items()}
+        # guidance.sparse_parts, computed by the engine for the whole step; the owner's sites at once
+        return capture_sparse_sites(kept, **header, tau=cfg.tau, scale_coding=cfg.scale_coding)

@@ -83,11 +83,11 @@ class DecodeGraph:
     overwritten by the next replay. Warm-up and capture write K/V only into `scratch_block`, a
     cache block reserved for it, and so do the padding rows of a smaller batch. `pool`: a graph
     memory pool shared with the other batch sizes' graphs (they never replay at the same time).
-    `codes`: as `forward`.
+    `keep`: as `forward`.
     """
 
     def __init__(self, runner: ModelRunner, batch_size: int, max_blocks: int, scratch_block: int,
-                 capture_layers=frozenset(), pool=None, codes: bool = False):
+                 capture_layers=frozenset(), pool=None, keep=None):
         dev = runner.w.device
         bs = runner.cache.block_size
         self.runner, self.batch_size, self.max_blocks, self.scratch = runner, batch_size, max_blocks, scratch_block
@@ -102,11 +102,11 @@ class DecodeGraph:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # compile the Triton kernels and warm the allocator
             for _ in range(2):
-                runner.forward_batch(self, capture_layers, codes=codes)
+                runner.forward_batch(self, capture_layers, keep=keep)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
-            self.logits, self.captured, self.routed = runner.forward_batch(self, capture_layers, codes=codes)
+            self.logits, self.captured, self.routed = runner.forward_batch(self, capture_layers, keep=keep)
 
     def run(self, segments: list[Segment], ids: torch.Tensor | None = None):
         """`ModelRunner.forward` of one decode step of these sequences (`ids` as there):
@@ -133,10 +133,10 @@ class DecodeGraphs:
     cache block kept out of the scheduler's reach. Sequences hold at most `max_tokens` tokens."""
 
     def __init__(self, runner: ModelRunner, max_batch: int, max_tokens: int, scratch_block: int,
-                 capture_layers=frozenset(), codes: bool = False):
+                 capture_layers=frozenset(), keep=None):
         self.runner, self.max_batch, self.scratch = runner, max_batch, scratch_block
         self.max_blocks = math.ceil(max_tokens / runner.cache.block_size)
-        self.capture_layers, self.codes = capture_layers, codes
+        self.capture_layers, self.keep = capture_layers, keep
         self.graphs: dict[int, DecodeGraph] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
@@ -148,7 +148,7 @@ class DecodeGraphs:
         size = min(next(b for b in GRAPH_BUCKETS + (self.max_batch,) if b >= batch), self.max_batch)
         if size not in self.graphs:
             self.graphs[size] = DecodeGraph(self.runner, size, self.max_blocks, self.scratch, self.capture_layers,
-                                            self.pool, codes=self.codes)
+                                            self.pool, keep=self.keep)
         return self.graphs[size]
 
     def capture_all(self) -> None:

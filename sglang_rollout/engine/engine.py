@@ -11,24 +11,24 @@ will see.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
 
 from megatron_trace.checkpoint.audit import table_from_weights
-from megatron_trace.guidance import LayerPolicy, expert_id_dtype, sparse_parts
+from megatron_trace.guidance import LayerPolicy, expert_id_dtype, sparse_parts_of_dense
 from megatron_trace.model_config import ModelConfig
 from megatron_trace.modes import EnginePrecision
 from megatron_trace.rollout import GroupRequest, RolloutOutput, SamplingParams, check_group_ids
 from megatron_trace.weight_buckets import Coverage, read_bucket
-from trace_kernels.fp4 import quantize
 
 from .collector import RolloutCollector
 from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs
 from .kv_cache import PagedKVCache
-from .model import ModelRunner, Segment, map_rows
+from .model import ModelRunner, Segment, keep_codes, map_rows
 from .sampler import check_drawn, draw_rows
 from .scheduler import ScheduledStep, Scheduler
 from .sequence import PromptJob, Sequence, Status
@@ -42,6 +42,14 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
         return t
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     return out.copy_(t, non_blocking=True)
+
+
+def _keep_sparse(x_RK: torch.Tensor, kept: tuple[torch.Tensor, ...], *, tau: float,
+                 scale_coding: str) -> tuple[torch.Tensor, ...]:
+    """The sparse coding's `RowKeep`: `guidance.sparse_parts` of rows x_RK [R, K] from the fused
+    quantize kernel's (bits, scales, g) (a second quantization of every captured site, eager after
+    each step, was the sparse engine's extra device work). No host synchronisation."""
+    return sparse_parts_of_dense(x_RK, *kept, tau=tau, scale_coding=scale_coding)
 
 
 def _device_index(values: list[int], device) -> torch.Tensor:
@@ -86,11 +94,13 @@ class TraceEngine:
                                             engine_cfg.device)
         self.runner = ModelRunner(model_cfg, self.weights, self.cache, fp4, engine_cfg.kernels)
         self.guided_layers = frozenset(LayerPolicy.parse(engine_cfg.guide).select(model_cfg.num_layers))
-        # dense records come straight from the fused quantize kernel (bits, scales, g); sparse
-        # coding needs the rows themselves (their distance to rounding boundaries), turned into
-        # row-aligned parts on the device a step at a time (`_sparse_parts`)
-        self._capture_codes = fp4 and engine_cfg.coding == "dense"
-        self._capture_sparse = fp4 and engine_cfg.coding == "sparse"
+        # what a captured site keeps, computed in the forward (inside the decode graphs too) from
+        # the fused quantize kernel's (bits, scales, g): dense records take them as they are,
+        # sparse records add which elements lie near a rounding boundary (guidance.sparse_parts)
+        self._keep = None
+        if fp4:
+            self._keep = keep_codes if engine_cfg.coding == "dense" else functools.partial(
+                _keep_sparse, tau=engine_cfg.tau, scale_coding=engine_cfg.scale_coding)
         self.weight_version = -1
         self._torn: str | None = None  # why the weights are a mix of versions (an update failed part-way)
         self._expert_ids = expert_id_dtype(model_cfg.num_experts)
@@ -99,7 +109,7 @@ class TraceEngine:
         self.scheduler = Scheduler(model_cfg, engine_cfg, self.cache, share_prompts)
         if graphs:
             self.graphs = DecodeGraphs(self.runner, engine_cfg.cuda_graph_max_batch, self.scheduler.context_limit,
-                                       scratch, self.guided_layers, codes=self._capture_codes)
+                                       scratch, self.guided_layers, keep=self._keep)
 
     @property
     def precision(self) -> EnginePrecision:
@@ -244,8 +254,8 @@ class TraceEngine:
         if graph is not None:
             logits, captured, routed = graph.run(work.segments, ids)
         else:
-            logits, captured, routed = self.runner.forward(work.segments, self.guided_layers,
-                                                           codes=self._capture_codes, ids=ids)
+            logits, captured, routed = self.runner.forward(work.segments, self.guided_layers, keep=self._keep,
+                                                           ids=ids)
         # (logits row, sequence that samples from it): running decodes, then each prefill's samples
         draws = [(i, seq) for i, seq in enumerate(work.decodes) if seq.status is Status.RUNNING]
         for j, job in enumerate(work.prefills):
@@ -263,8 +273,6 @@ class TraceEngine:
         # type that holds the ids (as they travel to the trainer)
         routed = _to_host(torch.stack([routed[layer] for layer in self.model_cfg.moe_layers], 1)
                           .to(self._expert_ids))
-        if self._capture_sparse:
-            captured = {key: self._sparse_parts(rows) for key, rows in captured.items()}
         captured = {key: map_rows(_to_host, rows) for key, rows in captured.items()}  # one copy per layer and site
         done = None
         if logits.is_cuda:
@@ -272,14 +280,6 @@ class TraceEngine:
             done.record()
         return LaunchedStep(work=work, sizes=[len(seg.token_ids) for seg in work.segments], draws=draws, tokens=tokens,
                             drawn=drawn, routed=routed, captured=captured, done=done)
-
-    def _sparse_parts(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """A step's captured rows [R, K] of one site -> what its sparse records keep
-        (guidance.sparse_parts), computed where the rows are, for every sequence at once. No
-        finiteness check: it would wait for the device at every site (the forward's own
-        quantization of these rows, fake_quantize_rows, does not check either)."""
-        cfg = self.engine_cfg
-        return sparse_parts(rows, quantize(rows, "nvfp4", scale="row", check_finite=False), cfg.tau, cfg.scale_coding)
 
     def _take(self, step: LaunchedStep, sampling: SamplingParams, collector: RolloutCollector) -> list[Sequence]:
         """Take in a launched step's results (waiting for its copies): routed experts and

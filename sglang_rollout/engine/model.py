@@ -22,6 +22,7 @@ dimensions, e.g. x_NH is [N, H].
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +68,18 @@ class Segment:
 def map_rows(fn, captured):
     """fn applied to a captured site's rows [R, ...], or to each part of its (bits, scales, g)."""
     return tuple(fn(t) for t in captured) if isinstance(captured, tuple) else fn(captured)
+
+
+RowKeep = Callable[[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]], tuple[torch.Tensor, ...]]
+"""What a captured FP4 site keeps, computed in the forward (inside a decode graph too): f(its rows
+x [R, K] bf16, the quantize kernel's (mantissa bits uint8 [R, K/8], block scale bytes uint8
+[R, K/16], g float32 [R])) -> row-aligned parts [R, ...]. `keep_codes` for dense guidance,
+`guidance.sparse_parts_of_dense` for sparse."""
+
+
+def keep_codes(x_RK: torch.Tensor, kept: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """The dense coding's `RowKeep`: the quantize kernel's (bits, scales, g) as they are."""
+    return kept
 
 
 def _dense_capture(q: QTensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -128,26 +141,25 @@ class ModelRunner:
         # Qwen3's attention: q/k norm then RoPE over whole heads, no biases (the fused kernels)
         self.fused_qk = not c.mla and c.use_qk_norm and not c.attention_bias and self.rot_dim == c.head_dim
 
-    def _site(self, rows, layer, name, x, codes=False):
+    def _site(self, rows, layer, name, x, keep=None):
         """Fake-quantize an FP4 site's input rows (fp4) and, when the layer is captured, keep the
-        rows, or with `codes` what the quantize kernel kept of their rounding."""
+        rows, or with `keep` (fp4) what it makes of them and the quantize kernel's capture."""
         x2 = x.reshape(-1, x.shape[-1])
         if not self.fp4:
             if rows is not None:
                 rows[(layer, name)] = x2
             return x
-        xq, kept = fake_quantize_rows(x2, capture=rows is not None and codes, backend=self.backend)
+        xq, kept = fake_quantize_rows(x2, capture=rows is not None and keep is not None, backend=self.backend)
         if rows is not None:
-            rows[(layer, name)] = x2 if kept is None else kept
+            rows[(layer, name)] = x2 if kept is None else keep(x2, kept)
         return xq.view_as(x)
 
-    def _norm_site(self, rows, layer, name, x, weight, codes=False, product=None):
+    def _norm_site(self, rows, layer, name, x, weight, keep=None, product=None):
         """(the FP4 site's input: rms_norm(x) fake-quantized in fp4, the norm's rows, x), where
         with a `product` (`_linear`'s) x is first made x + product, the residual stream after a
-        block. In one kernel on the GPU in fp4 (not where captured rows must be the unquantized
-        ones)."""
+        block. In one kernel on the GPU in fp4 (not where a capture keeps the rows themselves)."""
         eps = self.model_cfg.rms_norm_eps
-        if self.fp4 and (rows is None or codes):
+        if self.fp4 and (rows is None or keep is not None):
             capture = rows is not None
             if product is None:
                 xq, h, kept = rms_norm_fake_quantize_rows(x, weight, eps, capture=capture, backend=self.backend)
@@ -155,23 +167,23 @@ class ModelRunner:
                 xq, h, kept, x = add_rms_norm_fake_quantize_rows(product, x, weight, eps, capture=capture,
                                                                  backend=self.backend)
             if rows is not None:
-                rows[(layer, name)] = kept
+                rows[(layer, name)] = keep(h, kept)
             return xq, h, x
         if product is not None:
             x = sum_parts(product, x)
         h = rms_norm(x, weight, eps, backend=self.backend)
-        return self._site(rows, layer, name, h, codes), h, x
+        return self._site(rows, layer, name, h, keep), h, x
 
-    def _swiglu_site(self, rows, layer, gate_up, codes=False, site="fc2"):
+    def _swiglu_site(self, rows, layer, gate_up, keep=None, site="fc2"):
         """fc2's (or the shared experts' `shared_fc2`) input: silu(gate) * up of gate_up [R, 2I],
         fake-quantized in fp4 (one kernel on the GPU, as `_norm_site`); its captured rows go to
         `rows` (in the rows' own order)."""
-        if self.fp4 and (rows is None or codes):
-            xq, _, kept = silu_mul_fake_quantize_rows(gate_up, capture=rows is not None, backend=self.backend)
+        if self.fp4 and (rows is None or keep is not None):
+            xq, act, kept = silu_mul_fake_quantize_rows(gate_up, capture=rows is not None, backend=self.backend)
             if rows is not None:
-                rows[(layer, site)] = kept
+                rows[(layer, site)] = keep(act, kept)
             return xq
-        return self._site(rows, layer, site, silu_mul(gate_up, backend=self.backend), codes)
+        return self._site(rows, layer, site, silu_mul(gate_up, backend=self.backend), keep)
 
     def _linear(self, x, name):
         """x [n, K] @ W^T for an FP4-site weight (packed in fp4 precision), as `fp4_linear_parts`
@@ -183,7 +195,7 @@ class ModelRunner:
 
     @torch.no_grad()
     def forward(self, segments: list[Segment], capture_layers=frozenset(), all_logits: bool = False,
-                codes: bool = False, ids: torch.Tensor | None = None):
+                keep: RowKeep | None = None, ids: torch.Tensor | None = None):
         """Run the segments; write their K/V into the cache. `ids` (int64 [N] on the model's
         device), if given, are the new tokens in place of the segments' token_ids: tokens a
         previous step drew and the host has not seen yet.
@@ -191,8 +203,8 @@ class ModelRunner:
         Returns:
             logits float32 [len(segments), V] (each segment's last token) or [N, V] (all_logits),
             captured site rows {(layer, site): [R, K]} for `capture_layers` (R = N, or N * kv_heads
-            for k/v, N * top_k for fc2; with `codes` (fp4): (mantissa bits uint8 [R, K/8], block
-            scale bytes uint8 [R, K/16], g float32 [R]) from the fused quantize kernel instead),
+            for k/v, N * top_k for fc2; with `keep` (fp4): what it makes of the rows and the fused
+            quantize kernel's capture instead),
             routed experts {layer: int64 [N, top_k]}.
         """
         batch = _Batch(segments, self.cache.block_size, self.w.device)  # index tensors built once per forward
@@ -200,9 +212,9 @@ class ModelRunner:
             if ids.shape != batch.ids.shape:
                 raise ValueError(f"forward: ids {tuple(ids.shape)} for {batch.ids.numel()} new tokens")
             batch.ids = ids
-        return self.forward_batch(batch, capture_layers, all_logits, codes)
+        return self.forward_batch(batch, capture_layers, all_logits, keep)
 
-    def forward_batch(self, batch, capture_layers=frozenset(), all_logits: bool = False, codes: bool = False):
+    def forward_batch(self, batch, capture_layers=frozenset(), all_logits: bool = False, keep: RowKeep | None = None):
         """`forward` on prebuilt index tensors (`_Batch` or the static buffers of a `DecodeGraph`).
         Decode-only batches run without host synchronisation (GQA), so they can be graph-captured."""
         cfg, w = self.model_cfg, self.w
@@ -215,22 +227,22 @@ class ModelRunner:
             rows = captured if L in capture_layers else None
             attend = self._mla if cfg.mla else self._gqa
             ctx = attend(L, p + "self_attention.", batch, x_NH, w.dense(p + "input_layernorm.weight"), cos, sin, rows,
-                         codes)
-            proj = self._linear(self._site(rows, L, "proj", ctx, codes), p + "self_attention.linear_proj.weight")
+                         keep)
+            proj = self._linear(self._site(rows, L, "proj", ctx, keep), p + "self_attention.linear_proj.weight")
             ffn = self._moe if cfg.is_moe_layer(L) else self._dense_ffn
-            x_NH = ffn(L, p, x_NH, proj, rows, routed, codes)
+            x_NH = ffn(L, p, x_NH, proj, rows, routed, keep)
         x_NH = rms_norm(x_NH, w.dense("decoder.final_layernorm.weight"), cfg.rms_norm_eps, backend=self.backend)
         if not all_logits and batch.last is not None:
             x_NH = x_NH[batch.last]  # [B, H]: each segment's last token
         return (x_NH @ w.dense("output_layer.weight").T).float(), captured, routed
 
-    def _gqa(self, L, a, batch, x_NH, norm_weight, cos, sin, rows, codes):
+    def _gqa(self, L, a, batch, x_NH, norm_weight, cos, sin, rows, keep):
         """Grouped-query attention of the input_layernorm of x_NH: its K and V into the cache,
         the context [N, Q * D] out. Qwen3's shape (q/k norm, whole-head RoPE, no biases) runs the
         fused norm + RoPE kernels; the rest (GLM-4.5: QKV biases, partial RoPE) torch's ops."""
         cfg, w = self.model_cfg, self.w
         nq, ng, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        qkv_in, _, _ = self._norm_site(rows, L, "qkv", x_NH, norm_weight, codes)
+        qkv_in, _, _ = self._norm_site(rows, L, "qkv", x_NH, norm_weight, keep)
         qkv = self._linear(qkv_in, a + "linear_qkv.weight")
         if not self.fused_qk:
             qkv = sum_parts(qkv)
@@ -252,13 +264,14 @@ class ModelRunner:
                 k_NGD = rms_norm(k_NGD, w.dense(a + "k_layernorm.weight"), cfg.rms_norm_eps, backend=self.backend)
             q_NQD, k_NGD = self._rope(q_NQD, cos, sin), self._rope(k_NGD, cos, sin)
         v_NGD = qkv_NGCD[:, :, -1]
-        # with codes (captured), the rounding the cache itself holds
+        # with keep (captured), the rounding the cache itself holds
         k_q, v_q = k_NGD, v_NGD
         if self.fp4:
             k_q, v_q = PagedKVCache.quantize_rows(k_NGD), PagedKVCache.quantize_rows(v_NGD)
         if rows is not None:
-            rows[(L, "k")], rows[(L, "v")] = ((_dense_capture(k_q, d), _dense_capture(v_q, d)) if codes and self.fp4
-                                              else (k_NGD.reshape(-1, d), v_NGD.reshape(-1, d)))
+            k_RD, v_RD = k_NGD.reshape(-1, d), v_NGD.reshape(-1, d)
+            rows[(L, "k")], rows[(L, "v")] = ((keep(k_RD, _dense_capture(k_q, d)), keep(v_RD, _dense_capture(v_q, d)))
+                                              if keep is not None and self.fp4 else (k_RD, v_RD))
         self.cache.write(L, batch.slots, k_q, v_q)
         return self._attention(L, batch, q_NQD).flatten(1)
 
@@ -269,7 +282,7 @@ class ModelRunner:
             return rope(x, cos, sin)
         return torch.cat([rope(x[..., :self.rot_dim], cos, sin), x[..., self.rot_dim:]], -1)
 
-    def _mla(self, L, a, batch, x_NH, norm_weight, cos, sin, rows, codes):
+    def _mla(self, L, a, batch, x_NH, norm_weight, cos, sin, rows, keep):
         """Multi-head latent attention (docs/design.md section 3.1) of the input_layernorm of x_NH:
         the KV latent after its norm (the `kv` site: FP4 in fp4) and the RoPE'd key part (BF16)
         into the cache, the context [N, Q * v_head_dim] out. Each sequence's cached latents are
@@ -277,11 +290,11 @@ class ModelRunner:
         cfg, w = self.model_cfg, self.w
         n, nq, d = x_NH.shape[0], cfg.num_attention_heads, cfg.head_dim
         nope, rot, vd, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-        h_in, _, _ = self._norm_site(rows, L, "qkv", x_NH, norm_weight, codes)  # both down projections read it
+        h_in, _, _ = self._norm_site(rows, L, "qkv", x_NH, norm_weight, keep)  # both down projections read it
         latent_NR, k_pe = sum_parts(self._linear(h_in, a + "linear_kv_down_proj.weight")).split([r, rot], -1)
         if cfg.q_lora_rank:
             q_lat = sum_parts(self._linear(h_in, a + "linear_q_down_proj.weight"))
-            q_in, _, _ = self._norm_site(rows, L, "q_up", q_lat, w.dense(a + "q_layernorm.weight"), codes)
+            q_in, _, _ = self._norm_site(rows, L, "q_up", q_lat, w.dense(a + "q_layernorm.weight"), keep)
             q = self._linear(q_in, a + "linear_q_up_proj.weight")
         else:
             q = self._linear(h_in, a + "linear_q_proj.weight")
@@ -290,7 +303,7 @@ class ModelRunner:
         latent_NR = rms_norm(latent_NR, w.dense(a + "kv_layernorm.weight"), cfg.rms_norm_eps, backend=self.backend)
         lat_q = PagedKVCache.quantize_rows(latent_NR[:, None]) if self.fp4 else latent_NR[:, None]
         if rows is not None:
-            rows[(L, "kv")] = _dense_capture(lat_q, r) if codes and self.fp4 else latent_NR
+            rows[(L, "kv")] = keep(latent_NR, _dense_capture(lat_q, r)) if keep is not None and self.fp4 else latent_NR
         self.cache.write(L, batch.slots, lat_q, rope(deinterleave(k_pe[:, None]), cos, sin))
         ctx_NQV = torch.empty(n, nq, vd, dtype=x_NH.dtype, device=x_NH.device)
         offset = 0
@@ -347,18 +360,18 @@ class ModelRunner:
             return torch._grouped_mm(x, w.transpose(1, 2), offs=counts.cumsum(0).to(torch.int32))
         return torch.cat([chunk @ w[e].T for e, chunk in enumerate(x.split(counts.tolist()))])
 
-    def _ffn(self, rows, L, h_in, fc1, fc2, codes, site="fc2"):
+    def _ffn(self, rows, L, h_in, fc1, fc2, keep, site="fc2"):
         """A SwiGLU FFN's output (bf16 [N, H]) of its fake-quantized input h_in: the weights
         `fc1` and `fc2`, fc2's input the FP4 site `site`."""
         gate_up = sum_parts(self._linear(h_in, fc1))
-        return sum_parts(self._linear(self._swiglu_site(rows, L, gate_up, codes, site), fc2))
+        return sum_parts(self._linear(self._swiglu_site(rows, L, gate_up, keep, site), fc2))
 
-    def _dense_ffn(self, L, p, x_NH, proj, rows, routed, codes=False):
+    def _dense_ffn(self, L, p, x_NH, proj, rows, routed, keep=None):
         """y + the dense FFN of y's norm, y = x + proj (a dense leading layer of the DeepSeek-V3
         family): fc1 and fc2 sites of one row per token."""
-        h_in, _, x_NH = self._norm_site(rows, L, "fc1", x_NH, self.w.dense(p + "pre_mlp_layernorm.weight"), codes,
+        h_in, _, x_NH = self._norm_site(rows, L, "fc1", x_NH, self.w.dense(p + "pre_mlp_layernorm.weight"), keep,
                                         product=proj)
-        return x_NH + self._ffn(rows, L, h_in, p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight", codes)
+        return x_NH + self._ffn(rows, L, h_in, p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight", keep)
 
     def _route(self, p, h_NH):
         """(experts int64 [N, top_k], gates float32 [N, top_k]) of the normed rows h_NH: softmax
@@ -372,14 +385,14 @@ class ModelRunner:
                                      topk_group=cfg.topk_group, scaling=cfg.routed_scaling_factor,
                                      normalize=cfg.norm_topk_prob)
 
-    def _moe(self, L, p, x_NH, proj, rows, routed, codes=False):
+    def _moe(self, L, p, x_NH, proj, rows, routed, keep=None):
         """y + the MoE block of y's norm, y = x + proj (the attention block's output, `_linear`'s
         product): top-k routing, then every (token, slot) row through its expert as two grouped
         GEMMs (rows sorted by expert, tokens ascending within an expert); the shared experts, if
         any, read the same input row and add to the routed output (as Megatron's MoE layer)."""
         cfg, w = self.model_cfg, self.w
         n, k = x_NH.shape[0], cfg.top_k
-        h_in, h_NH, x_NH = self._norm_site(rows, L, "fc1", x_NH, w.dense(p + "pre_mlp_layernorm.weight"), codes,
+        h_in, h_NH, x_NH = self._norm_site(rows, L, "fc1", x_NH, w.dense(p + "pre_mlp_layernorm.weight"), keep,
                                            product=proj)
         experts_NK, gate_NK = self._route(p, h_NH)
         routed[L] = experts_NK
@@ -388,7 +401,7 @@ class ModelRunner:
         tiles = expert_tiles(counts_E, n * k) if self.fp4 and h_NH.is_cuda and self.backend != "torch" and n else None
         gate_up_RF = self._experts(h_in, L, "fc1", counts_E, tiles, x_rows=tok_R)
         fc2 = {} if rows is not None else None
-        act_in = self._swiglu_site(fc2, L, gate_up_RF, codes)
+        act_in = self._swiglu_site(fc2, L, gate_up_RF, keep)
         if rows is not None:  # captured rows in token order, as the trainer's records are
             def token_order(t):
                 out = t.new_empty((n, k) + t.shape[1:])
@@ -401,6 +414,6 @@ class ModelRunner:
                                    backend=self.backend)
         out = combine_experts(y_RH.to(h_NH.dtype), gate_NK, tok_R, slot_R, pos_R, backend=self.backend)
         shared = self._ffn(rows, L, h_in, p + "mlp.shared_experts.linear_fc1.weight",
-                           p + "mlp.shared_experts.linear_fc2.weight", codes, site="shared_fc2")
+                           p + "mlp.shared_experts.linear_fc2.weight", keep, site="shared_fc2")
         return x_NH + (out + shared)
 

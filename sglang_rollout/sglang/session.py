@@ -33,7 +33,7 @@ from megatron_trace.guidance import (
     LayerPolicy,
     SampleGuidance,
     capture_dense,
-    capture_sparse,
+    capture_sparse_sites,
     expert_id_dtype,
 )
 from megatron_trace.model_config import ModelConfig, full_weight_shapes
@@ -341,15 +341,18 @@ class Session:
 
     def _records(self, rows: dict, start: int, end: int, owner: str) -> dict:
         """Records (EngineConfig.coding) of tokens start..end-1 of a sequence's captured rows."""
-        cfg, out = self.engine_cfg, {}
-        for (layer, site), parts in rows.items():
-            per = parts[0].shape[0] // max(1, rows_total(rows))
-            cut = [p[start * per:end * per] for p in parts]
-            header = dict(model_id=cfg.model_id, layer=layer, site=site, sample_id=owner,
-                          weight_version=self.weight_version, policy=cfg.guide)
-            out[(layer, site)] = (capture_dense(*cut, **header) if cfg.coding == "dense" else
-                                  capture_sparse(*cut, **header, tau=cfg.tau, scale_coding=cfg.scale_coding))
-        return out
+        if not rows:
+            return {}
+        cfg, total = self.engine_cfg, max(1, rows_total(rows))
+        header = dict(model_id=cfg.model_id, sample_id=owner, weight_version=self.weight_version, policy=cfg.guide)
+        cut = {}
+        for key, parts in rows.items():
+            per = parts[0].shape[0] // total
+            cut[key] = [p[start * per:end * per] for p in parts]
+        if cfg.coding == "dense":
+            return {(layer, site): capture_dense(*parts, layer=layer, site=site, **header)
+                    for (layer, site), parts in cut.items()}
+        return capture_sparse_sites(cut, **header, tau=cfg.tau, scale_coding=cfg.scale_coding)
 
 
 def rows_total(rows: dict) -> int:

@@ -1,5 +1,7 @@
 """Guidance capture, reconstruction, sparse coding, the batch container and its misuse errors."""
 
+import random
+
 import numpy as np
 import pytest
 import torch
@@ -15,7 +17,9 @@ from megatron_trace.guidance import (
     calibrate_tau,
     capture,
     capture_sparse,
+    capture_sparse_sites,
     code_flips,
+    decode_position_streams,
     decode_positions,
     encode_positions,
     guided_inputs,
@@ -131,6 +135,46 @@ def test_byte_counts_match_the_formulas():
     assert lsb.nbytes == 4 * r + (r * k // 16 + 7) // 8 + p["elem_pos"].numel() + (h.n_elems + 7) // 8
 
 
+@pytest.mark.parametrize("scale_coding", ["lsb", "near"])
+def test_sparse_records_of_several_sites_at_once_keep_what_the_format_says(scale_coding):
+    # one owner's sites of different widths (48 columns: 3 blocks a row, 63 in all, not whole
+    # bytes of scale bits), encoded together: each record as numpy's packbits of its own parts
+    sites = {(0, "qkv"): matmul_two_orders(7, 96, 64, seed=1)[0], (0, "fc1"): matmul_two_orders(5, 96, 256, seed=2)[0],
+             (3, "fc2"): matmul_two_orders(21, 64, 48, seed=3)[0]}
+    sites[(3, "fc2")][2:4] = 0.0  # all-zero rows: no element near a boundary, every scale marked
+    parts = {k: sparse_parts(x, quantize(x, scale="row"), 2.0, scale_coding) for k, x in sites.items()}
+    recs = capture_sparse_sites(parts, model_id="m", sample_id="s", weight_version=3, policy="all", tau=2.0,
+                                scale_coding=scale_coding)
+    assert list(recs) == list(sites)
+    for key, x in sites.items():
+        bits, scales, _, near = (t.numpy().reshape(-1) for t in parts[key][:4])
+        pos = np.flatnonzero(np.unpackbits(near, bitorder="little"))
+        h, p = recs[key].header, recs[key].payload
+        assert (h.layer, h.site, h.rows, h.cols, h.n_elems, h.sample_id) == (*key, *x.shape, pos.size, "s")
+        assert 0 < pos.size < x.numel()
+        assert decode_positions(p["elem_pos"], h.n_elems, x.numel()).tolist() == pos.tolist()
+        want_bits = np.unpackbits(bits, bitorder="little")[pos]
+        assert np.array_equal(p["elem_bits"].numpy(), np.packbits(want_bits, bitorder="little"))
+        assert torch.equal(p["g"], parts[key][2])
+        if scale_coding == "lsb":
+            assert h.n_scales == scales.size
+            assert np.array_equal(p["scale_bits"].numpy(), np.packbits(scales & 1, bitorder="little"))
+        else:
+            marked = np.flatnonzero(parts[key][4].numpy().reshape(-1))
+            assert h.n_scales == marked.size > 0
+            assert decode_positions(p["scale_pos"], h.n_scales, scales.size).tolist() == marked.tolist()
+            assert np.array_equal(p["scale_val"].numpy(), scales[marked])
+    assert capture_sparse_sites({}, model_id="m", sample_id="s", weight_version=3, policy="all") == {}
+    short = dict(parts)
+    short[(3, "fc2")] = (*parts[(3, "fc2")][:3], parts[(3, "fc2")][3][:-1], *parts[(3, "fc2")][4:])
+    with pytest.raises(GuidanceFormatError, match=r"layer 3 site fc2: parts of shapes .*want bits \[R, K/8\]"):
+        capture_sparse_sites(short, model_id="m", sample_id="s", weight_version=3, policy="all",
+                             scale_coding=scale_coding)
+    with pytest.raises(GuidanceFormatError, match="marked scales .layer 0 site qkv"):
+        capture_sparse_sites({k: v[:4] for k, v in parts.items()}, model_id="m", sample_id="s", weight_version=3,
+                             policy="all", scale_coding="near")
+
+
 @pytest.mark.parametrize("positions", [[], [0], [5, 6, 300, 301, 100_000], list(range(0, 5000, 255)),
                                        [254, 255, 510, 1020]])
 def test_position_codec_round_trips(positions):
@@ -149,6 +193,36 @@ def test_position_codec_refuses_bad_streams():
         decode_positions(stream, 2, 500)
     with pytest.raises(GuidanceFormatError, match="strictly increasing"):
         encode_positions(torch.tensor([4, 4]))
+
+
+def _spec_stream(positions: list[int]) -> torch.Tensor:
+    """The gap stream of codec's module docstring, written byte by byte (an independent encoder)."""
+    out, prev = [], -1
+    for p in positions:
+        gap = p - prev - 1
+        out += [255] * (gap // 255) + [gap % 255]
+        prev = p
+    return torch.tensor(out, dtype=torch.uint8)
+
+
+def test_position_streams_decode_together_as_the_format_says():
+    rng = random.Random(0)
+    lists = [[], [0], sorted(rng.sample(range(100_000), 40)), [254, 255, 510, 1020], [], list(range(0, 5000, 255)),
+             [7]]
+    streams = [_spec_stream(p) for p in lists]
+    for p, stream in zip(lists, streams, strict=True):
+        assert torch.equal(encode_positions(torch.tensor(p, dtype=torch.int64)), stream)
+    counts = [len(p) for p in lists]
+    limits = [max(p, default=0) + 1 for p in lists]
+    assert decode_position_streams(streams, counts, limits).tolist() == [q for p in lists for q in p]
+    # one bad stream among many: the error names it
+    truncated = streams[:2] + [torch.cat([streams[2], torch.tensor([255], dtype=torch.uint8)])] + streams[3:]
+    with pytest.raises(GuidanceFormatError, match="stream 2 of 7: position stream is truncated"):
+        decode_position_streams(truncated, counts, limits)
+    with pytest.raises(GuidanceFormatError, match="stream 3 of 7: position stream holds 4 positions, header says 5"):
+        decode_position_streams(streams, counts[:3] + [5] + counts[4:], limits)
+    with pytest.raises(GuidanceFormatError, match="stream 5 of 7: position 4845 is outside the record's 4845"):
+        decode_position_streams(streams, counts, limits[:5] + [4845] + limits[6:])
 
 
 def test_layer_policies():

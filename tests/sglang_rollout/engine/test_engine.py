@@ -9,11 +9,12 @@ import math
 import pytest
 import torch
 
-from megatron_trace.guidance import GuidanceBatch
+from megatron_trace.guidance import GuidanceBatch, capture
 from megatron_trace.model_config import PRESETS
 from megatron_trace.rollout import GroupRequest, SamplingParams
 from sglang_rollout.engine import EngineConfig, TraceEngine
 from tests.support import scenarios as sc
+from trace_kernels.fp4 import quantize
 
 CFG = PRESETS["tiny"]
 REQUESTS = [GroupRequest("g0", (1, 2, 3, 4, 5), n=3), GroupRequest("g1", (7, 8, 9, 10, 11, 12, 13, 14, 15), n=2)]
@@ -174,6 +175,26 @@ def test_sparse_records_ship_the_dense_records_bits_at_their_positions(sd, scale
     dense = engine(sd, "fp4", guide="all").generate(REQUESTS, sampling)
     sparse = engine(sd, "fp4", guide="all", coding="sparse", scale_coding=scale_coding).generate(REQUESTS, sampling)
     assert sc.sparse_ships_dense_bits(dense, sparse, scale_coding) > 0
+
+
+@pytest.mark.parametrize("scale_coding", ["lsb", "near"])
+def test_sparse_prompt_records_are_guidance_capture_of_the_engines_own_rows(sd, scale_coding):
+    # the engine makes its sparse parts inside the forward from the fused quantize kernel's
+    # capture; the reference is guidance.capture of the rows an uncaptured forward of the prompt
+    # computes (quantized again, near-boundary elements found from the rows alone)
+    e = engine(sd, "fp4", guide="all", coding="sparse", scale_coding=scale_coding)
+    out = e.generate(REQUESTS, SamplingParams(max_new_tokens=2, seed=7))
+    for req in REQUESTS:
+        _, rows, _ = e._forward_whole(list(req.prompt_ids), frozenset(range(CFG.num_layers)))
+        got = out.guidance.groups[req.group_id].records
+        assert got.keys() == rows.keys()
+        for (layer, site), x in rows.items():
+            want = capture(x, quantize(x, scale="row"), model_id=e.engine_cfg.model_id, layer=layer, site=site,
+                           sample_id=req.group_id, weight_version=0, policy="all", coding="sparse",
+                           tau=e.engine_cfg.tau, scale_coding=scale_coding)
+            assert got[(layer, site)].header == want.header
+            for k, t in want.payload.items():
+                assert torch.equal(got[(layer, site)].payload[k], t), (layer, site, k)
 
 
 def test_weight_updates_take_effect_and_stale_or_misfit_ones_are_refused(sd):
