@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .formats import Format
+from .packing import mantissa_bits
 
 
 @dataclass(frozen=True)
@@ -89,3 +90,13 @@ class QTensor:
             self.fmt,
             torch.Size((self.codes.numel() * 2 // k if k else 0, k)),
         )
+
+    def rounding(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """How row-scaled NVFP4 rows rounded, what a dense guidance record keeps: (mantissa bits
+        uint8 [M, K/8], block scale bytes uint8 [M, K/16], global scales float32 [M]), M the rows
+        of `rows()`. No host synchronisation (a CUDA graph may capture it)."""
+        if self.fmt is not Format.NVFP4 or not self.is_row_scaled:
+            raise ValueError(f"QTensor.rounding needs row-scaled NVFP4, got {self.fmt.value} "
+                             f"{'row' if self.is_row_scaled else 'tensor'}-scaled")
+        r = self.rows()
+        return mantissa_bits(r.codes), r.block_scales.view(torch.uint8), r.global_scale.reshape(-1)

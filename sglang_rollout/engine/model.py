@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_trace.model_config import ModelConfig
-from trace_kernels.fp4 import QTensor, fake_quantize_rows, mantissa_bits
+from trace_kernels.fp4 import fake_quantize_rows
 from trace_kernels.fp4.linear import (
     expert_tiles,
     fp4_grouped_linear,
@@ -81,11 +81,6 @@ def keep_codes(x_RK: torch.Tensor, kept: tuple[torch.Tensor, ...]) -> tuple[torc
     """The dense coding's `RowKeep`: the quantize kernel's (bits, scales, g) as they are."""
     return kept
 
-
-def _dense_capture(q: QTensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(mantissa bits [R, k/8], scale bytes [R, k/16], g [R]) of row-scaled FP4 rows of length k."""
-    return (mantissa_bits(q.codes.reshape(-1, k // 2)), q.block_scales.view(torch.uint8).reshape(-1, k // 16),
-            q.global_scale.reshape(-1))
 
 
 class _Batch:
@@ -270,7 +265,7 @@ class ModelRunner:
             k_q, v_q = PagedKVCache.quantize_rows(k_NGD), PagedKVCache.quantize_rows(v_NGD)
         if rows is not None:
             k_RD, v_RD = k_NGD.reshape(-1, d), v_NGD.reshape(-1, d)
-            rows[(L, "k")], rows[(L, "v")] = ((keep(k_RD, _dense_capture(k_q, d)), keep(v_RD, _dense_capture(v_q, d)))
+            rows[(L, "k")], rows[(L, "v")] = ((keep(k_RD, k_q.rounding()), keep(v_RD, v_q.rounding()))
                                               if keep is not None and self.fp4 else (k_RD, v_RD))
         self.cache.write(L, batch.slots, k_q, v_q)
         return self._attention(L, batch, q_NQD).flatten(1)
@@ -303,7 +298,7 @@ class ModelRunner:
         latent_NR = rms_norm(latent_NR, w.dense(a + "kv_layernorm.weight"), cfg.rms_norm_eps, backend=self.backend)
         lat_q = PagedKVCache.quantize_rows(latent_NR[:, None]) if self.fp4 else latent_NR[:, None]
         if rows is not None:
-            rows[(L, "kv")] = keep(latent_NR, _dense_capture(lat_q, r)) if keep is not None and self.fp4 else latent_NR
+            rows[(L, "kv")] = keep(latent_NR, lat_q.rounding()) if keep is not None and self.fp4 else latent_NR
         self.cache.write(L, batch.slots, lat_q, rope(deinterleave(k_pe[:, None]), cos, sin))
         ctx_NQV = torch.empty(n, nq, vd, dtype=x_NH.dtype, device=x_NH.device)
         offset = 0

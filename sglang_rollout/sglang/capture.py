@@ -31,7 +31,6 @@ from pathlib import Path
 import torch
 
 from megatron_trace.guidance import sparse_parts_of_dense
-from trace_kernels.fp4 import QTensor, mantissa_bits
 
 # JSON {"layers": [...], "coding": "dense" | "sparse", "tau", "scale_coding"} the engine sets for its
 # scheduler processes
@@ -134,14 +133,6 @@ def current_layer() -> int | None:
 def wants(layer: int, site: str) -> bool:
     """True when the site's rows of the current forward are to be recorded."""
     return (_slots is not None or _graph is not None) and (layer, site) in _policy
-
-
-def dense_parts(q: QTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(mantissa bits uint8 [R, K/8], block scale bytes uint8 [R, K/16], g float32 [R]) of
-    row-scaled FP4 rows: what a dense guidance record keeps."""
-    k = q.shape[-1]
-    return (mantissa_bits(q.codes.reshape(-1, k // 2)), q.block_scales.view(torch.uint8).reshape(-1, k // 16),
-            q.global_scale.reshape(-1))
 
 
 def record(layer: int, site: str, x_RK: torch.Tensor, kept, order: torch.Tensor | None = None) -> None:

@@ -89,7 +89,7 @@ class TraceNVFP4KVMethod(KVCacheQuantMethodBase):
             self.global_scales(scales)[loc] = q.global_scale.reshape(rows.shape[:-1])
             layer = capture.current_layer()
             if layer is not None and capture.wants(layer, site):
-                capture.record(layer, site, rows.reshape(-1, rows.shape[-1]), capture.dense_parts(q))
+                capture.record(layer, site, rows.reshape(-1, rows.shape[-1]), q.rounding())
 
     def dequantize_kv_tensor(self, fp4_tensor, scales, layer_id: int, dtype=None):
         """The layer's K or V as rows to index: `view[slots]` -> BF16 [n, G, D]."""

@@ -162,7 +162,7 @@ def mla_forward(attn, cfg, rope_of: ModelRope, positions, x_TH: torch.Tensor, fo
     if capture.wants(layer, "kv"):
         if stored is None:
             raise ValueError("trace: guidance records FP4 rounding; this engine's MLA cache is BF16")
-        capture.record(layer, "kv", latent, capture.dense_parts(stored))
+        capture.record(layer, "kv", latent, stored.rounding())
 
     backend = kernel_backend(x_TH)
     req_to_token = get_req_to_token_pool().req_to_token

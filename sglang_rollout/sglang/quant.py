@@ -108,7 +108,7 @@ def quantize_input_rows(x_RK: torch.Tensor, group, keep: bool = False):
         return fake_quantize_rows(x_RK, capture=keep, backend=kernel_backend(x_RK))
     amax = all_reduce_max(x_RK.abs().amax(-1, keepdim=True).float(), group)
     q = quantize(x_RK, "nvfp4", scale="row", global_amax=amax, check_finite=False)
-    return dequantize(q, x_RK.dtype), (capture.dense_parts(q) if keep else None)
+    return dequantize(q, x_RK.dtype), (q.rounding() if keep else None)
 
 
 class TraceFP4Config(QuantizationConfig):

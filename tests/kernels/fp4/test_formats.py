@@ -111,3 +111,17 @@ def test_mantissa_bits_is_pack_bits_of_the_codes_lowest_bit():
     assert torch.equal(mantissa_bits(pack_codes(codes)), pack_bits(codes & 1))
     with pytest.raises(ValueError, match="mantissa_bits"):
         mantissa_bits(pack_codes(codes)[:, :6])
+
+
+def test_rounding_of_row_scaled_rows_is_what_a_dense_record_keeps():
+    from trace_kernels.fp4 import quantize
+
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    q = quantize(x, "nvfp4", scale="row")
+    bits, scales, g = q.rounding()
+    lsb = (unpack_codes(q.codes.reshape(6, 32)) & 1).numpy()
+    assert np.array_equal(bits.numpy(), np.packbits(lsb, axis=1, bitorder="little"))
+    assert torch.equal(scales, q.block_scales.reshape(6, 4).view(torch.uint8))
+    assert g.shape == (6,) and torch.equal(g, q.global_scale.reshape(6))
+    with pytest.raises(ValueError, match="row-scaled NVFP4, got nvfp4 tensor-scaled"):
+        quantize(x, "nvfp4").rounding()

@@ -29,13 +29,13 @@ def _record_step(x_TK: torch.Tensor, h_TK: torch.Tensor) -> None:
     finiteness check, as in the sites' own quantization: it syncs with the host, which graph
     capture refuses."""
     q = quantize(x_TK, "nvfp4", scale="row", check_finite=False)
-    capture.record(0, "qkv", x_TK, capture.dense_parts(q))
+    capture.record(0, "qkv", x_TK, q.rounding())
     weight = torch.arange(1, TOP_K + 1, device=h_TK.device).repeat(h_TK.shape[0])[:, None]
     rows = h_TK.repeat_interleave(TOP_K, 0) * weight
     order = torch.arange(rows.shape[0], device=rows.device).flip(0)  # sorted by "expert": reversed here
     sorted_rows = rows[order]
     q_rows = quantize(sorted_rows, "nvfp4", scale="row", check_finite=False)
-    capture.record(0, "fc2", sorted_rows, capture.dense_parts(q_rows), order=order)
+    capture.record(0, "fc2", sorted_rows, q_rows.rounding(), order=order)
 
 
 def _rows(rid: str, slots: torch.Tensor) -> dict:
@@ -73,7 +73,7 @@ def test_a_staged_decode_graph_files_the_rows_an_eager_forward_files(sparse):
         for a, b in zip(eager[key], staged[key], strict=True):
             assert torch.equal(a, b), key
     # fc2's rows are filed token-major: token t's first slot holds the bits of h[t] * 1
-    want = capture.dense_parts(quantize(h[:5], "nvfp4", scale="row"))[0]
+    want = quantize(h[:5], "nvfp4", scale="row").rounding()[0]
     assert torch.equal(eager[(0, "fc2")][0].reshape(5, TOP_K, -1)[:, 0], want)
 
 
@@ -84,7 +84,7 @@ def test_a_graph_that_staged_nothing_and_a_graph_too_large_are_refused():
     with pytest.raises(ValueError, match="decode graph of 9 tokens"), capture.graph_capture(9, 8):
         pass
     with capture.graph_capture(4, 8), pytest.raises(ValueError, match="7 rows for 4 tokens"):
-        capture.record(1, "qkv", torch.zeros(7, K), capture.dense_parts(quantize(torch.ones(7, K), "nvfp4")))
+        capture.record(1, "qkv", torch.zeros(7, K), quantize(torch.ones(7, K), "nvfp4", scale="row").rounding())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(),
@@ -150,7 +150,7 @@ def test_an_eager_forward_files_its_rows_when_it_ends_and_none_when_it_fails():
         _record_step(x, h)
         assert not capture._buffers  # not before the forward ends
     rows = _rows("trace/eager", slots)
-    want = capture.dense_parts(quantize(x, "nvfp4", scale="row"))
+    want = quantize(x, "nvfp4", scale="row").rounding()
     assert all(torch.equal(a, b) for a, b in zip(rows[(0, "qkv")], want, strict=True))
 
 
