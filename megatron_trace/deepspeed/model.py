@@ -117,7 +117,7 @@ class FP4Qwen3MoeExperts(hf.Qwen3MoeExperts):
         fc1, fc2 = self.fp4["fc1"], self.fp4["fc2"]
         k = top_k_index.shape[1]
         flat = top_k_index.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # (token, slot) rows by expert
+        order = context.expert_major_order(top_k_index)  # (token, slot) rows by expert
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         token = order // k
         w1, w2 = self.gate_up_proj, self.down_proj  # [E, 2I, H], [E, H, I]

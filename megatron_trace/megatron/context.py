@@ -39,8 +39,11 @@ class MicroBatchGuidance:
     num_tokens: int
     sites: dict[tuple[int, str], RowGuidance] = field(default_factory=dict)
     routed_experts: dict[int, torch.Tensor] = field(default_factory=dict)
-    # set during the MoE forward: layer -> (fc2 rows of the dispatched tokens, rows per local expert)
-    expert_rows: dict[int, tuple[RowGuidance, list[int]]] = field(default_factory=dict)
+    # set during the MoE forward: layer -> (fc2 rows of the dispatched tokens, rows per local expert
+    # as a list, or an int64 tensor until a per-expert site asks: `expert_counts`)
+    expert_rows: dict[int, tuple[RowGuidance, list[int] | torch.Tensor]] = field(default_factory=dict)
+    # checks the forward defers to its end (`defer_check`): (layer, what failed) -> bool tensor, True = passed
+    pending_checks: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for layer, ids in self.routed_experts.items():
@@ -56,6 +59,57 @@ class MicroBatchGuidance:
 
     def site(self, layer: int, site: str) -> RowGuidance | None:
         return self.sites.get((layer, site))
+
+    def expert_counts(self, layer: int) -> list[int]:
+        """Rows per local expert of the fc2 rows dispatched at `layer` (on the host; a device
+        count is copied once, when the first per-expert site asks)."""
+        rows, counts = self.expert_rows[layer]
+        if isinstance(counts, torch.Tensor):
+            counts = counts.tolist()
+            self.expert_rows[layer] = (rows, counts)
+        return counts
+
+    def check_routed_experts(self, num_experts: int) -> None:
+        """Refuse routed expert ids outside 0..num_experts-1 or repeated within a token, every
+        layer's in one reduction (one host synchronisation a forward on a GPU, not one a layer).
+
+        Raises:
+            GuidanceFormatError: naming the first layer that fails.
+        """
+        layers = [L for L in sorted(self.routed_experts) if self.routed_experts[L].numel()]
+        if not layers:
+            return
+        stats = []
+        for L in layers:
+            ids = self.routed_experts[L]
+            ordered = ids.sort(dim=1).values
+            stats.append(torch.stack([ids.min(), ids.max(), (ordered[:, 1:] == ordered[:, :-1]).sum()]))
+        for L, (lo, hi, repeats) in zip(layers, torch.stack(stats).tolist(), strict=True):
+            if lo < 0 or hi >= num_experts:
+                raise GuidanceFormatError(f"layer {L}: routed expert ids outside 0..{num_experts - 1} "
+                                          f"(found {lo}..{hi})")
+            if repeats:
+                raise GuidanceFormatError(f"layer {L}: {repeats} routed expert ids repeat within their token")
+
+    def defer_check(self, layer: int, what: str, passed: torch.Tensor) -> None:
+        """Keep a check of this forward (a bool tensor, True when it passed) for
+        `raise_failed_checks`, so that the forward needs no host synchronisation per layer."""
+        self.pending_checks[(layer, what)] = passed
+
+    def raise_failed_checks(self) -> None:
+        """Run the deferred checks (one host synchronisation) and forget them.
+
+        Raises:
+            GuidanceFormatError: naming each layer whose check failed and what failed.
+        """
+        if not self.pending_checks:
+            return
+        keys = list(self.pending_checks)
+        passed = torch.stack([t.reshape(()).to(torch.bool) for t in self.pending_checks.values()]).tolist()
+        self.pending_checks.clear()
+        failed = [f"layer {layer}: {what}" for (layer, what), ok in zip(keys, passed, strict=True) if not ok]
+        if failed:
+            raise GuidanceFormatError("; ".join(failed))
 
     def to(self, device) -> MicroBatchGuidance:
         return MicroBatchGuidance(self.num_tokens, {k: v.to(device) for k, v in self.sites.items()},
@@ -79,10 +133,11 @@ class MicroBatchGuidance:
 
     def for_layers(self, layers) -> MicroBatchGuidance:
         """Only the given (0-based) layers: what one pipeline stage needs. A view: the MoE
-        layers' dispatched rows land in this micro-batch's `expert_rows` too."""
+        layers' dispatched rows (and deferred checks) land in this micro-batch's too."""
         keep = set(layers)
         return MicroBatchGuidance(self.num_tokens, {k: v for k, v in self.sites.items() if k[0] in keep},
-                                  {k: v for k, v in self.routed_experts.items() if k in keep}, self.expert_rows)
+                                  {k: v for k, v in self.routed_experts.items() if k in keep}, self.expert_rows,
+                                  self.pending_checks)
 
     @classmethod
     def from_batch(cls, batch: GuidanceBatch, sample_ids: list[str], *, layers=None,
@@ -130,6 +185,12 @@ class MicroBatchGuidance:
             num_tokens += group.prompt_len + sample.response_len
         return cls(num_tokens, {k: RowGuidance.from_records(v).with_row_ids() for k, v in per_site.items()},
                    {k: torch.cat(v).long() for k, v in experts.items()})
+
+
+def expert_major_order(ids_TK: torch.Tensor) -> torch.Tensor:
+    """The (token, slot) rows [T * k] of routed expert ids int [T, k], as a dispatcher of one rank
+    that drops nothing orders them: by expert, tokens ascending (Megatron's `permute`)."""
+    return torch.sort(ids_TK.reshape(-1), stable=True).indices
 
 
 _active: MicroBatchGuidance | None = None

@@ -105,11 +105,15 @@ class TraceGPTModel(GPTModel):
     """GPTModel whose forward takes `guidance=` (a MicroBatchGuidance for this stage's layers)."""
 
     def forward(self, *args, guidance: context.MicroBatchGuidance | None = None, **kwargs):
+        if guidance is not None and self.config.num_moe_experts:
+            guidance.check_routed_experts(self.config.num_moe_experts)
         context.activate(guidance)
         try:
             out = super().forward(*args, **kwargs)
         finally:
             context.activate(None)
+        if guidance is not None:
+            guidance.raise_failed_checks()  # the layers' deferred checks, one host synchronisation
         if guidance is not None and torch.is_grad_enabled() and out.requires_grad:
             out = context.ActivateOnBackward.apply(out, guidance)
         return out

@@ -15,6 +15,13 @@ expert-parallel ranks included). So each token's fc2 guidance travels with it: b
 dispatch every local token gets a byte row (the fc2 guidance of its top-k slots and its
 expert ids) and a second dispatcher of the same kind moves those bytes exactly as the first
 moves the hidden states. After dispatch each row keeps the slot of the expert it was sent to.
+Where the dispatch group is this rank alone and nothing is dropped or padded, the dispatcher
+only sorts the (token, slot) rows by expert, so the fc2 rows are taken in that order directly:
+no second dispatch, no byte rows, no host synchronisation.
+
+Checks that would otherwise wait for the GPU once a layer (routed ids in range, the tokens'
+experts those the engine routed) run once a forward: `MicroBatchGuidance.check_routed_experts`
+and `defer_check`, raised by `TraceGPTModel.forward`.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from ..guidance.codec import GuidanceFormatError
 from ..guidance.rows import RowGuidance
 from ..modes import TrainerPrecision
 from . import context, qat
+from .context import expert_major_order
 from .qat import FP4Site, Shard
 
 _KIND_BITS = 4  # RowGuidance.kind flags
@@ -88,9 +96,6 @@ class TraceMoELayer(MoELayer):
                 raise GuidanceFormatError(f"layer {self.layer}: routed experts {tuple(local.shape)} for "
                                           f"{tuple(hidden_states.shape[:2])} tokens and "
                                           f"top-{self.config.moe_router_topk}")
-            if int(local.min()) < 0 or int(local.max()) >= self.config.num_moe_experts:
-                raise GuidanceFormatError(f"layer {self.layer}: routed expert ids outside "
-                                          f"0..{self.config.num_moe_experts - 1}")
             replay.target_topk_idx = local.to(hidden_states.device)
             replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         elif replay is not None and replay.router_replay_action is RouterReplayAction.REPLAY_FORWARD:
@@ -98,12 +103,13 @@ class TraceMoELayer(MoELayer):
         return super().route(hidden_states, padding_mask)
 
     # -- fc2 guidance riding with the tokens -------------------------------------------------
-    def _guidance_payload(self, num_local: int):
-        """(payload uint8 [num_local, P] or None, fc2 kind code) for this rank's tokens."""
+    def _fc2_guidance(self) -> tuple[RowGuidance | None, torch.Tensor | None, int]:
+        """(this micro-batch's fc2 guidance, the engine's routed experts of this rank's tokens
+        int64 [local tokens, top_k], fc2 kind code), or (None, None, 0) when fc2 takes no rows."""
         mb = context.active()
         # guided fc2 needs its rows; so do observers (flip counts) of an FP4 forward
         if self.precision is not TrainerPrecision.FP4_GUIDED and not (qat.observers and self.precision.quantizes):
-            return None, 0
+            return None, None, 0
         fc2 = None if mb is None else mb.site(self.layer, "fc2")
         code = torch.tensor([_kind_code(fc2)], dtype=torch.int64)
         # Every rank of the dispatch group must agree, or the twin's collectives would hang.
@@ -118,33 +124,56 @@ class TraceMoELayer(MoELayer):
                 raise GuidanceFormatError(f"layer {self.layer}: ranks of the expert dispatch group disagree about "
                                           "whether fc2 carries guidance (or its coding)")
         if fc2 is None:
-            return None, 0
+            return None, None, 0
         ids = mb.routed_experts.get(self.layer)
         if ids is None:
             raise GuidanceFormatError(f"layer {self.layer}: guided fc2 needs the engine's routed experts "
                                       "(rollout routing replay)")
         rows = self._local_token_rows(mb.num_tokens)
+        fc2 = fc2.select_rows(self._slot_rows(rows, fc2.g.device))
+        return fc2, ids[rows], int(code)
+
+    def _slot_rows(self, tokens: slice, device) -> torch.Tensor:
+        """fc2 rows ((token, slot) order) of the tokens in `tokens`: int64 [len * top_k]."""
         top_k = self.config.moe_router_topk
-        dev = fc2.g.device
-        token_rows = torch.arange(rows.start, rows.stop, device=dev)
-        slot_rows = (token_rows[:, None] * top_k + torch.arange(top_k, device=dev)).reshape(-1)
-        parts = [fc2.select_rows(slot_rows).to_row_bytes().reshape(num_local, -1),
-                 ids[rows].to(torch.int32).contiguous().view(torch.uint8).reshape(num_local, -1).to(dev)]
-        return torch.cat(parts, dim=1), int(code)
+        token_rows = torch.arange(tokens.start, tokens.stop, device=device)
+        return (token_rows[:, None] * top_k + torch.arange(top_k, device=device)).reshape(-1)
+
+    def _dispatch_is_a_sort(self) -> bool:
+        """True when the dispatcher only sorts this rank's (token, slot) rows by expert: its
+        group is this rank alone, and it neither drops nor pads."""
+        return (dist.get_world_size(self.token_dispatcher.tp_ep_group) == 1
+                and self.config.moe_expert_capacity_factor is None
+                and not self.config.moe_router_padding_for_quantization)
 
     def preprocess(self, hidden_states, probs, routing_map):
         num_local = hidden_states.shape[0] * hidden_states.shape[1]
-        payload, code = self._guidance_payload(num_local)
+        fc2, ids, code = self._fc2_guidance()
         if self.fc1_input is not None:  # after routing: the router sees the high-precision input
             hidden_states = self.fc1_input.quantize_input(hidden_states)
         out = super().preprocess(hidden_states, probs, routing_map)
-        self._payload = None
-        if payload is not None:
+        self._payload = self._sorted = None
+        if fc2 is None:
+            return out
+        if self._dispatch_is_a_sort():
+            self._sorted = self._sorted_fc2_rows(fc2, ids, routing_map)
+        else:
+            ids_bytes = ids.to(torch.int32).contiguous().view(torch.uint8).reshape(num_local, -1)
+            payload = torch.cat([fc2.to_row_bytes().reshape(num_local, -1), ids_bytes.to(fc2.g.device)], dim=1)
             payload = payload.to(hidden_states.device)
             pre = self.guidance_dispatcher.dispatch_preprocess(payload.view(*hidden_states.shape[:2], -1),
                                                                routing_map, probs.detach())
             self._payload = (pre, code)
         return out
+
+    def _sorted_fc2_rows(self, fc2: RowGuidance, ids: torch.Tensor, routing_map: torch.Tensor):
+        """(fc2 rows in dispatch order, rows per expert int64 [E]) when the dispatch is a sort of
+        this rank's rows; that the router chose the engine's experts is checked at the forward's end."""
+        ids = ids.to(routing_map.device)
+        engine_map = torch.zeros_like(routing_map).scatter_(1, ids, True)
+        context.active().defer_check(self.layer, "the router's experts are not the engine's (guided fc2 needs "
+                                     "rollout routing replay)", (engine_map == routing_map).all())
+        return fc2.select_rows(expert_major_order(ids).to(fc2.g.device)), engine_map.sum(0)
 
     def dispatch(self, hidden_states, probs):
         out = super().dispatch(hidden_states, probs)
@@ -155,28 +184,29 @@ class TraceMoELayer(MoELayer):
 
     def routed_experts_compute(self, hidden_states, probs):
         mb = context.active()
-        if self._payload is not None:
+        if self._sorted is not None:
+            mb.expert_rows[self.layer], self._sorted = self._sorted, None
+        elif self._payload is not None:
             (payload, payload_probs), code = self._payload
             self._payload = None
             rows, counts, _ = self.guidance_dispatcher.dispatch_postprocess(payload, payload_probs)
-            counts = counts.tolist()  # one copy to the host (each waits for the GPU's queue to drain)
             mb.expert_rows[self.layer] = (self._fc2_rows(rows, counts, code), counts)
         elif mb is not None:
             mb.expert_rows.pop(self.layer, None)
         return super().routed_experts_compute(hidden_states, probs)
 
-    def _fc2_rows(self, rows: torch.Tensor, counts: list[int], code: int) -> RowGuidance:
-        """fc2 guidance of the dispatched rows: each row's slot is the one of its expert."""
+    def _fc2_rows(self, rows: torch.Tensor, counts: torch.Tensor, code: int) -> RowGuidance:
+        """fc2 guidance of the dispatched rows (`counts` int64 [local experts] of them, per
+        expert): each row's slot is the one of its expert."""
         top_k, cfg = self.config.moe_router_topk, self.config
         n2 = RowGuidance.row_nbytes(cfg.moe_ffn_hidden_size, _kind(code))
         per_slot = rows[:, : top_k * n2].reshape(-1, top_k, n2)
         ids = rows[:, top_k * n2:].contiguous().view(torch.int32).long()
-        expert = torch.repeat_interleave(torch.tensor(self.local_expert_indices, device=rows.device),
-                                         torch.tensor(counts, device=rows.device), output_size=sum(counts))
+        local = torch.tensor(self.local_expert_indices, device=rows.device)
+        expert = torch.repeat_interleave(local, counts.to(rows.device), output_size=rows.shape[0])
         hit = ids == expert[:, None]
-        if not bool(hit.any(1).all()):
-            raise GuidanceFormatError(f"layer {self.layer}: a token reached an expert the engine did not route it "
-                                      "to; guided fc2 needs rollout routing replay")
+        context.active().defer_check(self.layer, "a token reached an expert the engine did not route it to "
+                                     "(guided fc2 needs rollout routing replay)", hit.any(1).all())
         slot = hit.int().argmax(1)
         return RowGuidance.from_row_bytes(per_slot[torch.arange(len(slot), device=rows.device), slot].contiguous(),
                                           cfg.moe_ffn_hidden_size, _kind(code))

@@ -324,7 +324,7 @@ class FP4Site:
         mb = context.active() if mb is None else mb
         if self.expert is None or mb is None or self.layer not in mb.expert_rows:
             return None
-        return mb.expert_rows[self.layer][1][self.expert]
+        return mb.expert_counts(self.layer)[self.expert]
 
     def _local_rows(self, rg: RowGuidance, num_tokens: int) -> RowGuidance:
         if self.tokens is not None and self.tokens.size > 1:
@@ -342,8 +342,9 @@ class FP4Site:
         entry = mb.expert_rows.get(self.layer)
         if entry is None:
             return None
-        rg, counts = entry
+        rg = entry[0]
         if not self.all_experts:
+            counts = mb.expert_counts(self.layer)
             start = sum(counts[: self.expert])
             rg = rg.select_rows(slice(start, start + counts[self.expert]))
         if self.cols is not None and self.cols.size > 1:

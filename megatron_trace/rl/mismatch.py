@@ -88,7 +88,7 @@ class FlipCounter:
                 raise ValueError("counting fc2 flips against guidance the forward does not carry needs one "
                                  "process with grouped-GEMM experts (build_model(grouped_gemm=True))")
             top = mb.routed_experts[site.layer].to(x.device)
-            return ref.select_rows(torch.sort(top.reshape(-1), stable=True).indices).to(x.device)
+            return ref.select_rows(context.expert_major_order(top)).to(x.device)
         rows = site.guidance_rows(x, mb)
         return None if rows is None else rows.to(x.device)
 

@@ -406,6 +406,8 @@ def run_misuse(rank, *, cfg, sd, batch):
         "expert id out of range": MicroBatchGuidance(good.num_tokens, good.sites,
                                                      {k: v + cfg.num_experts for k, v in good.routed_experts.items()}),
         "fc2 without routing replay": MicroBatchGuidance(good.num_tokens, good.sites, {}),
+        "expert ids repeated": MicroBatchGuidance(good.num_tokens, good.sites,
+                                                  {k: v[:, :1].expand_as(v) for k, v in good.routed_experts.items()}),
     }
     errors = {}
     for name, guidance in cases.items():

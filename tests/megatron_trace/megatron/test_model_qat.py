@@ -207,3 +207,20 @@ def test_guidance_that_does_not_fit_is_refused_with_a_named_reason(case):
     assert "guidance for 9 rows" in errors["one sample short"] and "16" in errors["one sample short"]
     assert "routed expert ids outside 0..3" in errors["expert id out of range"]
     assert "guided fc2 needs the engine's routed experts" in errors["fc2 without routing replay"]
+    assert "routed expert ids repeat within their token" in errors["expert ids repeated"]
+
+
+def test_deferred_checks_raise_once_naming_each_layer_that_failed():
+    """The MoE layers' checks that run at the forward's end (no host synchronisation a layer)."""
+    from megatron_trace.guidance import GuidanceFormatError
+    from megatron_trace.megatron.context import MicroBatchGuidance
+
+    mb = MicroBatchGuidance(num_tokens=4)
+    mb.defer_check(0, "fine", torch.tensor(True))
+    mb.raise_failed_checks()
+    mb.defer_check(0, "fine", torch.tensor(True))
+    mb.defer_check(1, "experts differ", torch.tensor([False]))
+    mb.defer_check(3, "experts differ", torch.tensor(False))
+    with pytest.raises(GuidanceFormatError, match="^layer 1: experts differ; layer 3: experts differ$"):
+        mb.raise_failed_checks()
+    mb.raise_failed_checks()  # forgotten once raised
