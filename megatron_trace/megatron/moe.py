@@ -169,7 +169,7 @@ class TraceMoELayer(MoELayer):
     def _sorted_fc2_rows(self, fc2: RowGuidance, ids: torch.Tensor, routing_map: torch.Tensor):
         """(fc2 rows in dispatch order, rows per expert int64 [E]) when the dispatch is a sort of
         this rank's rows; that the router chose the engine's experts is checked at the forward's end."""
-        ids = ids.to(routing_map.device)
+        ids = ids.to(routing_map.device, torch.int64)
         engine_map = torch.zeros_like(routing_map).scatter_(1, ids, True)
         context.active().defer_check(self.layer, "the router's experts are not the engine's (guided fc2 needs "
                                      "rollout routing replay)", (engine_map == routing_map).all())
