@@ -22,11 +22,28 @@ from itertools import pairwise
 
 import torch
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
 from ..packed_attention import causal_sdpa, packed_causal_attention, packed_positions
 from .qat import FP4Site
+
+
+def host_cu_seqlens(packed_seq_params: PackedSeqParams) -> list[int]:
+    """cu_seqlens_q of THD-packed sequences as a host list, copied once per PackedSeqParams (every
+    attention layer of a forward gets the same object, and each copy of a GPU tensor to the host
+    waits for the GPU's queue to drain). Raises NotImplementedError unless cu_seqlens_kv equals it."""
+    psp = packed_seq_params
+    cached = psp.__dict__.get("_trace_host_cu")
+    if cached is not None and cached[0] is psp.cu_seqlens_q and cached[1] is psp.cu_seqlens_kv:
+        return cached[2]
+    cu = psp.cu_seqlens_q.tolist()
+    kv = psp.cu_seqlens_kv
+    if kv is not None and kv is not psp.cu_seqlens_q and kv.tolist() != cu:
+        raise NotImplementedError("packed self-attention needs cu_seqlens_kv == cu_seqlens_q")
+    psp.__dict__["_trace_host_cu"] = (psp.cu_seqlens_q, kv, cu)
+    return cu
 
 
 class FP4CoreAttention(DotProductAttention):
@@ -54,7 +71,7 @@ class FP4CoreAttention(DotProductAttention):
             raise NotImplementedError(f"FP4CoreAttention is causal self-attention only (got {mask_type}, "
                                       f"attention_bias={'set' if attention_bias is not None else None})")
         thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
-        cu = packed_seq_params.cu_seqlens_q.tolist() if thd else None
+        cu = host_cu_seqlens(packed_seq_params) if thd else None
         if self.rope is not None:
             query, key = self._rotate(query, key, cu)
         if self.k_site is not None:  # the engine caches K after RoPE
@@ -64,8 +81,6 @@ class FP4CoreAttention(DotProductAttention):
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
             out = causal_sdpa(q, k, v, self.softmax_scale)
             return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
-        if packed_seq_params.cu_seqlens_kv is not None and packed_seq_params.cu_seqlens_kv.tolist() != cu:
-            raise NotImplementedError("packed self-attention needs cu_seqlens_kv == cu_seqlens_q")
         return self._packed(query, key, value, cu)
 
     def _rotate(self, query, key, cu: list[int] | None):

@@ -126,3 +126,17 @@ def test_rope_over_the_pack_is_each_tokens_rotation_at_its_position_in_its_seque
         x = x.double()
         rotated = torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1)
         torch.testing.assert_close(got.double(), x * angle.cos() + rotated * angle.sin(), rtol=1e-5, atol=1e-5)
+
+
+def test_cu_seqlens_reach_the_host_once_a_forward_and_must_agree():
+    """Every attention layer of a forward reads the same PackedSeqParams: its cu_seqlens are copied
+    to the host once (on a GPU each copy waits for the queue), and K's must equal Q's."""
+    from megatron_trace.megatron.attention import host_cu_seqlens
+
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu.clone(), max_seqlen_q=5, max_seqlen_kv=5)
+    first = host_cu_seqlens(psp)
+    assert first == [0, 3, 8] and host_cu_seqlens(psp) is first
+    psp.cu_seqlens_q = torch.tensor([0, 2, 8], dtype=torch.int32)  # a new tensor is read anew, and checked
+    with pytest.raises(NotImplementedError, match="cu_seqlens_kv == cu_seqlens_q"):
+        host_cu_seqlens(psp)
