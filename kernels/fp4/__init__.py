@@ -1,7 +1,8 @@
 """The FP4 numerics shared bit for bit by trainer and engine (docs/design.md section 2).
 
 Layers, bottom up: `formats` (element and scale codecs), `packing`, `reference` (torch
-specification), `triton_fp4` (GPU kernels equal to the reference), `qtensor`, `api`. The decode
+specification), `triton_fp4` (GPU kernels equal to the reference), `qtensor`, `api`,
+`partial_guidance` (sparse records' guidance applied in the same kernels). The decode
 kernels sit on top: `linear` (FP4-weight GEMMs), `paged_attention` (FP4 KV cache), and
 `cuda_decode` (CUDA C++ versions of both for Hopper, compiled by NVRTC at first use).
 """
@@ -31,6 +32,7 @@ from .formats import (
     float_to_e2m1_rne,
 )
 from .packing import mantissa_bits, pack_bits, pack_codes, unpack_bits, unpack_codes
+from .partial_guidance import fake_quantize_partly_guided, resolve_partial
 from .qtensor import QTensor
 
 __all__ = [
@@ -49,6 +51,7 @@ __all__ = [
     "fake_quantize",
     "fake_quantize_guided",
     "fake_quantize_guided_ste",
+    "fake_quantize_partly_guided",
     "fake_quantize_rows",
     "fake_quantize_ste",
     "float_to_e2m1_rne",
@@ -58,6 +61,7 @@ __all__ = [
     "quantize",
     "quantize_guided",
     "quantize_rows_into",
+    "resolve_partial",
     "unpack_bits",
     "unpack_codes",
 ]

@@ -283,6 +283,19 @@ def _nvfp4_block_scales(block_amax, g):
 
 
 @triton.jit
+def _nvfp4_block_scale_bytes_guided(block_amax, g, lsb):
+    """E4M3 bytes (int32) of `reference.nvfp4_block_scales_guided`: the code nearest to
+    amax / (6 g), clamped to [2**-9, 448], whose last bit is lsb (int32 0/1); 0x38 (1.0) for an
+    all-zero block."""
+    r = tl.minimum(tl.maximum(tl.div_rn(block_amax, 6.0 * g), 0.001953125), 448.0)
+    near, b = _e4m3_round(r)
+    lo = tl.where(near > r, b - 1, b)
+    up = ((r > _e4m3_value(lo)) & (lo < 0x7E)) | (lo == 1)  # code 1 (2**-9) is the floor of the clamp
+    code = tl.where((lo & 1) == lsb, lo, tl.where(up, lo + 1, lo - 1))
+    return tl.where(block_amax == 0, 0x38, code)
+
+
+@triton.jit
 def _pack_pairs(codes):
     """E2M1 codes uint8 [R, C] -> packed bytes [R, C / 2]: element 2j in byte j's low nibble."""
     even, odd = tl.split(tl.reshape(codes, [codes.shape[0], codes.shape[1] // 2, 2]))
@@ -696,6 +709,8 @@ def _quantize_bf16_kernel(
     x_ptr, codes_ptr, scales_ptr, g_ptr, bad_ptr, bits_ptr, NB, BPR,
     G_MODE: tl.constexpr, GUIDED: tl.constexpr, ROW_PROGRAM: tl.constexpr, BLOCK_B: tl.constexpr,
     INTERPRET: tl.constexpr, FAKE: tl.constexpr = False, MASK_OUT: tl.constexpr = False, mask_ptr=None,
+    SCALE_RULE: tl.constexpr = 0, BITS_KNOWN: tl.constexpr = False, scale_known_ptr=None, known_ptr=None,
+    scales_out_ptr=None,
 ):
     """Row- or tensor-scaled NVFP4 (RNE) or guided codes of BF16 rows, the same values as
     `_quantize_kernel`, by threshold comparisons (see above).
@@ -709,6 +724,13 @@ def _quantize_bf16_kernel(
     of packed codes, as `dequantize(q, torch.bfloat16)`: fake quantization in one pass. MASK_OUT
     (with FAKE): mask_ptr (int16 words of two bool bytes, [NB, 8]) receives `ste_mask`, |x| <
     7 * (s * g), s the stored scale byte's value.
+    Partial guidance (GUIDED; sparse records, `partial_guidance.resolve_partial` in torch):
+    SCALE_RULE 1: each block's own scale, rounded to the E4M3 code whose last bit is the one of
+    the byte at scales_ptr; 2: the byte at scales_ptr where scale_known_ptr's byte is non-zero,
+    the block's own (RNE) scale elsewhere; either way the bytes used go to scales_out_ptr.
+    BITS_KNOWN: known_ptr (int16, one word per block, as bits_ptr) marks the elements whose
+    mantissa bit is given; the others round to nearest (the guided code with the RNE code's
+    bit is the RNE code).
     """
     pid = tl.program_id(0).to(tl.int64)
     if ROW_PROGRAM:
@@ -726,6 +748,10 @@ def _quantize_bf16_kernel(
     if GUIDED:
         sb = tl.load(scales_ptr + b_idx, mask=b_mask, other=0x38).to(tl.int32)
         word = tl.load(bits_ptr + b_idx, mask=b_mask, other=0).to(tl.int32)  # a block's 16 bits (int16)
+        if SCALE_RULE == 2:
+            scale_known = tl.load(scale_known_ptr + b_idx, mask=b_mask, other=1).to(tl.int32)
+        if BITS_KNOWN:
+            known_word = tl.load(known_ptr + b_idx, mask=b_mask, other=0).to(tl.int32)
     if G_MODE == 1:
         g = tl.load(g_ptr)
     elif G_MODE == 2:
@@ -746,6 +772,13 @@ def _quantize_bf16_kernel(
         tl.store(g_ptr + pid, g)
         tl.store(bad_ptr + pid, (row_bits >= 0x7F80).to(tl.uint8))
     if GUIDED:
+        if SCALE_RULE == 1:
+            sb = _nvfp4_block_scale_bytes_guided(block_amax, g, sb & 1)
+        elif SCALE_RULE == 2:
+            _own_s, own_byte = _nvfp4_block_scales(block_amax, g)
+            sb = tl.where(scale_known != 0, sb, own_byte)
+        if SCALE_RULE != 0:
+            tl.store(scales_out_ptr + b_idx, sb.to(tl.uint8), mask=b_mask)
         s = _e4m3_value(sb)
     else:
         s, scale_byte = _nvfp4_block_scales(block_amax, g)
@@ -766,6 +799,8 @@ def _quantize_bf16_kernel(
 
     if GUIDED:
         a1, a2, a3, b1, b2, b3 = _guided_thresholds(u, INTERPRET)
+        if BITS_KNOWN:
+            t1, t2, t3, t4, t5, t6, t7 = _rne_thresholds(u, INTERPRET)
     else:
         t1, t2, t3, t4, t5, t6, t7 = _rne_thresholds(u, INTERPRET)
     for h in tl.static_range(2):
@@ -775,6 +810,12 @@ def _quantize_bf16_kernel(
             xh = x1
         if GUIDED:
             pair_bits = (word[:, None] >> (8 * h + 2 * jw)[None, :]) & 3
+            if BITS_KNOWN:  # elsewhere the RNE code's bits: its low nibble's bit 0, its high nibble's
+                known = (known_word[:, None] >> (8 * h + 2 * jw)[None, :]) & 3
+                rne = _rne_pair_codes(xh, t1[:, None], t2[:, None], t3[:, None], t4[:, None], t5[:, None],
+                                      t6[:, None], t7[:, None], INTERPRET).to(tl.int32)
+                own = (rne & 1) | ((rne >> 3) & 2)
+                pair_bits = (pair_bits & known) | (own & (known ^ 3))
             codes = _guided_pair_codes(xh, a1[:, None], a2[:, None], a3[:, None], b1[:, None], b2[:, None],
                                        b3[:, None], pair_bits, INTERPRET)
         else:
@@ -815,23 +856,29 @@ def _bf16_launch(row_program: bool, m: int, nb: int, bpr: int, guided: bool = Fa
     return block_b, grid, warps
 
 
-def _quantize_bf16(x_MK, codes, scales, g, g_mode, bits=None, mask=None):
+def _quantize_bf16(x_MK, codes, scales, g, g_mode, bits=None, mask=None, partial=None):
     """Launch `_quantize_bf16_kernel` over contiguous BF16 rows; returns the non-finite flags.
     codes: packed codes uint8 [M, K/2], or bf16 [M, K] for the dequantized values (FAKE); mask:
-    bool [M, K] for the straight-through mask (FAKE only), or None."""
+    bool [M, K] for the straight-through mask (FAKE only), or None. partial (with bits): a
+    `PartialGuidance`-like (scale_rule, scale_known uint8 [M, K/16] or None, bit_known uint8
+    [M, K/8] or None, scales_out uint8 [M, K/16])."""
     m, k = x_MK.shape
     nb, bpr = m * k // 16, k // 16
     fake = codes.dtype == torch.bfloat16
     row_program = g_mode == G_ROW_AMAX or (g_mode == G_ROW and k <= MAX_ROW_ELEMENTS)
     block_b, grid, warps = _bf16_launch(row_program, m, nb, bpr, bits is not None)
     bad = torch.empty((grid,), dtype=torch.uint8, device=x_MK.device)
+    scale_rule, scale_known, bit_known, scales_out = partial or (0, None, None, None)
     if grid:
         out = codes.view(torch.int32) if fake else codes
         _quantize_bf16_kernel[(grid,)](
             x_MK.view(torch.int32), out, scales, g, bad, out if bits is None else bits.view(torch.int16), nb, bpr,
             G_MODE=g_mode, GUIDED=bits is not None, ROW_PROGRAM=row_program, BLOCK_B=block_b,
             INTERPRET=_interpreting(), FAKE=fake, MASK_OUT=mask is not None,
-            mask_ptr=None if mask is None else mask.view(torch.int16), num_warps=warps, enable_fp_fusion=False,
+            mask_ptr=None if mask is None else mask.view(torch.int16), SCALE_RULE=scale_rule,
+            BITS_KNOWN=bit_known is not None, scale_known_ptr=scale_known,
+            known_ptr=None if bit_known is None else bit_known.view(torch.int16), scales_out_ptr=scales_out,
+            num_warps=warps, enable_fp_fusion=False,
         )
     return bad
 
@@ -877,6 +924,41 @@ def fake_quantize_bf16_triton(
     scales = torch.empty((m, k // 16), dtype=torch.uint8, device=dev)
     g, g_mode = _nvfp4_g(x_MK, row_scale, global_amax, row_amax)
     return out, mask, scales, g, _quantize_bf16(x_MK, out, scales, g, g_mode, mask=mask)
+
+
+SCALES_GIVEN, SCALES_BY_LSB, SCALES_WHERE_KNOWN = 0, 1, 2  # SCALE_RULE of `_quantize_bf16_kernel`
+
+
+def fake_quantize_partly_guided_bf16_triton(
+    x_MK: torch.Tensor, g: torch.Tensor, scales: torch.Tensor, bits: torch.Tensor, scale_rule: int,
+    scale_known: torch.Tensor | None, bit_known: torch.Tensor | None, with_mask: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`fake_quantize_bf16_triton` under partial guidance (sparse records), in the same one pass:
+    the block scales and mantissa bits the guidance leaves open are the rows' own (see
+    `_quantize_bf16_kernel`'s SCALE_RULE and BITS_KNOWN).
+
+    Args:
+        x_MK: bfloat16 [M, K], `fusable` with bits and bit_known.
+        g: float32 [M]; scales: uint8 [M, K/16] (their last bits only, under SCALES_BY_LSB);
+        bits, bit_known: uint8 [M, K/8] (bit_known None: every bit given); scale_known: uint8
+        [M, K/16] (SCALES_WHERE_KNOWN only).
+    Returns:
+        (values bf16 [M, K], mask bool [M, K] or None, the block scale bytes used uint8 [M, K/16],
+         g, non-finite flag uint8 per program).
+    """
+    if not (fusable(x_MK, bits) and (bit_known is None or fusable(x_MK, bit_known))):
+        raise ValueError("fake_quantize_partly_guided_bf16_triton: rows must be contiguous 16-byte aligned bfloat16, "
+                         "K % 16 == 0, and the mantissa bits and known bits contiguous and 2-byte aligned")
+    if (scale_rule == SCALES_WHERE_KNOWN) != (scale_known is not None):
+        raise ValueError("fake_quantize_partly_guided_bf16_triton: scale_known goes with SCALES_WHERE_KNOWN only")
+    m, k = x_MK.shape
+    dev = x_MK.device
+    out = torch.empty((m, k), dtype=torch.bfloat16, device=dev)
+    mask = torch.empty((m, k), dtype=torch.bool, device=dev) if with_mask else None
+    scales_out = scales if scale_rule == SCALES_GIVEN else torch.empty_like(scales)
+    partial = (scale_rule, scale_known, bit_known, scales_out)
+    bad = _quantize_bf16(x_MK, out, scales, g, G_ROW, bits=bits, mask=mask, partial=partial)
+    return out, mask, scales_out, g, bad
 
 
 def _interpreting() -> bool:

@@ -16,14 +16,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from trace_kernels.fp4 import pack_bits
-from trace_kernels.fp4.reference import (
-    nvfp4_block_amax,
-    nvfp4_block_scales,
-    nvfp4_block_scales_guided,
-    nvfp4_scaled_values,
-    round_scaled_to_e2m1,
-)
+from trace_kernels.fp4 import fake_quantize_guided, fake_quantize_partly_guided, resolve_partial
 
 from .codec import GuidanceFormatError, decode_position_streams, pack_bits_at
 from .record import Coding, GuidanceRecord
@@ -188,25 +181,33 @@ class RowGuidance:
                          else t[:, start // per_col[name]: end // per_col[name]])
 
     # -- applying ------------------------------------------------------------------------
-    def resolve(self, x_RK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`quantize_guided`'s (g [R, 1], block scales float8_e4m3fn [R, K/16], bits uint8 [R, K/8])
-        for the trainer's rows x_RK [R, K], on x's device."""
+    @property
+    def is_partial(self) -> bool:
+        """True for sparse records' rows: they leave some scales or mantissa bits to the trainer."""
+        return self.scale_lsb or self.scale_known is not None or self.bit_known is not None
+
+    def _on(self, x_RK: torch.Tensor) -> RowGuidance:
         if tuple(x_RK.shape) != (self.num_rows, self.num_cols):
             raise GuidanceFormatError(f"guidance for {self.num_rows} x {self.num_cols} rows applied to "
                                       f"a tensor of shape {tuple(x_RK.shape)}")
-        rg = self.to(x_RK.device)
-        if rg.scale_lsb:
-            scales = nvfp4_block_scales_guided(nvfp4_block_amax(x_RK), rg.g, rg.scales & 1)
-        elif rg.scale_known is None:
-            scales = rg.scales.view(torch.float8_e4m3fn)
-        else:
-            own = nvfp4_block_scales(nvfp4_block_amax(x_RK), rg.g).view(torch.uint8)
-            scales = torch.where(rg.scale_known, rg.scales, own).view(torch.float8_e4m3fn)
-        if rg.bit_known is None:
-            return rg.g, scales, rg.bits
-        # as bools: packed without a host synchronisation (on the GPU, once per site)
-        own_bits = pack_bits((round_scaled_to_e2m1(nvfp4_scaled_values(x_RK, rg.g, scales)) & 1).bool())
-        return rg.g, scales, (rg.bits & rg.bit_known) | (own_bits & ~rg.bit_known)
+        return self.to(x_RK.device)
+
+    def resolve(self, x_RK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`quantize_guided`'s (g [R, 1], block scales float8_e4m3fn [R, K/16], bits uint8 [R, K/8])
+        for the trainer's rows x_RK [R, K], on x's device (`trace_kernels.fp4.resolve_partial`)."""
+        rg = self._on(x_RK)
+        return resolve_partial(x_RK, rg.g, rg.scales, rg.bits, scale_lsb=rg.scale_lsb, scale_known=rg.scale_known,
+                               bit_known=rg.bit_known)
+
+    def fake_quantize(self, x_RK: torch.Tensor) -> torch.Tensor:
+        """`fake_quantize_guided` of the trainer's rows x_RK [R, K] under this guidance, with the
+        straight-through backward: [R, K] in x's dtype. Partial guidance is resolved inside the
+        quantize kernel where it can be (BF16 rows on the Triton backend); no host sync."""
+        rg = self._on(x_RK)
+        if not rg.is_partial:
+            return fake_quantize_guided(x_RK, rg.g, rg.scales.view(torch.float8_e4m3fn), rg.bits, check_finite=False)
+        return fake_quantize_partly_guided(x_RK, rg.g, rg.scales, rg.bits, scale_lsb=rg.scale_lsb,
+                                           scale_known=rg.scale_known, bit_known=rg.bit_known, check_finite=False)
 
     # -- moving with tokens ----------------------------------------------------------------
     def to_row_bytes(self) -> torch.Tensor:

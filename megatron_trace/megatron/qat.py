@@ -27,7 +27,6 @@ from trace_kernels.fp4 import (
     QTensor,
     amax,
     fake_quantize,
-    fake_quantize_guided,
     fake_quantize_ste,
     quantize,
     quantize_guided,
@@ -155,8 +154,7 @@ def fake_quant_rows(x_RK: torch.Tensor, guidance: RowGuidance | None = None, gro
     columns). Returns x's shape and dtype.
     """
     if guidance is not None:
-        g, s, bits = guidance.resolve(x_RK.detach())
-        return fake_quantize_guided(x_RK, g, s, bits, check_finite=False)
+        return guidance.fake_quantize(x_RK)
     return fake_quantize(x_RK, "nvfp4", scale="row", global_amax=_row_amax(x_RK, group), check_finite=False)
 
 
