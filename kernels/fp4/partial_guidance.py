@@ -7,7 +7,7 @@ one. A mantissa bit is given where `bit_known` says so; elsewhere the element ro
 (the guided code under the RNE code's own bit is that code). `resolve_partial` is the torch
 definition; `fake_quantize_partly_guided` applies it in one kernel pass for BF16 rows on the
 Triton backend (`triton_fp4._quantize_bf16_kernel`, SCALE_RULE and BITS_KNOWN), where the
-torch path costs some thirty small kernels a call.
+torch path costs about 75 small ops a call.
 """
 
 from __future__ import annotations
@@ -82,14 +82,16 @@ def fake_quantize_partly_guided(x_RK: torch.Tensor, g: torch.Tensor, scales: tor
     on the Triton backend. check_finite: refuse NaN or Inf in x (one host sync on a GPU)."""
     _check(x_RK, g, scales, bits, scale_lsb, scale_known, bit_known)
     with_mask = _wants_grad(x_RK)
+    bits_c = bits.contiguous()
+    known_c = None if bit_known is None else bit_known.contiguous()
 
     def fused(t):
         rule = (triton_fp4.SCALES_BY_LSB if scale_lsb else triton_fp4.SCALES_GIVEN if scale_known is None
                 else triton_fp4.SCALES_WHERE_KNOWN)
         out, inside, _, _, bad = triton_fp4.fake_quantize_partly_guided_bf16_triton(
-            t.contiguous(), g.reshape(-1).contiguous(), scales.contiguous(), bits.contiguous(), rule,
-            None if scale_known is None else scale_known.contiguous().view(torch.uint8),
-            None if bit_known is None else bit_known.contiguous(), with_mask=with_mask)
+            t.contiguous(), g.reshape(-1).contiguous(), scales.contiguous(), bits_c, rule,
+            None if scale_known is None else scale_known.contiguous().view(torch.uint8), known_c,
+            with_mask=with_mask)
         if check_finite and bool(bad.any()):
             _raise_nonfinite("detected by the Triton kernel")
         return out, inside
@@ -99,6 +101,8 @@ def fake_quantize_partly_guided(x_RK: torch.Tensor, g: torch.Tensor, scales: tor
                                                             scale_known=scale_known, bit_known=bit_known),
                                         backend=backend, check_finite=check_finite, with_mask=with_mask)
 
-    fuse = (_fusable(x_RK, backend) and triton_fp4.fusable(x_RK.contiguous(), bits.contiguous())
-            and (bit_known is None or triton_fp4.fusable(x_RK.contiguous(), bit_known.contiguous())))
+    # _fusable first: without Triton (or off its backend) triton_fp4 may be None; the kernel
+    # takes x contiguous (`fused` copies it where it is not)
+    fuse = _fusable(x_RK, backend) and all(triton_fp4.fusable(x_RK.contiguous(), b)
+                                           for b in (bits_c, known_c) if b is not None)
     return _FakeQuantizeSTE.apply(x_RK, fused if fuse else unfused)

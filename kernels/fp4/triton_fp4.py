@@ -859,9 +859,9 @@ def _bf16_launch(row_program: bool, m: int, nb: int, bpr: int, guided: bool = Fa
 def _quantize_bf16(x_MK, codes, scales, g, g_mode, bits=None, mask=None, partial=None):
     """Launch `_quantize_bf16_kernel` over contiguous BF16 rows; returns the non-finite flags.
     codes: packed codes uint8 [M, K/2], or bf16 [M, K] for the dequantized values (FAKE); mask:
-    bool [M, K] for the straight-through mask (FAKE only), or None. partial (with bits): a
-    `PartialGuidance`-like (scale_rule, scale_known uint8 [M, K/16] or None, bit_known uint8
-    [M, K/8] or None, scales_out uint8 [M, K/16])."""
+    bool [M, K] for the straight-through mask (FAKE only), or None. partial (with bits): the
+    tuple (SCALE_RULE, scale_known uint8 [M, K/16] or None, bit_known uint8 [M, K/8] or None,
+    scales_out uint8 [M, K/16]) of `fake_quantize_partly_guided_bf16_triton`."""
     m, k = x_MK.shape
     nb, bpr = m * k // 16, k // 16
     fake = codes.dtype == torch.bfloat16

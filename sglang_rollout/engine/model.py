@@ -82,7 +82,6 @@ def keep_codes(x_RK: torch.Tensor, kept: tuple[torch.Tensor, ...]) -> tuple[torc
     return kept
 
 
-
 class _Batch:
     """Index tensors of one forward, built once: token ids, positions, cache slots [N], the block
     tables [B, max_blocks] and sequence lengths [B]; in a batch that mixes prefill chunks with
