@@ -26,6 +26,6 @@ for rep in $(seq "${REPS:-2}"); do
     else path=/tmp/site; script=bench/train_step.py; fi
     PYTHONPATH=$path timeout 240 python3 "$script" "${args[@]}" 2>&1 | tr '\r' '\n' \
       | grep -v -e '%|' -e 'warn' | tee "$OUT/train_step_${side}_$rep.log" | tail -n 14
-    echo "$side $rep done at $((SECONDS - T0)) s"
+    echo "$side $rep: exit status ${PIPESTATUS[0]} (124: past its 240 s) at $((SECONDS - T0)) s"
   done
 done
