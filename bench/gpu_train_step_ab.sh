@@ -24,8 +24,9 @@ for rep in $(seq "${REPS:-2}"); do
     if [ $((SECONDS - T0)) -ge "${STOP_AT:-470}" ]; then echo "not started: $side $rep ($((SECONDS - T0)) s)"; continue; fi
     if [ $side = old ]; then path=/tmp/site_ab:/tmp/site; script=.ab/bench/train_step.py
     else path=/tmp/site; script=bench/train_step.py; fi
+    # the log keeps every line; only the echo here leaves out progress bars and warnings
     PYTHONPATH=$path timeout 240 python3 "$script" "${args[@]}" 2>&1 | tr '\r' '\n' \
-      | grep -v -e '%|' -e 'warn' | tee "$OUT/train_step_${side}_$rep.log" | tail -n 14
+      | tee "$OUT/train_step_${side}_$rep.log" | grep -v -e '%|' -e 'warn' | tail -n 14
     echo "$side $rep: exit status ${PIPESTATUS[0]} (124: past its 240 s) at $((SECONDS - T0)) s"
   done
 done
