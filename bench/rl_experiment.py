@@ -823,11 +823,13 @@ def report(exp: Experiment, modes: list[str], seeds: list[int], complete: bool) 
               "engine), against `bf16` in BF16 (the ceiling). The export's static input scales are not used by the "
               "built-in engine (per-token activation scales, docs/design.md section 2).", ""]
     lines += paired_headline(summary, seeds)
-    missing = [f"{m}/s{x}" for x in seeds for m in modes if f"{m}/s{x}" not in state["runs"]
-               or not state["runs"][f"{m}/s{x}"].get("rl_done")]
-    if missing:
-        lines += [f"Not finished: {', '.join(partial_line(k, state['runs'].get(k, {}), s.rl_steps) for k in missing)}.",
-                  ""]
+    keys = [f"{m}/s{x}" for x in seeds for m in modes]
+    unfinished = [k for k in keys if k in state["runs"] and not state["runs"][k].get("rl_done")]
+    not_run = [k for k in keys if k not in state["runs"]]
+    if unfinished:
+        lines += [f"Not finished: {', '.join(partial_line(k, state['runs'][k], s.rl_steps) for k in unfinished)}.", ""]
+    if not_run:  # a seed run with --modes holding some modes only
+        lines += [f"Not run: {', '.join(not_run)}.", ""]
     png = stem.with_suffix(".png")
     if plot(summary, state, seeds, png, f"{s.preset}, chain task ({s.terms}x{s.digits} digits, `{s.ops}`), {devices}"):
         lines += [f"Plot: `{png.name}` (reward and k3_kl per step: mean over seeds, band min-max; flip rate by layer; "

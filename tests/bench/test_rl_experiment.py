@@ -108,8 +108,9 @@ def test_the_report_from_a_recorded_state(rx, tmp_path):
     # paired with the same seed's PTQ of bf16 (30/50, 31/50): 0.600 - 0.600, 0.700 - 0.620
     assert "| trace-all | trace-export-fp4 -> FP4 engine | 0, 1 | +0.000, +0.080 | +0.040 |" in md
     # how far the cut-off run got: its 5 steps, 1 s each, reward over its first / last 2 steps
-    assert ("Not finished: fp4-qat/s0 (no step finished), fp4-qat/s1 (5/12 steps, 1.0 s/step, reward 0.405 -> 0.435, "
+    assert ("Not finished: fp4-qat/s1 (5/12 steps, 1.0 s/step, reward 0.405 -> 0.435, "
             "k3_kl 1.00e-03).") in md and "**Incomplete**" in md
+    assert "Not run: fp4-qat/s0." in md  # never started: not in the state
     report = json.loads(next(tmp_path.glob("rl_experiment_*.json")).read_text())
     assert report["summary"]["bf16"]["eval"]["ptq-fp4"]["pooled"] == pytest.approx(61 / 100)
     assert report["state"]["runs"].keys() == state["runs"].keys()  # resumable from the report
