@@ -161,21 +161,23 @@ def kernel_table(segments, step_fn, title: str, top: int = 24) -> str:
     return "\n".join(lines) + "\n"
 
 
-def time_generate(engine, cfg, batch: int, prompt_len: int, new_tokens: int, samples: int = 8, reps: int = 3):
+def time_generate(engine, cfg, batch: int, prompt_len: int, new_tokens: int, samples: int = 8, reps: int = 3,
+                  profile: bool = False):
     """(seconds, tokens generated) of an `engine.generate` call, what the RL loop runs: batch /
     samples random prompts of prompt_len tokens, `samples` samples each (a GRPO group), drawn
     at temperature 1 up to new_tokens (random weights emit no stop token). Prefill, scheduling,
     sampling and the host's bookkeeping are all in the time: the median of `reps` calls (single
-    calls on the H200 machines spread by up to 25%, bench/results/overlap_spread_*). An
-    identical call first captures the CUDA graphs of every batch size the ramp-up passes through
-    (a shorter one would not reach them all, and capturing inside a timed call cost seconds at
-    48 layers)."""
+    calls on the H200 machines spread by up to 25%, bench/results/overlap_spread_*). First every
+    decode CUDA graph is captured (capturing inside a timed call cost seconds at 48 layers) and a
+    short call compiles the prefill and sampling kernels. `profile`: one more call runs under
+    cProfile, and its host functions by own time are returned as text (else None)."""
     from megatron_trace.rollout import GroupRequest, SamplingParams
 
     g = torch.Generator().manual_seed(0)
     requests = [GroupRequest(f"g{i}", tuple(torch.randint(0, cfg.vocab_size, (prompt_len,), generator=g).tolist()),
                              n=samples) for i in range(max(1, batch // samples))]
-    engine.generate(requests, SamplingParams(max_new_tokens=new_tokens, seed=1))
+    engine.capture_graphs()
+    engine.generate(requests, SamplingParams(max_new_tokens=min(new_tokens, 4), seed=1))
     seconds = []
     for rep in range(reps):
         if torch.cuda.is_available():
@@ -188,7 +190,22 @@ def time_generate(engine, cfg, batch: int, prompt_len: int, new_tokens: int, sam
         errors = {s.error for s in out.samples if s.error}
         if errors:
             raise SystemExit(f"--generate {batch}:{prompt_len}:{new_tokens}: {sorted(errors)}")
-    return statistics.median(seconds), sum(len(s.tokens) for s in out.samples)
+    table = None
+    if profile:
+        import cProfile
+        import io
+        import pstats
+
+        prof = cProfile.Profile()
+        t0 = time.perf_counter()
+        prof.runcall(engine.generate, requests, SamplingParams(max_new_tokens=new_tokens, seed=reps))
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).strip_dirs().sort_stats("tottime").print_stats(25)
+        table = (f"one call under cProfile: {time.perf_counter() - t0:.2f} s (the profiler slows the host)\n"
+                 + text.getvalue())
+    return statistics.median(seconds), sum(len(s.tokens) for s in out.samples), table
 
 
 def write_record(rows, profiles, args, cfg, gpu) -> None:
@@ -219,7 +236,7 @@ def write_record(rows, profiles, args, cfg, gpu) -> None:
                      f"{floor:.1f} | {ratio} |")
     lines += ["", goal_line(rows)]
     if profiles:
-        lines += ["", "## GPU time per kernel, one eager step", ""] + profiles
+        lines += ["", "## Profiles: GPU time per kernel of one eager step; host time of a generate call", ""] + profiles
     (RESULTS / "rollout_throughput.md").write_text("\n".join(lines) + "\n")
     plot(rows, RESULTS / "rollout_throughput.png")
 
@@ -277,6 +294,8 @@ def main() -> None:
     ap.add_argument("--generate-reps", type=int, default=3, help="timed generate calls per case (the median)")
     ap.add_argument("--generate-modes", default="generate,generate_serial",
                     help="generate (steps overlapped, as the engine runs) and/or generate_serial")
+    ap.add_argument("--generate-profile", action="store_true",
+                    help="one more overlapped generate call under cProfile: the host's functions by own time")
     ap.add_argument("--record", action="store_true")
     ap.add_argument("--replot", action="store_true", help="only redraw the PNG from the recorded JSON")
     args = ap.parse_args()
@@ -390,8 +409,12 @@ def main() -> None:
             # before the next is launched: the host's share that overlap hides
             for mode in args.generate_modes.split(","):
                 engine.engine_cfg = dataclasses.replace(engine.engine_cfg, overlap=mode == "generate")
-                seconds, generated = time_generate(engine, cfg, batch, prompt_len, new_tokens,
-                                                   reps=args.generate_reps)
+                seconds, generated, host = time_generate(engine, cfg, batch, prompt_len, new_tokens,
+                                                         reps=args.generate_reps,
+                                                         profile=args.generate_profile and mode == "generate")
+                if host:
+                    profiles.append(f"### host profile, {precision} generate {args.generate}\n\n```\n{host}```\n")
+                    print(profiles[-1], flush=True)
                 r = {"precision": precision, "batch": batch, "context": context, "gpu": gpu, "mode": mode,
                      "date": datetime.date.today().isoformat(), "model": args.model, "layers": cfg.num_layers,
                      "tokens_per_s": generated / seconds, "step_s": seconds, "new_tokens": new_tokens,

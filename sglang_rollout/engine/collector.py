@@ -72,7 +72,7 @@ class RolloutCollector:
                                                 finish_reason=seq.finish_reason, weight_version=self.weight_version)
         rows = self.rows.take(seq)
         self.guidance.add_sample(SampleGuidance(sample_id=seq.seq_id, group_id=seq.group_id,
-                                                response_len=len(seq.response), weight_version=self.weight_version,
+                                                response_len=seq.num_response, weight_version=self.weight_version,
                                                 records=self._records(rows, seq.seq_id),
                                                 routed_experts=self._experts(rows)))
         self.stream(seq.group_id)

@@ -266,7 +266,7 @@ class TraceEngine:
             in_order = rows == list(range(len(rows)))  # decode steps: every row, in order
             picked = logits[:len(rows)] if in_order else logits[_device_index(rows, logits.device)]
             tokens, logps = draw_rows(picked, sampling, [seq.key for _, seq in draws],
-                                      [len(seq.response) + work.lag for _, seq in draws], backend=self.runner.backend)
+                                      [seq.num_response + work.lag for _, seq in draws], backend=self.runner.backend)
             drawn = _to_host(torch.stack([tokens.double(), logps.double()]))  # ids < 2**53: exact
         # routed experts of every layer as one [tokens, layers, top_k] copy a step, and one slice
         # per sequence (per-layer slices cost 19 ms a step at 48 layers), in the smallest integer
@@ -308,7 +308,7 @@ class TraceEngine:
                 seq.logprobs.append(logp)
                 if token in sampling.stop_token_ids:
                     seq.status, seq.finish_reason = Status.FINISHED, "stop"
-                elif len(seq.response) >= sampling.max_new_tokens:
+                elif seq.num_response >= sampling.max_new_tokens:
                     seq.status, seq.finish_reason = Status.FINISHED, "length"
         return running
 
