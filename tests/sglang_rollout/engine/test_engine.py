@@ -153,6 +153,20 @@ def test_greedy_stop_tokens_and_lengths(sd):
     assert stop.samples[0].tokens == tokens[:first + 1] and stop.samples[0].finish_reason == "stop"
 
 
+def test_decode_steps_never_copy_a_sequences_tokens(sd, monkeypatch):
+    """A step's host work must not grow with the sequences' lengths: slicing each sequence's
+    tokens for its response length twice a step (which this once did) made 8k-token decodes
+    host-bound. `Sequence.response` (a copy) is read once per sample, when it finishes."""
+    from sglang_rollout.engine.sequence import Sequence
+
+    reads = collections.Counter()
+    slicing = Sequence.response.fget
+    monkeypatch.setattr(Sequence, "response", property(lambda seq: reads.update([seq.seq_id]) or slicing(seq)))
+    out = engine(sd, "bf16", overlap=True).generate(REQUESTS, SamplingParams(max_new_tokens=12))
+    assert [len(s.tokens) for s in out.samples] == [12] * 5 and all(s.finish_reason == "length" for s in out.samples)
+    assert max(reads.values()) <= 1 and len(reads) <= 5, reads
+
+
 def test_guidance_covers_every_token_and_round_trips(sd):
     e = engine(sd, "fp4", guide="deep:1")
     out = e.generate(REQUESTS, SamplingParams(max_new_tokens=4, seed=2, stop_token_ids=tuple(range(0, 256, 3))))
