@@ -163,20 +163,23 @@ def kernel_table(segments, step_fn, title: str, top: int = 24) -> str:
 
 def time_generate(engine, cfg, batch: int, prompt_len: int, new_tokens: int, samples: int = 8, reps: int = 3,
                   profile: bool = False):
-    """(seconds, tokens generated) of an `engine.generate` call, what the RL loop runs: batch /
+    """The time of an `engine.generate` call, what the RL loop runs: batch /
     samples random prompts of prompt_len tokens, `samples` samples each (a GRPO group), drawn
     at temperature 1 up to new_tokens (random weights emit no stop token). Prefill, scheduling,
     sampling and the host's bookkeeping are all in the time: the median of `reps` calls (single
-    calls on the H200 machines spread by up to 25%, bench/results/overlap_spread_*). First every
-    decode CUDA graph is captured (capturing inside a timed call cost seconds at 48 layers) and a
-    short call compiles the prefill and sampling kernels. `profile`: one more call runs under
-    cProfile, and its host functions by own time are returned as text (else None)."""
+    calls on the H200 machines spread by up to 25%, bench/results/overlap_spread_*). First the
+    decode CUDA graphs up to `batch` are captured (capturing inside a timed call cost seconds at
+    48 layers) and a short call compiles the prefill and sampling kernels. `profile`: one more
+    call runs under cProfile, and its host functions by own time are returned as text (else
+    None). Returns (seconds, tokens, that text)."""
     from megatron_trace.rollout import GroupRequest, SamplingParams
 
     g = torch.Generator().manual_seed(0)
     requests = [GroupRequest(f"g{i}", tuple(torch.randint(0, cfg.vocab_size, (prompt_len,), generator=g).tolist()),
                              n=samples) for i in range(max(1, batch // samples))]
-    engine.capture_graphs()
+    if engine.graphs is not None:  # the buckets a ramp-up to `batch` passes through, not all of them
+        for b in range(1, batch + 1):
+            engine.graphs.get(b)
     engine.generate(requests, SamplingParams(max_new_tokens=min(new_tokens, 4), seed=1))
     seconds = []
     for rep in range(reps):

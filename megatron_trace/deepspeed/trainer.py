@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from ..config import OptimSection
 from ..megatron import context
-from ..megatron.schedule import MicroBatch
+from ..megatron.schedule import MicroBatch, infos_to_host
 from ..model_config import ModelConfig
 from ..modes import TrainerPrecision
 from . import model as model_lib
@@ -136,7 +136,8 @@ class DeepSpeedTrainer:
                          forward_only: bool = False) -> list[dict]:
         """Forward (and, unless forward_only, backward) of each packed micro-batch: loss_fn(i, logp)
         with logp float32 [T_i] = log p(targets[t] | ids[:t+1]) returns (loss, info); gradients
-        accumulate until `step`. Returns each micro-batch's info."""
+        accumulate until `step`. Returns each micro-batch's info (tensor values on the host:
+        `infos_to_host`)."""
         if not forward_only and self.engine is None:
             raise RuntimeError("a frozen model (no DeepSpeed engine) runs forward_only")
         forward = self.engine if self.engine is not None else self.module
@@ -154,7 +155,7 @@ class DeepSpeedTrainer:
             finally:
                 context.activate(None)
             infos.append(info)
-        return infos
+        return infos_to_host(infos)
 
     # -- optimizer ----------------------------------------------------------------------------
     def _torch_optimizer(self) -> torch.optim.Optimizer:

@@ -24,6 +24,27 @@ from .context import MicroBatchGuidance
 LossFn = Callable[[torch.Tensor], tuple[torch.Tensor, dict]]
 
 
+def infos_to_host(infos: list[dict | None]) -> list[dict | None]:
+    """The loss functions' infos with their tensor values on the host, at one synchronisation per
+    device: 0-d tensors become Python floats, others CPU tensors; other values stay.
+    A loss function that returns its statistics as device tensors then leaves the micro-batches'
+    forwards and backwards free of host synchronisations (a `float(t)` in the loss made the host
+    wait for each forward before it could launch the backward)."""
+    scalars: dict[torch.device, list[tuple[dict, str]]] = {}
+    for info in infos:
+        for key, value in (info or {}).items():
+            if torch.is_tensor(value):
+                if value.dim() == 0:
+                    scalars.setdefault(value.device, []).append((info, key))
+                else:
+                    info[key] = value.detach().cpu()
+    for device_scalars in scalars.values():
+        values = torch.stack([info[key].detach().double() for info, key in device_scalars]).tolist()
+        for (info, key), value in zip(device_scalars, values, strict=True):
+            info[key] = value
+    return infos
+
+
 @dataclass
 class MicroBatch:
     """One packed THD micro-batch: input_ids, position_ids, targets int64 [1, T], its
@@ -47,8 +68,9 @@ def run_microbatches(model, batches: list[MicroBatch],
             (gradients accumulate in its buffers and are reduced after the last micro-batch).
         loss_fn(i, logp): on the last stage, for micro-batch i with logp float32 [T_i] =
             log p(targets[t] | ids[:t+1]); returns (scalar loss to backpropagate as is, info
-            dict of plain values). Megatron divides each loss by the number of micro-batches;
-            this undoes it, so gradients are those of the sum of the returned losses.
+            dict of plain values or tensors: `infos_to_host`). Megatron divides each loss by the
+            number of micro-batches; this undoes it, so gradients are those of the sum of the
+            returned losses.
     Returns:
         each micro-batch's info, on every rank of the pipeline.
     """
@@ -78,7 +100,7 @@ def run_microbatches(model, batches: list[MicroBatch],
     get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(range(n)), model=[model],
                                 num_microbatches=n, seq_length=max(b.input_ids.shape[1] for b in batches),
                                 micro_batch_size=1, forward_only=forward_only)
-    box = [[infos.get(i) for i in range(n)] if infos else None]
+    box = [infos_to_host([infos.get(i) for i in range(n)]) if infos else None]
     if ps.get_pipeline_model_parallel_world_size() > 1:
         dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
                                    group=ps.get_pipeline_model_parallel_group())

@@ -66,7 +66,7 @@ def rollout_correction(logp_train_old: torch.Tensor, logp_rollout: torch.Tensor,
 def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, *,
                 clip_low: float = 0.2, clip_high: float | None = None, clip_ratio_c: float = 3.0,
                 weights: torch.Tensor | None = None, keep: torch.Tensor | None = None,
-                normalizer: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                normalizer: float | None = None, as_tensors: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO-clip policy loss with verl's dual-clip, token mean over kept tokens.
 
     ratio = exp(logp - logp_old) (log-ratio clamped to +-20); per token
@@ -77,7 +77,8 @@ def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Te
     `normalizer`: divide the kept tokens' sum by it instead of by their count (one micro-batch of
     several: the caller rescales). Returns (loss, {"clip_frac" (verl's pg_clipfrac),
     "clip_frac_lower" (pg_clipfrac_lower), "kept_frac", "clipped_tokens", "clipped_lower_tokens",
-    "kept_tokens", "ppo_kl_sum" (sum over kept tokens of logp_old - logp)}).
+    "kept_tokens", "ppo_kl_sum" (sum over kept tokens of logp_old - logp)}) as floats, or with
+    `as_tensors` as float64 0-d tensors on logp's device (no host synchronisation).
     """
     clip_high = clip_low if clip_high is None else clip_high
     weights = torch.ones_like(logp) if weights is None else weights
@@ -87,20 +88,24 @@ def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Te
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
     per_token = torch.maximum(unclipped, clipped)
-    n_lower = 0.0
+    n_lower = torch.zeros((), dtype=torch.int64, device=logp.device)
     if clip_ratio_c:
         cap = -advantages * clip_ratio_c
         lower = (per_token > cap) & (advantages < 0)
-        n_lower = float((lower & keep).sum())
+        n_lower = (lower & keep).sum()
         per_token = torch.where(advantages < 0, torch.minimum(per_token, cap), per_token)
     per_token = per_token * weights
     kept = keep.to(per_token.dtype)
     count = kept.sum().clamp(min=1)
     loss = (per_token * kept).sum() / (count if normalizer is None else normalizer)
-    n_clipped = float(((clipped > unclipped) & keep).sum())
-    return loss, {"clip_frac": n_clipped / float(count), "clip_frac_lower": n_lower / float(count),
-                  "kept_frac": float(kept.mean()), "clipped_tokens": n_clipped, "clipped_lower_tokens": n_lower,
-                  "kept_tokens": float(kept.sum()), "ppo_kl_sum": float((-log_ratio.detach() * kept).sum())}
+    n_clipped = ((clipped > unclipped) & keep).sum().double()
+    n_lower, count = n_lower.double(), count.detach().double()
+    info = {"clip_frac": n_clipped / count, "clip_frac_lower": n_lower / count, "kept_frac": kept.mean().double(),
+            "clipped_tokens": n_clipped, "clipped_lower_tokens": n_lower, "kept_tokens": kept.sum().double(),
+            "ppo_kl_sum": (-log_ratio.detach() * kept).sum().double()}
+    if as_tensors:
+        return loss, info
+    return loss, dict(zip(info, torch.stack(list(info.values())).tolist(), strict=True))
 
 
 KLKind = Literal["k1", "k2", "k3"]

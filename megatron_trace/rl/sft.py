@@ -30,7 +30,7 @@ def sft_step(trainer, examples: list[tuple[list[int], list[bool]]],
 
     def loss_fn(i, logp):  # on the last pipeline stage
         loss = -(logp * mask).sum() / mask.sum().clamp(min=1)
-        return loss, {"loss": float(loss.detach())}
+        return loss, {"loss": loss.detach()}  # a float after the schedule (infos_to_host)
     trainer.zero_grad()
     info = trainer.run_microbatches([MicroBatch(tokens, positions, targets, psp)], loss_fn)[0]
     trainer.step()

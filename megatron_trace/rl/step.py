@@ -86,7 +86,7 @@ def response_logprobs(trainer, batch: RolloutBatch, rl: RLSection, observer=None
     try:
         with torch.no_grad():
             infos = trainer.run_microbatches([p.batch for p in mbs],
-                                             lambda i, lp: (lp.sum(), {"logp": lp[mbs[i].index].cpu()}),
+                                             lambda i, lp: (lp.sum(), {"logp": lp[mbs[i].index]}),
                                              forward_only=True)
     finally:
         qat.observers.clear()
@@ -201,6 +201,29 @@ def train_on(trainer, batch: RolloutBatch, rl: RLSection, reference=None) -> dic
             "guidance_bytes_per_token": _billed_bytes_per_token(out.guidance, rl.mode.applies_guidance)}
 
 
+@dataclasses.dataclass(frozen=True)
+class _GivenPerToken:
+    """A micro-batch's loss inputs that do not depend on its forward, per token [T] on the
+    device: advantages (float32), and with old log-probs given, those (float32) and the rollout
+    correction's weights and keep mask; the reference log-probs if any."""
+
+    adv: torch.Tensor
+    old: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
+    keep: torch.Tensor | None = None
+    ref: torch.Tensor | None = None
+
+
+def _given_per_token(p, adv: torch.Tensor, logp_old, logp_ref, rl: RLSection) -> _GivenPerToken:
+    old = weights = keep = ref = None
+    if logp_old is not None:
+        old = _per_token(logp_old, p.sample_of)
+        weights, keep = rollout_correction(old, p.logp_rollout, p.sample_of, rl.correction, rl.correction_threshold)
+    if logp_ref is not None:
+        ref = _per_token(logp_ref, p.sample_of)
+    return _GivenPerToken(adv=adv[p.sample_of], old=old, weights=weights, keep=keep, ref=ref)
+
+
 def _update(trainer, batch: RolloutBatch, adv: torch.Tensor, logp_old: list[torch.Tensor] | None,
             logp_ref: list[torch.Tensor] | None, rl: RLSection, counter=None) -> dict:
     """One optimizer step on a mini-batch (float32 advantages [N]; per-sample old and reference
@@ -221,27 +244,36 @@ def _update(trainer, batch: RolloutBatch, adv: torch.Tensor, logp_old: list[torc
     else:
         if logp_old is None and rl.correction == "mis":
             raise ValueError("masked IS without old log-probs needs a trainer that rescales gradients")
-        kept_before = sum(int(rollout_correction(_per_token(logp_old, p.sample_of), p.logp_rollout, p.sample_of,
-                                                 rl.correction, rl.correction_threshold)[1].sum())
-                          for p in mbs if p.weight) if rl.correction == "mis" else tokens
+    # what each micro-batch's loss needs besides its forward, laid out per token on the device
+    # before the schedule runs: made inside the loss, their host copies and checks stalled each
+    # forward's backward. The loss returns its statistics as device tensors (to the host once,
+    # after the schedule); only `mis` on the forward's own log-probs still waits inside it
+    adv_device = adv.to(mbs[0].sample_of.device) if mbs else adv
+    given = [_given_per_token(p, adv_device, logp_old, logp_ref, rl) for p in mbs]
+    if not trainer.scales_gradients:
+        kept_before = sum(int(g.keep.sum()) for p, g in zip(mbs, given, strict=True)
+                          if p.weight) if rl.correction == "mis" else tokens
         normalizer = max(_dp_sum([kept_before])[0], 1.0) / dp_size
 
     def loss_fn(i, lp):  # on the last pipeline stage
-        p = mbs[i]
+        p, g = mbs[i], given[i]
         logp = lp[p.index]
-        old = logp.detach() if logp_old is None else _per_token(logp_old, p.sample_of).to(logp.dtype)
-        weights, keep = rollout_correction(old, p.logp_rollout, p.sample_of, rl.correction, rl.correction_threshold)
-        loss, info = policy_loss(logp, old, adv.to(logp.device)[p.sample_of], clip_low=rl.clip_low,
-                                 clip_high=rl.clip_high, clip_ratio_c=rl.clip_ratio_c, weights=weights.to(logp.dtype),
-                                 keep=keep, normalizer=normalizer)
-        info["loss_sum"] = float(loss.detach()) * normalizer
+        old, weights, keep = g.old, g.weights, g.keep
+        if logp_old is None:  # this forward's own
+            old = logp.detach()
+            weights, keep = rollout_correction(old, p.logp_rollout, p.sample_of, rl.correction,
+                                               rl.correction_threshold)
+        loss, info = policy_loss(logp, old.to(logp.dtype), g.adv, clip_low=rl.clip_low, clip_high=rl.clip_high,
+                                 clip_ratio_c=rl.clip_ratio_c, weights=weights.to(logp.dtype), keep=keep,
+                                 normalizer=normalizer, as_tensors=True)
+        info["loss_sum"] = loss.detach().double() * normalizer
         if logp_ref is not None:
-            kl = kl_penalty(logp, _per_token(logp_ref, p.sample_of).to(logp.dtype), rl.kl_kind)
+            kl = kl_penalty(logp, g.ref.to(logp.dtype), rl.kl_kind)
             kl_sum = (kl * keep.to(kl.dtype)).sum()
             loss = loss + rl.kl_coef * kl_sum / normalizer
-            info["kl_sum"] = float(kl_sum.detach())
-            info["loss_sum"] += rl.kl_coef * info["kl_sum"]
-        return loss * p.weight, {**info, "logp": logp.detach().cpu()}
+            info["kl_sum"] = kl_sum.detach().double()
+            info["loss_sum"] = info["loss_sum"] + rl.kl_coef * info["kl_sum"]
+        return loss * p.weight, {**info, "logp": logp.detach()}  # to the host after the schedule
 
     if counter is not None:
         qat.observers.append(counter)

@@ -42,7 +42,9 @@ class Trainer(Protocol):
     def run_microbatches(self, batches: list[MicroBatch], loss_fn: Callable[[int, torch.Tensor], tuple],
                          *, forward_only: bool = False) -> list[dict]:
         """loss_fn(i, logp float32 [T_i]) -> (loss, info) per packed micro-batch; unless
-        forward_only, gradients of the sum of the losses accumulate until `step`."""
+        forward_only, gradients of the sum of the losses accumulate until `step`. The infos come
+        back with their tensor values on the host (`megatron.schedule.infos_to_host`), so a loss
+        can leave its statistics on the device."""
 
     def start_phase(self, lr: float) -> None:
         """A fresh optimizer state at learning rate `lr` (a new phase: SFT, then RL)."""

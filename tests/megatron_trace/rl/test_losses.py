@@ -127,6 +127,26 @@ def test_dual_clip_and_safety_clamp_follow_verl():
     assert float(off) == pytest.approx(sum(per_off) / 64, rel=1e-12)
 
 
+def test_loss_statistics_left_on_the_device_reach_the_host_unchanged():
+    """The RL loss returns its statistics as tensors (no host synchronisation between a forward
+    and its backward); the schedule brings them to the host at once (`infos_to_host`)."""
+    from megatron_trace.megatron.schedule import infos_to_host
+
+    gen = torch.Generator().manual_seed(5)
+    old = -torch.rand(48, generator=gen) * 3
+    logp = old + torch.randn(48, generator=gen)
+    adv, keep = torch.randn(48, generator=gen), torch.rand(48, generator=gen) > 0.2
+    _, floats = policy_loss(logp, old, adv, clip_low=0.2, clip_high=0.28, keep=keep)
+    _, tensors = policy_loss(logp, old, adv, clip_low=0.2, clip_high=0.28, keep=keep, as_tensors=True)
+    assert all(torch.is_tensor(v) and v.dtype == torch.float64 and v.dim() == 0 for v in tensors.values())
+    assert floats["kept_tokens"] == int(keep.sum()) and floats["clipped_tokens"] > 0  # the case has clipped tokens
+    infos = infos_to_host([dict(tensors, logp=logp, weight=0.5), None, {"logp": logp[:1]}])
+    assert {k: v for k, v in infos[0].items() if k in floats} == floats and type(infos[0]["clip_frac"]) is float
+    assert infos[0]["logp"].device.type == "cpu" and torch.equal(infos[0]["logp"], logp)
+    assert infos[0]["weight"] == 0.5 and infos[1] is None
+    assert torch.equal(infos[2]["logp"], logp[:1])  # a one-token micro-batch's log-probs stay a tensor
+
+
 def test_single_sample_groups_and_clamped_corrections_follow_verl():
     rewards = torch.tensor([1.0, 0.0, 3.0])
     assert grpo_advantages(rewards, 1).tolist() == pytest.approx([1.0 / (1 + 1e-6), 0.0, 3.0 / (1 + 1e-6)])
