@@ -66,7 +66,8 @@ def rollout_correction(logp_train_old: torch.Tensor, logp_rollout: torch.Tensor,
 def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, *,
                 clip_low: float = 0.2, clip_high: float | None = None, clip_ratio_c: float = 3.0,
                 weights: torch.Tensor | None = None, keep: torch.Tensor | None = None,
-                normalizer: float | None = None, as_tensors: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
+                normalizer: float | None = None,
+                as_tensors: bool = False) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
     """PPO-clip policy loss with verl's dual-clip, token mean over kept tokens.
 
     ratio = exp(logp - logp_old) (log-ratio clamped to +-20); per token
