@@ -237,20 +237,19 @@ def _update(trainer, batch: RolloutBatch, adv: torch.Tensor, logp_old: list[torc
     # own over (global tokens / DP), DDP averages over DP, and the reduced gradients are rescaled
     # by global tokens / global kept tokens once the kept ones are known; a backend that cannot
     # rescale gradients divides by the global kept tokens, counted from the old log-probs first
-    dp_size = data_parallel()[1]
-    dp_tokens = _dp_sum([tokens])[0]
-    if trainer.scales_gradients:
-        normalizer = dp_tokens / dp_size
-    else:
-        if logp_old is None and rl.correction == "mis":
-            raise ValueError("masked IS without old log-probs needs a trainer that rescales gradients")
+    if not trainer.scales_gradients and logp_old is None and rl.correction == "mis":
+        raise ValueError("masked IS without old log-probs needs a trainer that rescales gradients")
     # what each micro-batch's loss needs besides its forward, laid out per token on the device
     # before the schedule runs: made inside the loss, their host copies and checks stalled each
     # forward's backward. The loss returns its statistics as device tensors (to the host once,
     # after the schedule); only `mis` on the forward's own log-probs still waits inside it
     adv_device = adv.to(mbs[0].sample_of.device) if mbs else adv
     given = [_given_per_token(p, adv_device, logp_old, logp_ref, rl) for p in mbs]
-    if not trainer.scales_gradients:
+    dp_size = data_parallel()[1]
+    dp_tokens = _dp_sum([tokens])[0]
+    if trainer.scales_gradients:
+        normalizer = dp_tokens / dp_size
+    else:
         kept_before = sum(int(g.keep.sum()) for p, g in zip(mbs, given, strict=True)
                           if p.weight) if rl.correction == "mis" else tokens
         normalizer = max(_dp_sum([kept_before])[0], 1.0) / dp_size
