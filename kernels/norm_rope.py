@@ -9,6 +9,9 @@ The functions compute what the torch code computes, operation for operation:
 - `rms_norm`: bf16(fl32(fl32(x * rsqrt(mean(x^2) + eps)) * w)), as torch's composite does in
   FP32; the sum of squares is taken in another order, so r can differ in its last bits and the
   result, rarely, by one BF16 ulp.
+- `rms_norm_backward`: its gradients in one pass over x and the incoming gradient (the trainer's
+  norms: in training, torch's composite also runs its backward as about ten elementwise kernels
+  over FP32 temporaries, at the QK norms over every head of every token).
 - `qk_norm_rope`: that norm per head, then x * cos + rotate_half(x) * sin with every product
   and the sum rounded to BF16 as torch's BF16 ops round them (exact replication).
 - `qk_norm_rope_into_cache`: the same, with the keys and the values written into the paged KV
@@ -49,6 +52,17 @@ except ImportError:  # pragma: no cover - triton is optional on the CPU
     triton = None
 
 
+NORM_GRAD_STEPS = 16  # row tiles one backward program takes: its dweight partial row is 1/16 of theirs
+
+
+def _norm_tile(n: int) -> tuple[int, int]:
+    """(BLOCK, ROWS) of the norm kernels for rows of n: a program takes about 2048 elements (one
+    row of a hidden state, 16 of a 128-wide head: QK norms run over ~half a million such rows a
+    micro-batch in training, and one row per program left most of each program's lanes idle)."""
+    block = triton.next_power_of_2(n)
+    return block, max(1, min(64, 2048 // block))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, backend: str = "auto") -> torch.Tensor:
     """F.rms_norm(x, (N,), weight, eps) of bf16 x [..., N] with a float32 weight [N]: bf16, x's shape."""
     n = x.shape[-1]
@@ -59,10 +73,41 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, backend: str 
     rows = x.reshape(-1, n).contiguous()
     y = torch.empty_like(rows)
     if rows.shape[0]:
-        _rms_norm_kernel[(rows.shape[0],)](rows, weight.float().contiguous(), y, eps, N=n,
-                                           BLOCK=triton.next_power_of_2(n), INTERPRET=_interpreting(),
-                                           enable_fp_fusion=False)  # mean + eps rounds twice, as in torch
+        block, per = _norm_tile(n)
+        _rms_norm_kernel[(triton.cdiv(rows.shape[0], per),)](
+            rows, weight.float().contiguous(), y, eps, rows.shape[0], N=n, BLOCK=block, ROWS=per,
+            INTERPRET=_interpreting(), enable_fp_fusion=False)  # mean + eps rounds twice, as in torch
     return y.view(x.shape)
+
+
+def rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                      backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of `rms_norm` at grad (x's shape and dtype): (dx in x's dtype and shape,
+    dweight float32 [N]). y = x r w with r = rsqrt(mean(x^2) + eps), so dx = r (g - x r c) with
+    g = grad w and c = mean(g x r), and dweight = the sum over rows of grad x r: computed in FP32
+    from x (r recomputed), dx rounded once. The torch path is autograd through F.rms_norm."""
+    n = x.shape[-1]
+    if weight.shape != (n,) or grad.shape != x.shape or grad.dtype != x.dtype:
+        raise ValueError(f"rms_norm_backward: grad {grad.dtype} {tuple(grad.shape)} and weight "
+                         f"{tuple(weight.shape)} must fit x {x.dtype} {tuple(x.shape)}")
+    if not _use_triton(x, backend):
+        with torch.enable_grad():
+            xr, wr = x.detach().requires_grad_(), weight.detach().float().requires_grad_()
+            dx, dw = torch.autograd.grad(F.rms_norm(xr, (n,), wr, eps), (xr, wr), grad)
+        return dx, dw
+    rows = x.reshape(-1, n).contiguous()
+    dx = torch.empty_like(rows)
+    block, per = _norm_tile(n)
+    # each program sums its rows' dweight terms (NORM_GRAD_STEPS tiles), torch then the programs'
+    programs = max(1, triton.cdiv(triton.cdiv(rows.shape[0], per), NORM_GRAD_STEPS))
+    parts = torch.empty(programs, n, dtype=torch.float32, device=x.device)
+    if rows.shape[0]:
+        _rms_norm_backward_kernel[(programs,)](
+            grad.reshape(-1, n).contiguous(), rows, weight.float().contiguous(), dx, parts, eps, rows.shape[0],
+            N=n, BLOCK=block, ROWS=per, STEPS=NORM_GRAD_STEPS, INTERPRET=_interpreting(), enable_fp_fusion=False)
+    else:
+        parts.zero_()
+    return dx.view(x.shape), parts.sum(0)
 
 
 def rope_inv_freq(theta: float, d: int, device=None) -> torch.Tensor:
@@ -215,13 +260,38 @@ def _launch_qk_norm_rope(qkv, q_weight, k_weight, eps, cos, sin, q, store, *, k=
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        i = tl.arange(0, BLOCK)
-        ok = i < N
+    def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, eps, R, N: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                         INTERPRET: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
+        i = tl.arange(0, BLOCK)[None, :]
+        ok = (row < R) & (i < N)
         x = tl.load(x_ptr + row * N + i, mask=ok, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + i, mask=ok, other=0.0)
-        tl.store(y_ptr + row * N + i, _rms_norm_row(x, w, tl.sum(x * x, 0), eps, 1.0 / N, INTERPRET), mask=ok)
+        w = tl.load(w_ptr + i, mask=i < N, other=0.0)
+        tl.store(y_ptr + row * N + i, _rms_norm_row(x, w, tl.sum(x * x, 1)[:, None], eps, 1.0 / N, INTERPRET),
+                 mask=ok)
+
+    @triton.jit
+    def _rms_norm_backward_kernel(dy_ptr, x_ptr, w_ptr, dx_ptr, parts_ptr, eps, R, N: tl.constexpr,
+                                  BLOCK: tl.constexpr, ROWS: tl.constexpr, STEPS: tl.constexpr,
+                                  INTERPRET: tl.constexpr):
+        """Program p takes STEPS tiles of ROWS rows from row p * STEPS * ROWS (rows past R
+        masked); its dweight terms summed in FP32 into row p of parts."""
+        p = tl.program_id(0).to(tl.int64)
+        i = tl.arange(0, BLOCK)[None, :]
+        w = tl.load(w_ptr + i, mask=i < N, other=0.0)
+        dw = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
+        for k in range(0, STEPS):
+            row = (p * STEPS + k) * ROWS + tl.arange(0, ROWS)[:, None]
+            ok = (row < R) & (i < N)
+            x = tl.load(x_ptr + row * N + i, mask=ok, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + row * N + i, mask=ok, other=0.0).to(tl.float32)
+            r = tl.math.rsqrt(tl.sum(x * x, 1)[:, None] * (1.0 / N) + eps)
+            xr = x * r
+            g = dy * w
+            c = tl.sum(g * xr, 1)[:, None] * (1.0 / N)
+            tl.store(dx_ptr + row * N + i, _bf16(r * (g - xr * c), INTERPRET), mask=ok)
+            dw += dy * xr
+        tl.store(parts_ptr + p * N + i, tl.sum(dw, 0)[None, :], mask=i < N)
 
     @triton.jit
     def _row_halves(ptr, idx, D: tl.constexpr, PART_STRIDE, SPLITS: tl.constexpr, INTERPRET: tl.constexpr):

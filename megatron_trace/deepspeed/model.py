@@ -15,7 +15,7 @@ The router stays in high precision, computed as the Megatron trainer and the eng
 replays them (rollout routing replay), in every precision. Guidance and routed experts come from
 the active `MicroBatchGuidance` (megatron_trace.megatron.context), as for the Megatron trainer.
 
-Every RMSNorm computes as the Megatron trainer's (trace_kernels.rms_norm, the weight applied in
+Every RMSNorm computes as the Megatron trainer's (`fused_rms_norm`, the weight applied in
 FP32), so that with the router and the packed attention the model's logits are the Megatron
 trainer's to the bit on the same weights (tests/megatron_trace/deepspeed/test_model.py).
 
@@ -40,10 +40,10 @@ import torch.nn.functional as F
 from transformers.models.qwen3_moe import modeling_qwen3_moe as hf
 
 from trace_kernels.moe_routing import router_logits, top_k_softmax
-from trace_kernels.norm_rope import rms_norm
 
 from ..guidance.codec import GuidanceFormatError
 from ..megatron import context
+from ..megatron.norm import fused_rms_norm
 from ..megatron.qat import FP4Site, fake_quant_expert_weights
 from ..modes import TrainerPrecision
 from ..packed_attention import packed_causal_attention
@@ -66,15 +66,14 @@ def _packed_bounds(hidden_states: torch.Tensor, kwargs: dict) -> list[int] | Non
 
 
 class TraceQwen3MoeRMSNorm(hf.Qwen3MoeRMSNorm):
-    """RMSNorm as the Megatron trainer and TRACE's engines compute it (trace_kernels.rms_norm: the
-    normalised BF16 input times the weight in FP32, rounded once; transformers rounds the
-    normalised input to BF16 before the weight)."""
+    """RMSNorm as the Megatron trainer and TRACE's engines compute it (`fused_rms_norm`, one kernel
+    each way on a GPU: the normalised BF16 input times the weight in FP32, rounded once;
+    transformers rounds the normalised input to BF16 before the weight)."""
 
     def forward(self, hidden_states):
         if hidden_states.dtype != torch.bfloat16:
             return super().forward(hidden_states)
-        # the torch path: autograd (the Triton kernel, the same values, has no backward)
-        return rms_norm(hidden_states, self.weight.float(), self.variance_epsilon, backend="torch")
+        return fused_rms_norm(hidden_states, self.weight.float(), self.variance_epsilon)
 
 
 class FP4Qwen3MoeAttention(hf.Qwen3MoeAttention):

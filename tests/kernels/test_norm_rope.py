@@ -11,6 +11,7 @@ from trace_kernels.norm_rope import (
     qk_norm_rope,
     qk_norm_rope_into_cache,
     rms_norm,
+    rms_norm_backward,
     rope,
 )
 
@@ -32,6 +33,44 @@ def test_rms_norm_is_torchs_composite(rows, n):
     assert got.dtype == torch.bfloat16 and got.shape == x.shape
     _assert_torch_rounding(got, want)
     assert torch.equal(rms_norm(x, w, 1e-6, backend="torch"), want)
+
+
+def _rms_norm_grads_float64(x, w, grad, eps):
+    """dx, dweight of x * rsqrt(mean(x^2) + eps) * w by autograd in float64: the reference."""
+    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+    y = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * w64
+    return torch.autograd.grad(y, (x64, w64), grad.double())
+
+
+# rows of several tiles and backward programs (a head's 128: 16 rows a tile, 16 tiles a program),
+# ragged ends, one row, none
+@pytest.mark.parametrize("rows, n", [(37, 2048), (300, 128), (5, 96), (1, 64), (0, 128)])
+def test_rms_norm_backward_against_float64(rows, n):
+    gen = torch.Generator().manual_seed(rows + n)
+    x = (heavy_tailed(max(rows, 1), n, seed=n) * 3)[:rows].bfloat16()
+    w = torch.rand(n, generator=gen) + 0.5
+    grad = torch.randn(rows, n, generator=gen).bfloat16()
+    dev = triton_device()
+    dx, dw = rms_norm_backward(grad.to(dev), x.to(dev), w.to(dev), 1e-6, backend="triton")
+    tdx, tdw = rms_norm_backward(grad, x, w, 1e-6, backend="torch")  # autograd through torch's composite
+    assert dx.dtype == torch.bfloat16 and dx.shape == x.shape and dw.dtype == torch.float32 and dw.shape == (n,)
+    if not rows:
+        assert torch.equal(dw.cpu(), torch.zeros(n))
+        return
+    rdx, rdw = _rms_norm_grads_float64(x, w, grad, 1e-6)
+    # dx rounded to BF16 once from FP32: within one BF16 ulp of the exact value, as torch's
+    scale = rdx.abs().amax(-1, keepdim=True)
+    assert ((dx.cpu().double() - rdx).abs() <= rdx.abs() * 2.0**-8 + scale * 2.0**-16).all()
+    assert ((tdx.double() - rdx).abs() <= rdx.abs() * 2.0**-8 + scale * 2.0**-16).all()
+    # dweight: FP32 sums over the rows, in another order than torch's
+    tol = 1e-5 * rdw.abs().max()
+    assert (dw.cpu().double() - rdw).abs().max() <= tol and (tdw.double() - rdw).abs().max() <= tol
+
+
+def test_rms_norm_backward_rejects_a_gradient_of_another_shape():
+    x = torch.ones(4, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="grad"):
+        rms_norm_backward(torch.ones(4, 9, dtype=torch.bfloat16), x, torch.ones(8), 1e-6)
 
 
 @pytest.mark.parametrize("n, groups, g, d", [(9, 4, 8, 128), (3, 2, 2, 16), (1, 1, 1, 64)])
