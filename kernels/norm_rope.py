@@ -12,6 +12,8 @@ The functions compute what the torch code computes, operation for operation:
 - `rms_norm_backward`: its gradients in one pass over x and the incoming gradient (the trainer's
   norms: in training, torch's composite also runs its backward as about ten elementwise kernels
   over FP32 temporaries, at the QK norms over every head of every token).
+- `rope_rows`: the rotary embedding given its BF16 cos / sin rows, and its gradient (the trainer's:
+  Megatron's unfused `apply_rotary_pos_emb` makes about five passes each way over q and k).
 - `qk_norm_rope`: that norm per head, then x * cos + rotate_half(x) * sin with every product
   and the sum rounded to BF16 as torch's BF16 ops round them (exact replication).
 - `qk_norm_rope_into_cache`: the same, with the keys and the values written into the paged KV
@@ -158,6 +160,36 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 
+def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, transpose: bool = False,
+              backend: str = "auto") -> torch.Tensor:
+    """The rotary embedding of x bf16 [S, ..., d], row s of its leading dim turned by cos / sin
+    bf16 [S, d]: x * cos + rotate_half(x) * sin, each product and the sum rounded to BF16 as
+    torch's BF16 operations round them (Megatron's `apply_rotary_pos_emb` bit for bit, given its
+    cos and sin). transpose=True: its gradient at an incoming gradient x, x * cos +
+    rotate_half^T(x * sin) with rotate_half^T(u) = (u2, -u1), rounded as autograd rounds it.
+    A new tensor of x's shape."""
+    n, d = x.shape[0], x.shape[-1]
+    if cos.shape != (n, d) or sin.shape != (n, d) or d % 2:
+        raise ValueError(f"rope_rows: cos and sin must be [{n}, {d}] for x {tuple(x.shape)} (d even), got "
+                         f"{tuple(cos.shape)} and {tuple(sin.shape)}")
+    if not _use_triton(x, backend):
+        c, s = (t.view(n, *([1] * (x.dim() - 2)), d) for t in (cos, sin))
+        x1, x2 = x.chunk(2, -1)
+        if transpose:
+            u1, u2 = (x * s).chunk(2, -1)
+            return x * c + torch.cat([u2, -u1], -1)
+        return x * c + torch.cat([-x2, x1], -1) * s
+    rows = x.reshape(-1, d).contiguous()
+    y = torch.empty_like(rows)
+    if rows.shape[0]:
+        half = triton.next_power_of_2(d // 2)
+        per = max(1, min(64, 1024 // half))
+        _rope_rows_kernel[(triton.cdiv(rows.shape[0], per),)](
+            rows, cos.contiguous(), sin.contiguous(), y, rows.shape[0], rows.shape[0] // n, D=d, HALF=half, ROWS=per,
+            TRANSPOSE=transpose, INTERPRET=_interpreting(), enable_fp_fusion=False)
+    return y.view(x.shape)
+
+
 def deinterleave(x: torch.Tensor) -> torch.Tensor:
     """MLA's rope part [..., r] with its pairs (2i, 2i+1) regrouped as halves (even channels,
     then odd), where the non-interleaved `rope` turns them: DeepSeek's interleaved RoPE, as
@@ -292,6 +324,32 @@ if triton is not None:
             tl.store(dx_ptr + row * N + i, _bf16(r * (g - xr * c), INTERPRET), mask=ok)
             dw += dy * xr
         tl.store(parts_ptr + p * N + i, tl.sum(dw, 0)[None, :], mask=i < N)
+
+    @triton.jit
+    def _rope_rows_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, R, per_token, D: tl.constexpr, HALF: tl.constexpr,
+                          ROWS: tl.constexpr, TRANSPOSE: tl.constexpr, INTERPRET: tl.constexpr):
+        """ROWS rows of D a program; row r turned by cos / sin row r // per_token."""
+        row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
+        i = tl.arange(0, HALF)[None, :]
+        ok = (row < R) & (i < D // 2)
+        at, tab = row * D + i, row // per_token * D + i
+        x1 = tl.load(x_ptr + at, mask=ok, other=0.0).to(tl.float32)
+        x2 = tl.load(x_ptr + at + D // 2, mask=ok, other=0.0).to(tl.float32)
+        c1 = tl.load(cos_ptr + tab, mask=ok, other=0.0).to(tl.float32)
+        c2 = tl.load(cos_ptr + tab + D // 2, mask=ok, other=0.0).to(tl.float32)
+        s1 = tl.load(sin_ptr + tab, mask=ok, other=0.0).to(tl.float32)
+        s2 = tl.load(sin_ptr + tab + D // 2, mask=ok, other=0.0).to(tl.float32)
+        # products of two BF16 values are exact in FP32: each rounding below is the BF16 op's
+        a1 = _bf16(x1 * c1, INTERPRET).to(tl.float32)
+        a2 = _bf16(x2 * c2, INTERPRET).to(tl.float32)
+        if TRANSPOSE:  # (u2, -u1) of u = bf16(x * sin)
+            b1 = _bf16(x2 * s2, INTERPRET).to(tl.float32)
+            b2 = -_bf16(x1 * s1, INTERPRET).to(tl.float32)
+        else:  # (-x2, x1) * sin
+            b1 = -_bf16(x2 * s1, INTERPRET).to(tl.float32)
+            b2 = _bf16(x1 * s2, INTERPRET).to(tl.float32)
+        tl.store(y_ptr + at, _bf16(a1 + b1, INTERPRET), mask=ok)
+        tl.store(y_ptr + at + D // 2, _bf16(a2 + b2, INTERPRET), mask=ok)
 
     @triton.jit
     def _row_halves(ptr, idx, D: tl.constexpr, PART_STRIDE, SPLITS: tl.constexpr, INTERPRET: tl.constexpr):

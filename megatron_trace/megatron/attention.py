@@ -26,6 +26,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
+from trace_kernels.norm_rope import rope_rows
+
 from ..packed_attention import causal_sdpa, packed_causal_attention, packed_positions
 from .qat import FP4Site
 
@@ -44,6 +46,38 @@ def host_cu_seqlens(packed_seq_params: PackedSeqParams) -> list[int]:
         raise NotImplementedError("packed self-attention needs cu_seqlens_kv == cu_seqlens_q")
     psp.__dict__["_trace_host_cu"] = (psp.cu_seqlens_q, kv, cu)
     return cu
+
+
+class _Rope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return rope_rows(x, cos, sin, backend="triton")
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        return rope_rows(grad.contiguous(), cos, sin, transpose=True, backend="triton"), None, None
+
+
+def rotate_pair(query: torch.Tensor, key: torch.Tensor, freqs: torch.Tensor, config, *, backend: str = "auto"):
+    """Megatron's `apply_rotary_pos_emb(t, freqs, config)` of query and key [S, ..., d] with freqs
+    float32 [S, 1, 1, d] (row s of the leading dim at freqs[s]): the rotated pair. BF16 on a GPU (or
+    backend="triton": the CPU interpreter, for tests) runs `rope_rows`, one kernel each way and the
+    same bits, its cos / sin computed once for both (Megatron's unfused path makes about five
+    elementwise passes each way per tensor); Megatron's own function otherwise (its TE fusion,
+    interleaved or partial rotary, other dtypes)."""
+    fused = backend == "triton" or (backend == "auto" and query.is_cuda)
+    if (fused and query.dtype == key.dtype == torch.bfloat16 and not config.apply_rope_fusion
+            and not config.rotary_interleaved and not config.multi_latent_attention
+            and freqs.shape[-1] == query.shape[-1]):
+        n, d = freqs.shape[0], freqs.shape[-1]
+        # Megatron's (cos(freqs) * 1.0).to(bf16): the product by mscale 1.0 is exact
+        cos, sin = (f(freqs).reshape(n, d).to(torch.bfloat16) for f in (torch.cos, torch.sin))
+        return _Rope.apply(query, cos, sin), _Rope.apply(key, cos, sin)
+    squeeze = query.dim() == 3  # THD [T, h, d]: Megatron's bshd path wants a batch dim
+    rotated = (apply_rotary_pos_emb(t.unsqueeze(1) if squeeze else t, freqs, config) for t in (query, key))
+    return tuple(t.squeeze(1) if squeeze else t for t in rotated)
 
 
 class FP4CoreAttention(DotProductAttention):
@@ -88,12 +122,10 @@ class FP4CoreAttention(DotProductAttention):
         index along S) or THD [T, h, d] (position from the start of its packed sequence; tokens
         after the last sequence get position 0, they attend to nothing)."""
         if cu is None:
-            freqs = self.rope(query.shape[0])  # [S, 1, 1, d] float32
-            return (apply_rotary_pos_emb(t, freqs, self.config) for t in (query, key))
+            return rotate_pair(query, key, self.rope(query.shape[0]), self.config)  # freqs [S, 1, 1, d] float32
         pos = packed_positions(tuple(cu), query.shape[0], query.device)
         longest = max((hi - lo for lo, hi in pairwise(cu)), default=1)
-        freqs = self.rope(max(longest, 1))[pos]  # [T, 1, 1, d]
-        return (apply_rotary_pos_emb(t.unsqueeze(1), freqs, self.config).squeeze(1) for t in (query, key))
+        return rotate_pair(query, key, self.rope(max(longest, 1))[pos], self.config)  # freqs [T, 1, 1, d]
 
     def _packed(self, query, key, value, cu: list[int]):
         return packed_causal_attention(query, key, value, cu, self.softmax_scale)

@@ -13,6 +13,7 @@ from trace_kernels.norm_rope import (
     rms_norm,
     rms_norm_backward,
     rope,
+    rope_rows,
 )
 
 
@@ -211,3 +212,26 @@ def test_yarn_frequencies_and_scales_are_transformers(rope):
     assert torch.equal(got, want.float())
     assert yarn_mscale(rope["factor"], rope["mscale"]) / yarn_mscale(rope["factor"], rope["mscale_all_dim"]) == \
         pytest.approx(factor, rel=1e-12)
+
+
+@pytest.mark.parametrize("shape", [(9, 3, 128), (4, 2, 5, 96)])
+def test_rope_rows_and_its_gradient_are_autograds_through_torchs_rope(shape):
+    """Forward: x * cos + rotate_half(x) * sin in BF16 ops; transpose: the gradient autograd takes
+    through that expression. The kernel (interpreter or GPU) and the torch path, bit for bit."""
+    gen = torch.Generator().manual_seed(shape[-1])
+    n, d = shape[0], shape[-1]
+    x = (torch.randn(*shape, generator=gen) * 3).bfloat16()
+    up = torch.randn(*shape, generator=gen).bfloat16()
+    ang = torch.rand(n, d, generator=gen) * 50
+    cos, sin = ang.cos().bfloat16(), ang.sin().bfloat16()
+    xr = x.clone().requires_grad_()
+    c, s = (t.view(n, *([1] * (len(shape) - 2)), d) for t in (cos, sin))
+    want = xr * c + torch.cat([-xr[..., d // 2:], xr[..., :d // 2]], -1) * s
+    want.backward(up)
+    dev = triton_device()
+    for backend, where in (("triton", dev), ("torch", "cpu")):
+        y = rope_rows(x.to(where), cos.to(where), sin.to(where), backend=backend)
+        dx = rope_rows(up.to(where), cos.to(where), sin.to(where), transpose=True, backend=backend)
+        assert torch.equal(y.cpu(), want.detach()) and torch.equal(dx.cpu(), xr.grad), backend
+    with pytest.raises(ValueError, match="cos and sin"):
+        rope_rows(x, cos[:-1], sin[:-1])

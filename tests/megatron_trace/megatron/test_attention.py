@@ -140,3 +140,37 @@ def test_cu_seqlens_reach_the_host_once_a_forward_and_must_agree():
     psp.cu_seqlens_q = torch.tensor([0, 2, 8], dtype=torch.int32)  # a new tensor is read anew, and checked
     with pytest.raises(NotImplementedError, match="cu_seqlens_kv == cu_seqlens_q"):
         host_cu_seqlens(psp)
+
+
+@pytest.mark.parametrize("shape", [(37, 2, 8, 128), (50, 4, 64), (3, 1, 2, 96)])  # [S, B, h, d] and THD [T, h, d]
+def test_rotate_pair_is_megatrons_rope_bit_for_bit(shape):
+    """The fused rotary embedding (the CPU interpreter here; a GPU's path) against Megatron's own
+    unfused rotary embedding (`_apply_rotary_pos_emb_bshd`, what `apply_rotary_pos_emb` runs without
+    context parallelism or TE's fusion): the same query and key bits, and the same gradients, since
+    the keys it rotates are what the FP4 KV-cache site quantizes as the engine does."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_trace.megatron.attention import rotate_pair
+
+    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4)
+    g = torch.Generator().manual_seed(shape[-1])
+    n, d = shape[0], shape[-1]
+    q, k = ((torch.randn(*shape, generator=g) * 3).bfloat16() for _ in range(2))
+    freqs = torch.rand(n, 1, 1, d, generator=g) * 50  # far-turned angles: cos and sin of every sign
+    up_q, up_k = (torch.randn(*shape, generator=g).bfloat16() for _ in range(2))
+
+    def run(fn):
+        a, b = q.clone().requires_grad_(), k.clone().requires_grad_()
+        ra, rb = fn(a, b)
+        torch.autograd.backward((ra, rb), (up_q, up_k))
+        return ra.detach(), rb.detach(), a.grad, b.grad
+
+    def megatron(a, b):
+        if a.dim() == 3:  # THD: a batch dim of one, as FP4CoreAttention calls it
+            return tuple(_apply_rotary_pos_emb_bshd(t.unsqueeze(1), freqs).squeeze(1) for t in (a, b))
+        return _apply_rotary_pos_emb_bshd(a, freqs), _apply_rotary_pos_emb_bshd(b, freqs)
+
+    got = run(lambda a, b: rotate_pair(a, b, freqs, config, backend="triton"))
+    for x, y in zip(got, run(megatron), strict=True):
+        assert x.dtype == torch.bfloat16 and torch.equal(x, y)
