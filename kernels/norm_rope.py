@@ -97,6 +97,8 @@ def rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
             xr, wr = x.detach().requires_grad_(), weight.detach().float().requires_grad_()
             dx, dw = torch.autograd.grad(F.rms_norm(xr, (n,), wr, eps), (xr, wr), grad)
         return dx, dw
+    if x.dtype != torch.bfloat16:  # the kernel rounds dx to BF16
+        raise ValueError(f"rms_norm_backward: the Triton path takes bfloat16 x, got {x.dtype}")
     rows = x.reshape(-1, n).contiguous()
     dx = torch.empty_like(rows)
     block, per = _norm_tile(n)
@@ -179,6 +181,9 @@ def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, transpos
             u1, u2 = (x * s).chunk(2, -1)
             return x * c + torch.cat([u2, -u1], -1)
         return x * c + torch.cat([-x2, x1], -1) * s
+    if x.dtype != torch.bfloat16 or cos.dtype != torch.bfloat16 or sin.dtype != torch.bfloat16:
+        raise ValueError(f"rope_rows: the Triton path takes bfloat16 x, cos and sin, got {x.dtype}, {cos.dtype}, "
+                         f"{sin.dtype}")  # it rounds every operation to BF16
     rows = x.reshape(-1, d).contiguous()
     y = torch.empty_like(rows)
     if rows.shape[0]:

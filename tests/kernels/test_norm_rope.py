@@ -72,6 +72,9 @@ def test_rms_norm_backward_rejects_a_gradient_of_another_shape():
     x = torch.ones(4, 8, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="grad"):
         rms_norm_backward(torch.ones(4, 9, dtype=torch.bfloat16), x, torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="bfloat16"):
+        dev = triton_device()
+        rms_norm_backward(x.float().to(dev), x.float().to(dev), torch.ones(8, device=dev), 1e-6, backend="triton")
 
 
 @pytest.mark.parametrize("n, groups, g, d", [(9, 4, 8, 128), (3, 2, 2, 16), (1, 1, 1, 64)])
@@ -235,3 +238,5 @@ def test_rope_rows_and_its_gradient_are_autograds_through_torchs_rope(shape):
         assert torch.equal(y.cpu(), want.detach()) and torch.equal(dx.cpu(), xr.grad), backend
     with pytest.raises(ValueError, match="cos and sin"):
         rope_rows(x, cos[:-1], sin[:-1])
+    with pytest.raises(ValueError, match="bfloat16"):
+        rope_rows(x.float().to(dev), cos.to(dev), sin.to(dev), backend="triton")
