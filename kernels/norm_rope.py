@@ -161,7 +161,6 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
-
 def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, transpose: bool = False,
               backend: str = "auto") -> torch.Tensor:
     """The rotary embedding of x bf16 [S, ..., d], row s of its leading dim turned by cos / sin
@@ -176,11 +175,10 @@ def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, transpos
                          f"{tuple(cos.shape)} and {tuple(sin.shape)}")
     if not _use_triton(x, backend):
         c, s = (t.view(n, *([1] * (x.dim() - 2)), d) for t in (cos, sin))
-        x1, x2 = x.chunk(2, -1)
         if transpose:
             u1, u2 = (x * s).chunk(2, -1)
             return x * c + torch.cat([u2, -u1], -1)
-        return x * c + torch.cat([-x2, x1], -1) * s
+        return rope(x, c, s)
     if x.dtype != torch.bfloat16 or cos.dtype != torch.bfloat16 or sin.dtype != torch.bfloat16:
         raise ValueError(f"rope_rows: the Triton path takes bfloat16 x, cos and sin, got {x.dtype}, {cos.dtype}, "
                          f"{sin.dtype}")  # it rounds every operation to BF16
