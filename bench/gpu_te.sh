@@ -4,7 +4,7 @@
 #   bash bench/te_h200/build_bundle.sh .te      # here, once
 # TE's core wheel travels in pieces, one device call each, onto one warm machine (calls chained
 # without a pause: an idle machine is given back after 30 s):
-#   carry [".te/core.part00"]: bash bench/gpu_te.sh part      ... one call per piece (54 MiB + the repo's 5)
+#   carry [".te/core.part00"]: bash bench/gpu_te.sh part      ... one call per piece (45 MiB + the tree's 14, under 64)
 #   carry [".te/whl", ".te/SHA256", ".te/CORE_NAME", ".whl"]: bash bench/gpu_te.sh install diff test bench
 # fp4 runs bench/fp4_quantize.py there too (the trainer's one-pass fake quantization, issue 28).
 # install builds TE's torch extension (90 s on 16 cores) and returns its wheel in $OUT: put it in .te/ext/

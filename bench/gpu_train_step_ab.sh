@@ -7,9 +7,14 @@
 # Default options: the Qwen3-30B-A3B shape of train_step_fusions_2026-12-06_h100.md (4 layers,
 # 16384 tokens, bf16 / fp4-rne / fp4-guided, 1 and 4 micro-batches). Environment: REPS (pairs of
 # runs, 2), STOP_AT (seconds after which no new run starts, 470), KERNEL_TESTS=1 runs the FP4
-# kernel tests first. Logs: $OUT/train_step_{new,old}_<rep>.log.
+# kernel tests first, KEEP_SITE=1 keeps the /tmp/site an earlier step installed (TE's, from
+# `bash bench/gpu_te.sh install`) instead of installing afresh. Logs: $OUT/train_step_{new,old}_<rep>.log.
 T0=$SECONDS
-source bench/gpu_setup.sh
+if [ "${KEEP_SITE:-0}" = 1 ]; then
+  export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+else
+  source bench/gpu_setup.sh
+fi
 [ -f .ab/setup.cfg ] || { echo ".ab/ is missing: make it with git archive (see the header)"; exit 2; }
 if [ "${KERNEL_TESTS:-0}" = 1 ]; then
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/fp4/test_partial_guidance.py \

@@ -5,7 +5,7 @@
 # .te/whl: TE's Python (`transformer_engine`), the extension's source (`transformer_engine_torch`,
 # built there against the image's torch and CUDA) and what the image lacks (pydantic & co,
 # nvdlfw-inspect, cudnn-frontend's headers); .te/core.partNN: TE's core wheel (264 MiB) in pieces
-# of 54 MiB, each carried by a call of its own onto one warm machine (bench/gpu_te.sh part);
+# of 45 MiB (the tree itself is 14 MiB of the 64 a call), each carried by a call of its own onto one warm machine (bench/gpu_te.sh part);
 # .te/SHA256: the core wheel's checksum, checked after the pieces are joined there.
 set -euo pipefail
 out=${1:-.te}; mkdir -p "$out/whl"
@@ -22,6 +22,6 @@ core=$(ls "$tmp"/transformer_engine_cu13-2.20.2-*.whl)
 basename "$core" > "$out/CORE_NAME"
 (cd "$tmp" && sha256sum "$(basename "$core")") > "$out/SHA256"
 rm -f "$out"/core.part*
-split -b 54M -d "$core" "$out/core.part"
+split -b 45M -d "$core" "$out/core.part"
 rm -rf "$tmp"
 ls -la "$out" "$out/whl"; du -sh "$out"
