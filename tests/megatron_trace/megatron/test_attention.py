@@ -156,9 +156,10 @@ def test_rotate_pair_is_megatrons_rope_bit_for_bit(shape):
     config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4)
     g = torch.Generator().manual_seed(shape[-1])
     n, d = shape[0], shape[-1]
-    q, k = ((torch.randn(*shape, generator=g) * 3).bfloat16() for _ in range(2))
-    freqs = torch.rand(n, 1, 1, d, generator=g) * 50  # far-turned angles: cos and sin of every sign
-    up_q, up_k = (torch.randn(*shape, generator=g).bfloat16() for _ in range(2))
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel on a GPU, else the interpreter
+    q, k = ((torch.randn(*shape, generator=g) * 3).bfloat16().to(dev) for _ in range(2))
+    freqs = (torch.rand(n, 1, 1, d, generator=g) * 50).to(dev)  # far-turned angles: cos and sin of every sign
+    up_q, up_k = (torch.randn(*shape, generator=g).bfloat16().to(dev) for _ in range(2))
 
     def run(fn):
         a, b = q.clone().requires_grad_(), k.clone().requires_grad_()

@@ -1,5 +1,6 @@
 """One FP4 site's weight quantization: the per-step cache against the direct path."""
 
+import pytest
 import torch
 
 from megatron_trace.megatron.qat import FP4Site, cached_weights
@@ -119,7 +120,7 @@ def test_the_cache_drops_an_all_true_mask_and_keeps_one_that_clips():
     with cached_weights():
         (site.quantize_weight(w) * upstream).sum().backward()
         (entry,) = qat._weight_cache.values()
-        assert entry[2] is None
+        assert entry[2].get() is None
     assert torch.equal(w.grad, upstream)
     w.grad = None
     low = amax(w.detach()) / 4
@@ -127,9 +128,49 @@ def test_the_cache_drops_an_all_true_mask_and_keeps_one_that_clips():
         w_q = qat._cached([w], lambda t: fake_quantize_ste(t, "nvfp4", global_amax=low, check_finite=False))
         (w_q * upstream).sum().backward()
         (entry,) = qat._weight_cache.values()
+        mask = entry[2].get()
     # the largest block scale (448) reaches 6 * 448 * g = low (g = low / 2688); past 7/6 of it, values saturate
     clipped = w.detach().abs() > 7 * low / 6
-    assert entry[2] is not None and bool(clipped.any()) and not bool(clipped.all())
+    assert mask is not None and bool(clipped.any()) and not bool(clipped.all())
     assert torch.equal(w.grad[clipped], torch.zeros_like(w.grad[clipped]))
-    assert torch.equal(w.grad[~entry[2]], torch.zeros_like(w.grad[~entry[2]]))
-    assert torch.equal(w.grad[entry[2]], upstream[entry[2]])
+    assert torch.equal(w.grad[~mask], torch.zeros_like(w.grad[~mask]))
+    assert torch.equal(w.grad[mask], upstream[mask])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the pinned copy behind an event needs a GPU"))])
+def test_clip_masks_of_stacked_experts_settle_later_and_each_expert_gets_its_slice(device):
+    """The all-true answer of each cached weight's mask is read later (a GPU event, not a stream
+    sync): of experts quantized at once with a scale that clips one of them, each gets its slice of
+    the stacked mask; the others' gradients pass untouched, the clipped one's are zero where it clipped; past
+    the byte budget the oldest unsettled mask is waited for."""
+    from megatron_trace.megatron import qat
+    from trace_kernels.fp4 import fake_quantize_ste
+
+    ws = [w.to(device).detach().requires_grad_() for w in _weights(seed=3, shapes=((32, 48),) * 4)]
+    with torch.no_grad():
+        ws[1].mul_(8)  # expert 1 far above the shared global amax below: it clips, 0 and 2 do not
+    low = torch.maximum(amax(ws[0]), amax(ws[2])).reshape(1, 1).expand(3, 1).contiguous()
+    upstream = torch.randn(3, 32, 48).bfloat16().to(device)
+    budget = qat.UNSETTLED_MASK_BYTES
+    try:
+        qat.UNSETTLED_MASK_BYTES = 1  # every new mask beyond the first waits for the one before
+        with cached_weights():
+            stacked = qat._cached(ws[:3], lambda t: fake_quantize_ste(t.reshape(3, -1), "nvfp4", scale="row",
+                                                                      global_amax=low, check_finite=False), each=True)
+            again = qat._cached([ws[0]], lambda t: pytest.fail("expert 0 is cached already"))
+            site = FP4Site(name="proj", layer=0, precision=TrainerPrecision.FP4_RNE)
+            site.quantize_weight(ws[3])
+            assert [m is qat._weight_cache[(qat._memory_key(ws[3]),)][2] for m in qat._unsettled] == [True]
+            (stacked * upstream).sum().backward()
+            (again * upstream[0]).sum().backward()
+            parts = [qat._weight_cache[(qat._memory_key(w),)][2] for w in ws[:3]]
+        assert not qat._unsettled  # the scope's end forgets them
+    finally:
+        qat.UNSETTLED_MASK_BYTES = budget
+    mask = parts[1].get()
+    clipped = ws[1].detach().abs() > 7 * low[1, 0] / 6
+    assert bool(parts[0].get().all()) and bool(parts[2].get().all())  # slices of the one stacked mask
+    assert mask is not None and bool(clipped.any()) and not bool(mask[clipped].any())
+    assert torch.equal(ws[0].grad, 2 * upstream[0]) and torch.equal(ws[2].grad, upstream[2])
+    assert torch.equal(ws[1].grad, torch.where(mask, upstream[1], 0))
