@@ -1,7 +1,8 @@
 """The FP4 numerics shared bit for bit by trainer and engine (docs/design.md section 2).
 
 Layers, bottom up: `formats` (element and scale codecs), `packing`, `reference` (torch
-specification), `triton_fp4` (GPU kernels equal to the reference), `qtensor`, `api`,
+specification), `triton_fp4` (GPU kernels equal to the reference), `qtensor`, `clip_mask`
+(when a straight-through mask is known all true, without a host sync), `api`,
 `partial_guidance` (sparse records' guidance applied in the same kernels). The decode
 kernels sit on top: `linear` (FP4-weight GEMMs), `paged_attention` (FP4 KV cache), and
 `cuda_decode` (CUDA C++ versions of both for Hopper, compiled by NVRTC at first use).
@@ -20,6 +21,7 @@ from .api import (
     quantize_guided,
     quantize_rows_into,
 )
+from .clip_mask import ClipMask
 from .formats import (
     E2M1_MAGNITUDES,
     E2M1_MAX,
@@ -36,6 +38,7 @@ from .partial_guidance import fake_quantize_partly_guided, resolve_partial
 from .qtensor import QTensor
 
 __all__ = [
+    "ClipMask",
     "E2M1_MAGNITUDES",
     "E2M1_MAX",
     "E4M3_MAX",

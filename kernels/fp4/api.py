@@ -11,6 +11,7 @@ import os
 import torch
 
 from . import reference
+from .clip_mask import ClipMask
 from .formats import Format, MXScaleRule, e4m3_to_float, e8m0_to_float
 from .packing import mantissa_bits, pack_codes, unpack_bits, unpack_codes
 from .qtensor import QTensor
@@ -370,18 +371,20 @@ def ste_mask(x: torch.Tensor, q: QTensor) -> torch.Tensor:
 
 class _FakeQuantizeSTE(torch.autograd.Function):
     """fake_fn(x) -> (fake-quantized x, STE mask or None); the gradient passes where the mask is
-    set (the mask is None only where no gradient is wanted)."""
+    set (the mask is None only where no gradient is wanted), untouched once the mask is known to
+    be all true (`ClipMask`)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, fake_fn) -> torch.Tensor:
         out, inside = fake_fn(x.detach())
         ctx.save_for_backward(inside)
+        ctx.clip = None if inside is None else ClipMask(inside, hold=False)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (inside,) = ctx.saved_tensors
-        return grad * inside, None
+        return (grad if ctx.clip.known_all_true() else grad * inside), None
 
 
 def _wants_grad(x: torch.Tensor) -> bool:

@@ -15,6 +15,7 @@ recomputed layer sees the same guidance as the first run.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -92,12 +93,13 @@ class MicroBatchGuidance:
                 raise GuidanceFormatError(f"layer {L}: {repeats} routed expert ids repeat within their token")
 
     def defer_check(self, layer: int, what: str, passed: torch.Tensor) -> None:
-        """Keep a check of this forward (a bool tensor, True when it passed) for
-        `raise_failed_checks`, so that the forward needs no host synchronisation per layer."""
+        """Keep a check of this forward (a bool tensor, True when it passed) for `close_checks`,
+        so that the forward needs no host synchronisation per layer."""
         self.pending_checks[(layer, what)] = passed
 
-    def raise_failed_checks(self) -> None:
-        """Run the deferred checks (one host synchronisation) and forget them.
+    def close_checks(self) -> None:
+        """The end of a forward: its deferred checks are read now (one host synchronisation) or,
+        inside `checks_read_at_end`, handed to that scope; then forgotten.
 
         Raises:
             GuidanceFormatError: naming each layer whose check failed and what failed.
@@ -105,11 +107,12 @@ class MicroBatchGuidance:
         if not self.pending_checks:
             return
         keys = list(self.pending_checks)
-        passed = torch.stack([t.reshape(()).to(torch.bool) for t in self.pending_checks.values()]).tolist()
+        passed = torch.stack([t.reshape(()).to(torch.bool) for t in self.pending_checks.values()])
         self.pending_checks.clear()
-        failed = [f"layer {layer}: {what}" for (layer, what), ok in zip(keys, passed, strict=True) if not ok]
-        if failed:
-            raise GuidanceFormatError("; ".join(failed))
+        if _forward_checks is not None:
+            _forward_checks.append((keys, passed))
+            return
+        _raise_failed([f"layer {layer}: {what}" for layer, what in keys], passed.tolist())
 
     def to(self, device) -> MicroBatchGuidance:
         return MicroBatchGuidance(self.num_tokens, {k: v.to(device) for k, v in self.sites.items()},
@@ -191,6 +194,40 @@ def expert_major_order(ids_TK: torch.Tensor) -> torch.Tensor:
     """The (token, slot) rows [T * k] of routed expert ids int [T, k], as a dispatcher of one rank
     that drops nothing orders them: by expert, tokens ascending (Megatron's `permute`)."""
     return torch.sort(ids_TK.reshape(-1), stable=True).indices
+
+
+def _raise_failed(labels: list[str], passed: list[bool]) -> None:
+    failed = [label for label, ok in zip(labels, passed, strict=True) if not ok]
+    if failed:
+        raise GuidanceFormatError("; ".join(failed))
+
+
+# the forwards' checks inside `checks_read_at_end`: (keys, bool [n]) per forward, in order
+_forward_checks: list[tuple[list, torch.Tensor]] | None = None
+
+
+@contextlib.contextmanager
+def checks_read_at_end():
+    """Within this scope (one call's micro-batches), each forward's deferred checks are read once
+    at the scope's end, with every other forward's, not at the forward's end. Reading waits for
+    the GPU: between a forward and its backward that drained the GPU's queue, which then idled
+    while the host launched the backward. A failed check is raised at the scope's end, naming
+    the forward (the micro-batch, in the order of the forwards) and the layer, before any
+    optimizer step; the gradients of that call are not to be used.
+
+    Raises:
+        GuidanceFormatError: at the end, naming each forward and layer whose check failed.
+    """
+    global _forward_checks
+    outer, _forward_checks = _forward_checks, []
+    try:
+        yield
+        forwards = _forward_checks
+    finally:
+        _forward_checks = outer
+    if forwards:
+        _raise_failed([f"micro-batch {i}: layer {layer}: {what}" for i, (keys, _) in enumerate(forwards)
+                       for layer, what in keys], torch.cat([p for _, p in forwards]).tolist())
 
 
 _active: MicroBatchGuidance | None = None

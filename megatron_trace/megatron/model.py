@@ -113,7 +113,7 @@ class TraceGPTModel(GPTModel):
         finally:
             context.activate(None)
         if guidance is not None:
-            guidance.raise_failed_checks()  # the layers' deferred checks, one host synchronisation
+            guidance.close_checks()  # the layers' deferred checks: read now, or at `checks_read_at_end`'s end
         if guidance is not None and torch.is_grad_enabled() and out.requires_grad:
             out = context.ActivateOnBackward.apply(out, guidance)
         return out

@@ -19,9 +19,11 @@ Where the dispatch group is this rank alone and nothing is dropped or padded, th
 only sorts the (token, slot) rows by expert, so the fc2 rows are taken in that order directly:
 no second dispatch, no byte rows, no host synchronisation.
 
-Checks that would otherwise wait for the GPU once a layer (routed ids in range, the tokens'
-experts those the engine routed) run once a forward: `MicroBatchGuidance.check_routed_experts`
-and `defer_check`, raised by `TraceGPTModel.forward`.
+Checks that would otherwise wait for the GPU once a layer run less often. Routed ids in range
+are checked once a forward, before any layer indexes with them (`MicroBatchGuidance.check_routed_experts`).
+That the tokens' experts are those the engine routed is deferred (`defer_check`). It is read once
+after all of a call's micro-batches (`checks_read_at_end`), or at the forward's end outside such a
+call.
 """
 
 from __future__ import annotations

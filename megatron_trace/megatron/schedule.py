@@ -19,7 +19,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from megatron.core.utils import unwrap_model
 
-from .context import MicroBatchGuidance
+from .context import MicroBatchGuidance, checks_read_at_end
 
 LossFn = Callable[[torch.Tensor], tuple[torch.Tensor, dict]]
 
@@ -97,9 +97,10 @@ def run_microbatches(model, batches: list[MicroBatch],
             return loss * n, {}
         return out, loss_func
 
-    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(range(n)), model=[model],
-                                num_microbatches=n, seq_length=max(b.input_ids.shape[1] for b in batches),
-                                micro_batch_size=1, forward_only=forward_only)
+    with checks_read_at_end():  # one wait for the GPU, not one between each forward and its backward
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(range(n)), model=[model],
+                                    num_microbatches=n, seq_length=max(b.input_ids.shape[1] for b in batches),
+                                    micro_batch_size=1, forward_only=forward_only)
     box = [infos_to_host([infos.get(i) for i in range(n)]) if infos else None]
     if ps.get_pipeline_model_parallel_world_size() > 1:
         dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),

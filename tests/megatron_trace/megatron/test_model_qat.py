@@ -211,16 +211,36 @@ def test_guidance_that_does_not_fit_is_refused_with_a_named_reason(case):
 
 
 def test_deferred_checks_raise_once_naming_each_layer_that_failed():
-    """The MoE layers' checks that run at the forward's end (no host synchronisation a layer)."""
+    """The MoE layers' checks that run at the forward's end (no host synchronisation a layer), and,
+    inside `checks_read_at_end` (a call's micro-batches), at the scope's end, naming the forward."""
     from megatron_trace.guidance import GuidanceFormatError
-    from megatron_trace.megatron.context import MicroBatchGuidance
+    from megatron_trace.megatron.context import MicroBatchGuidance, checks_read_at_end
 
     mb = MicroBatchGuidance(num_tokens=4)
     mb.defer_check(0, "fine", torch.tensor(True))
-    mb.raise_failed_checks()
+    mb.close_checks()
     mb.defer_check(0, "fine", torch.tensor(True))
     mb.defer_check(1, "experts differ", torch.tensor([False]))
     mb.defer_check(3, "experts differ", torch.tensor(False))
     with pytest.raises(GuidanceFormatError, match="^layer 1: experts differ; layer 3: experts differ$"):
-        mb.raise_failed_checks()
-    mb.raise_failed_checks()  # forgotten once raised
+        mb.close_checks()
+    mb.close_checks()  # forgotten once raised
+
+    with checks_read_at_end():  # all pass: nothing raised
+        for _ in range(2):
+            mb.defer_check(0, "fine", torch.tensor(True))
+            mb.close_checks()
+    reached = []
+    with pytest.raises(GuidanceFormatError, match="^micro-batch 1: layer 2: experts differ$"), checks_read_at_end():
+        for ok in (True, False, True):
+            mb.defer_check(0, "fine", torch.tensor(True))
+            mb.defer_check(2, "experts differ", torch.tensor(ok))
+            mb.close_checks()  # kept for the scope's end: the later forwards still run
+            reached.append(ok)
+    assert reached == [True, False, True] and not mb.pending_checks
+    with pytest.raises(RuntimeError, match="boom"), checks_read_at_end():  # another error goes first
+        mb.defer_check(0, "experts differ", torch.tensor(False))
+        mb.close_checks()
+        raise RuntimeError("boom")
+    mb.defer_check(0, "fine", torch.tensor(True))
+    mb.close_checks()  # no scope open any more: read at once

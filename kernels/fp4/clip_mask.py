@@ -1,0 +1,74 @@
+"""The straight-through mask of a fake quantization, and when the host learns it is all true.
+
+`fake_quantize`'s backward passes the gradient where an element was not clipped. An element
+clips only where its block's scale rounds to zero or a shared scale lies below it, so the mask
+is almost always all true, and multiplying the gradient by it is a pass over both for nothing.
+Asking the GPU whether it is all true costs a host synchronisation, which drains the GPU's queue.
+`ClipMask` asks without waiting: the answer is copied to pinned memory behind a CUDA event and
+read once the event has passed. Until then the mask is applied, which is never wrong.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ClipMask:
+    """A bool mask (True where the gradient passes) whose all-true answer arrives later.
+
+    Args:
+        inside: bool, any shape, on any device (on the CPU the answer is known at once).
+        hold: keep the mask here (`get`), dropped once known all true. Without it only the answer
+            is kept (`known_all_true`): autograd functions save the mask for backward themselves,
+            so that saved-tensor hooks (offloading, checkpointing) see it.
+    """
+
+    def __init__(self, inside: torch.Tensor, hold: bool = True):
+        self._mask: torch.Tensor | None = inside if hold else None
+        self.nbytes = inside.numel() * inside.element_size() if hold else 0
+        if inside.is_cuda:
+            self._all = torch.empty((), dtype=torch.bool, pin_memory=True)
+            self._all.copy_(inside.all(), non_blocking=True)
+            self._passed: torch.cuda.Event | None = torch.cuda.Event()
+            self._passed.record()
+        else:
+            self._all, self._passed = inside.all(), None
+        self._known: bool | None = None
+
+    def settle(self, wait: bool = False) -> bool:
+        """Reads the answer if it has arrived (with `wait`, waits for it); True once read. A held
+        mask is dropped once known to be all true."""
+        if self._known is None:
+            if self._passed is not None:
+                if not (wait or self._passed.query()):
+                    return False
+                self._passed.synchronize()
+                self._passed = None
+            self._known = bool(self._all)
+            if self._known:
+                self._mask = None
+        return True
+
+    def known_all_true(self, wait: bool = False) -> bool:
+        """Whether the mask is known to be all true (False also while the answer has not arrived)."""
+        return self.settle(wait) and self._known
+
+    def get(self, wait: bool = False) -> torch.Tensor | None:
+        """The held mask to multiply the gradient by, or None where it is known to be all true."""
+        self.settle(wait)
+        return self._mask
+
+    def part(self, i: int) -> ClipMaskPart:
+        """Slice i along dim 0: one weight's mask, of weights quantized stacked."""
+        return ClipMaskPart(self, i)
+
+
+class ClipMaskPart:
+    """Slice i (dim 0) of a held `ClipMask`."""
+
+    def __init__(self, whole: ClipMask, i: int):
+        self.whole, self.i = whole, i
+
+    def get(self, wait: bool = False) -> torch.Tensor | None:
+        mask = self.whole.get(wait)
+        return None if mask is None else mask[self.i]

@@ -1,0 +1,43 @@
+"""`ClipMask`: when the host learns that a straight-through mask is all true (no stream sync)."""
+
+import pytest
+import torch
+
+from tests.support.fp4 import HAS_CUDA, triton_device
+from trace_kernels.fp4 import ClipMask, fake_quantize
+from trace_kernels.fp4.api import quantize, ste_mask
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="the event path needs a GPU"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_all_true_mask_is_dropped_once_known_and_a_clipping_one_is_kept(device):
+    inside = torch.ones(3, 5, dtype=torch.bool, device=device)
+    held = ClipMask(inside)
+    assert held.get(wait=True) is None and held.known_all_true() and held.nbytes == 15
+    inside[1, 2] = False
+    clipping = ClipMask(inside)
+    assert not clipping.known_all_true(wait=True) and clipping.get() is inside
+    assert torch.equal(clipping.part(1).get(), inside[1]) and clipping.part(0).get().all()
+    unheld = ClipMask(inside, hold=False)
+    assert unheld.get(wait=True) is None and not unheld.known_all_true() and unheld.nbytes == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fake_quantize_knows_when_nothing_clipped_and_its_gradient_is_the_reference_masks(device):
+    """Rows scaled by their own amax do not clip (the backward may skip the mask); a global amax a
+    quarter of the rows' clips their largest elements (the backward applies the mask)."""
+    dev = triton_device() if device == "cuda" else "cpu"
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(8, 64, generator=g) * torch.exp(torch.randn(8, 1, generator=g))).bfloat16()
+    grad = torch.randn(8, 64, generator=g).bfloat16()
+    low = x.float().abs().amax() / 4
+    for kw, clips in ((dict(scale="row"), False), (dict(global_amax=low), True)):
+        want_mask = ste_mask(x, quantize(x, **kw, backend="torch"))
+        assert bool((~want_mask).any()) == clips
+        xd = x.to(dev, copy=True).requires_grad_(True)
+        y = fake_quantize(xd, check_finite=False, **{k: v.to(dev) if torch.is_tensor(v) else v for k, v in kw.items()})
+        y.grad_fn.clip.settle(wait=True)
+        assert y.grad_fn.clip.known_all_true() == (not clips)
+        y.backward(grad.to(dev))
+        assert torch.equal(xd.grad.cpu(), grad * want_mask)
