@@ -349,8 +349,10 @@ CLIP_THRESHOLD = 7.0
 def block_clip_bound(q: QTensor) -> torch.Tensor:
     """Per block, the magnitude above which saturation (not rounding) sets the value.
 
-    7 * block_scale (* g), float32 [..., B]. Dynamic scales keep every element below it (the
-    E4M3 rounding of a scale moves the block max to at most ~6.4 in scaled units), so only
+    7 * block_scale (* g), float32 [..., B]. Dynamic NVFP4 scales keep every element below it
+    while the scale is an E4M3 normal (its rounding moves the block max to at most ~6.4 in
+    scaled units). Below that they do not: a block whose max is under about 2^-6 / 448 of the
+    global amax gets a subnormal scale (steps of 2^-9), and its max can saturate. Otherwise only
     scales given from outside (`global_amax`, guidance) clip.
     """
     r = q.rows()

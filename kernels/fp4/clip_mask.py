@@ -1,8 +1,9 @@
 """The straight-through mask of a fake quantization, and when the host learns it is all true.
 
-`fake_quantize`'s backward passes the gradient where an element was not clipped. An element
-clips only where its block's scale rounds to zero or a shared scale lies below it, so the mask
-is almost always all true, and multiplying the gradient by it is a pass over both for nothing.
+`fake_quantize`'s backward passes the gradient where an element was not clipped. With the data's
+own scales an element clips only in a block whose scale is an E4M3 subnormal (block max under
+about 2^-6 / 448 of the amax), or under a scale given from outside. So the mask is almost always
+all true, and multiplying the gradient by it is a pass over both for nothing.
 Asking the GPU whether it is all true costs a host synchronisation, which drains the GPU's queue.
 `ClipMask` asks without waiting: the answer is copied to pinned memory behind a CUDA event and
 read once the event has passed. Until then the mask is applied, which is never wrong.

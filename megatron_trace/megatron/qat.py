@@ -149,10 +149,10 @@ def _cached(params: list[torch.Tensor], compute, peers: tuple = (), each: bool =
         # the entry holds the memory it is keyed on, so no other tensor gets that address inside
         # the scope (not even where a parameter's .data is swapped, as sharding frameworks do)
         held = tuple(t.untyped_storage() for t in tensors)
-        # a weight scaled by its own amax clips only where a block's scale rounds to zero: once its
-        # mask is known all true (behind an event, not a stream sync) it is dropped, sparing each
-        # micro-batch's backward a pass over the gradient (1.5 ms a layer for Qwen3-30B-A3B's fc1
-        # experts on an H100) and the mask's memory
+        # a weight scaled by its own amax clips only in blocks of subnormal scale (under ~2^-15 of
+        # its amax; `block_clip_bound`): once its mask is known all true (behind an event, not a
+        # stream sync) it is dropped, sparing each micro-batch's backward a pass over the gradient
+        # (1.5 ms a layer for Qwen3-30B-A3B's fc1 experts on an H100) and the mask's memory
         mask = ClipMask(inside.reshape(w.shape))
         _settle_masks(mask)
         hit = _weight_cache[key] = (version, w_q.reshape(w.shape), mask, held)

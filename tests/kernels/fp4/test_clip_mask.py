@@ -41,3 +41,23 @@ def test_fake_quantize_knows_when_nothing_clipped_and_its_gradient_is_the_refere
         assert y.grad_fn.clip.known_all_true() == (not clips)
         y.backward(grad.to(dev))
         assert torch.equal(xd.grad.cpu(), grad * want_mask)
+
+
+def test_dynamic_scales_clip_only_in_blocks_whose_scale_is_an_e4m3_subnormal():
+    """Why a mask is almost always all true, and why it is still kept: with the row's own amax,
+    a block's scale rounds by at most 1/16 while it is an E4M3 normal (>= 2^-6), so the block max
+    stays under 7 units; among the subnormals the step is 2^-9 and a block max of 1.4 steps
+    saturates. Swept over block maxima from the row's amax down to about 2^-21 of it."""
+    from trace_kernels.fp4 import e4m3_to_float
+
+    fractions = torch.logspace(0, -11, 2000, base=2.0, dtype=torch.float64) ** 1.9  # 1 .. ~2^-21
+    x = torch.ones(len(fractions), 32, dtype=torch.float64)
+    x[:, 16:] = fractions[:, None] * torch.linspace(0.5, 1, 16, dtype=torch.float64)  # second block's max: fraction
+    x = x.bfloat16()
+    q = quantize(x, scale="row", backend="torch")
+    mask = ste_mask(x, q).reshape(-1, 2, 16).all(-1)
+    scale = e4m3_to_float(q.rows().block_scales).reshape(-1, 2)
+    assert bool(mask[:, 0].all())  # the block holding the amax
+    normal = scale[:, 1] >= 2.0**-6
+    assert bool(normal.any()) and bool(mask[normal, 1].all())
+    assert not bool(mask[~normal, 1].all())  # some subnormal-scale blocks clip

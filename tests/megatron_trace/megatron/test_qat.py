@@ -108,9 +108,9 @@ def test_expert_weights_quantized_at_once_are_found_expert_by_expert():
 
 
 def test_the_cache_drops_an_all_true_mask_and_keeps_one_that_clips():
-    """A weight scaled by its own amax never clips: the cache keeps no mask and the backward hands
-    the gradient on untouched; a scale that clips (here a global amax 4x below the weight's) keeps
-    its mask, and the clipped elements get no gradient."""
+    """A weight scaled by its own amax (no block of subnormal scale here) does not clip: the cache
+    keeps no mask and the backward hands the gradient on untouched; a scale that clips (here a
+    global amax 4x below the weight's) keeps its mask, and the clipped elements get no gradient."""
     from megatron_trace.megatron import qat
     from trace_kernels.fp4 import fake_quantize_ste
 
