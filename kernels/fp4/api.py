@@ -372,21 +372,23 @@ def ste_mask(x: torch.Tensor, q: QTensor) -> torch.Tensor:
 
 
 class _FakeQuantizeSTE(torch.autograd.Function):
-    """fake_fn(x) -> (fake-quantized x, STE mask or None); the gradient passes where the mask is
-    set (the mask is None only where no gradient is wanted), untouched once the mask is known to
-    be all true (`ClipMask`)."""
+    """fake_fn(x) -> (fake-quantized x, STE mask or None, 0-d bool whether the mask is all true);
+    the gradient passes where the mask is set (the mask is None only where no gradient is wanted),
+    untouched once the mask is known to be all true (`ClipMask`)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, fake_fn) -> torch.Tensor:
-        out, inside = fake_fn(x.detach())
+        out, inside, all_inside = fake_fn(x.detach())
         ctx.save_for_backward(inside)
-        ctx.clip = None if inside is None else ClipMask(inside, hold=False)
+        ctx.clip = None if inside is None else ClipMask(inside, hold=False, all_inside=all_inside)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (inside,) = ctx.saved_tensors
-        return (grad if ctx.clip.known_all_true() else grad * inside), None
+        # waits for the answer (an event of this forward's quantize, long queued: no drain of the
+        # GPU's queue), which is nearly always "all true" and spares a pass over the gradient
+        return (grad if ctx.clip.known_all_true(wait=True) else grad * inside), None
 
 
 def _wants_grad(x: torch.Tensor) -> bool:
@@ -423,6 +425,27 @@ def fake_quantize_ste(
     Returns:
         (dequantize(quantize(x, ...), x.dtype) of x's shape and dtype, bool mask of x's shape or None).
     """
+    return fake_quantize_ste_flagged(x, fmt, scale, rounding, seed, global_amax=global_amax,
+                                     mx_scale_rule=mx_scale_rule, backend=backend, check_finite=check_finite,
+                                     with_mask=with_mask)[:2]
+
+
+def fake_quantize_ste_flagged(
+    x: torch.Tensor,
+    fmt: str | Format = "nvfp4",
+    scale: str | None = None,
+    rounding: str = "rne",
+    seed: int | None = None,
+    *,
+    global_amax: torch.Tensor | None = None,
+    mx_scale_rule: str | MXScaleRule = "floor",
+    backend: str = "auto",
+    check_finite: bool = True,
+    with_mask: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`fake_quantize_ste` (same arguments), and whether its mask is all true: a 0-d bool tensor on
+    x's device, None without a mask. The one-pass kernel answers it from per-program flags, so no
+    second pass reads the mask (`ClipMask` takes it)."""
     if rounding == "rne" and _parse_format(fmt) is Format.NVFP4 and _fusable(x, backend):
         _validate_input(x, Format.NVFP4)
         x_MK = x.reshape(-1, x.shape[-1]).contiguous()
@@ -435,14 +458,21 @@ def fake_quantize_ste(
                 else None, with_mask=with_mask))
     q = quantize(x, fmt, scale, rounding, seed, global_amax=global_amax, mx_scale_rule=mx_scale_rule,
                  backend=backend, check_finite=check_finite)
-    return dequantize(q, x.dtype, backend=backend), ste_mask(x, q) if with_mask else None
+    return _three_step_result(x, q, backend, with_mask)
 
 
-def _fused_result(x, check_finite, out, mask, _scales, _g, bad) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`fake_quantize_bf16_triton`'s values and mask in x's shape, its non-finite flags checked."""
+def _three_step_result(x, q, backend, with_mask) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    mask = ste_mask(x, q) if with_mask else None
+    return dequantize(q, x.dtype, backend=backend), mask, None if mask is None else mask.all()
+
+
+def _fused_result(x, check_finite, out, mask, _scales, _g, bad, all_inside) -> tuple[
+        torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`fake_quantize_bf16_triton`'s values, mask and all-true answer, in x's shape, its
+    non-finite flags checked."""
     if check_finite and bool(bad.any()):
         _raise_nonfinite("detected by the Triton kernel")
-    return out.reshape(x.shape), None if mask is None else mask.reshape(x.shape)
+    return out.reshape(x.shape), None if mask is None else mask.reshape(x.shape), all_inside
 
 
 def fake_quantize_guided_ste(x: torch.Tensor, global_scale: torch.Tensor, block_scales: torch.Tensor,
@@ -454,6 +484,13 @@ def fake_quantize_guided_ste(x: torch.Tensor, global_scale: torch.Tensor, block_
     Returns:
         (dequantize(quantize_guided(x, ...), x.dtype), bool mask of x's shape or None).
     """
+    return _fake_quantize_guided_ste_flagged(x, global_scale, block_scales, mantissa_bits, backend=backend,
+                                             check_finite=check_finite, with_mask=with_mask)[:2]
+
+
+def _fake_quantize_guided_ste_flagged(x, global_scale, block_scales, mantissa_bits, *, backend="auto",
+                                      check_finite=True, with_mask=True):
+    """`fake_quantize_guided_ste` and whether the mask is all true, as `fake_quantize_ste_flagged`."""
     if _fusable(x, backend):
         _validate_input(x, Format.NVFP4)
         _check_guidance_shapes(x, global_scale, block_scales, mantissa_bits)
@@ -468,7 +505,7 @@ def fake_quantize_guided_ste(x: torch.Tensor, global_scale: torch.Tensor, block_
             return _fused_result(x, check_finite,
                                  *triton_fp4.fake_quantize_bf16_triton(x_MK, guidance=guidance, with_mask=with_mask))
     q = quantize_guided(x, global_scale, block_scales, mantissa_bits, backend=backend, check_finite=check_finite)
-    return dequantize(q, x.dtype, backend=backend), ste_mask(x, q) if with_mask else None
+    return _three_step_result(x, q, backend, with_mask)
 
 
 def fake_quantize(x: torch.Tensor, fmt: str | Format = "nvfp4", scale: str | None = None,
@@ -486,7 +523,7 @@ def fake_quantize(x: torch.Tensor, fmt: str | Format = "nvfp4", scale: str | Non
     with_mask = _wants_grad(x)
 
     def fake_fn(t):
-        return fake_quantize_ste(t, fmt, scale, rounding, seed, with_mask=with_mask, **kwargs)
+        return fake_quantize_ste_flagged(t, fmt, scale, rounding, seed, with_mask=with_mask, **kwargs)
 
     return _FakeQuantizeSTE.apply(x, fake_fn)
 
@@ -499,6 +536,7 @@ def fake_quantize_guided(x: torch.Tensor, global_scale: torch.Tensor, block_scal
     with_mask = _wants_grad(x)
 
     def fake_fn(t):
-        return fake_quantize_guided_ste(t, global_scale, block_scales, mantissa_bits, with_mask=with_mask, **kwargs)
+        return _fake_quantize_guided_ste_flagged(t, global_scale, block_scales, mantissa_bits, with_mask=with_mask,
+                                                 **kwargs)
 
     return _FakeQuantizeSTE.apply(x, fake_fn)

@@ -5,8 +5,10 @@ own scales an element clips only in a block whose scale is an E4M3 subnormal (bl
 about 2^-6 / 448 of the amax), or under a scale given from outside. So the mask is almost always
 all true, and multiplying the gradient by it is a pass over both for nothing.
 Asking the GPU whether it is all true costs a host synchronisation, which drains the GPU's queue.
-`ClipMask` asks without waiting: the answer is copied to pinned memory behind a CUDA event and
-read once the event has passed. Until then the mask is applied, which is never wrong.
+`ClipMask` asks without draining it: the answer (from the one-pass kernel's per-program flags, or
+a reduction over the mask) is copied to pinned memory behind a CUDA event. The backward waits for
+that event: the quantize it follows was queued long before, so the GPU keeps the work queued after
+it, and the gradient is spared a pass in the common all-true case.
 """
 
 from __future__ import annotations
@@ -22,18 +24,21 @@ class ClipMask:
         hold: keep the mask here (`get`), dropped once known all true. Without it only the answer
             is kept (`known_all_true`): autograd functions save the mask for backward themselves,
             so that saved-tensor hooks (offloading, checkpointing) see it.
+        all_inside: 0-d bool on inside's device, the answer where it is already computed (by the
+            quantize kernel); else `inside.all()`.
     """
 
-    def __init__(self, inside: torch.Tensor, hold: bool = True):
+    def __init__(self, inside: torch.Tensor, hold: bool = True, all_inside: torch.Tensor | None = None):
         self._mask: torch.Tensor | None = inside if hold else None
         self.nbytes = inside.numel() * inside.element_size() if hold else 0
+        answer = inside.all() if all_inside is None else all_inside
         if inside.is_cuda:
             self._all = torch.empty((), dtype=torch.bool, pin_memory=True)
-            self._all.copy_(inside.all(), non_blocking=True)
+            self._all.copy_(answer, non_blocking=True)
             self._passed: torch.cuda.Event | None = torch.cuda.Event()
             self._passed.record()
         else:
-            self._all, self._passed = inside.all(), None
+            self._all, self._passed = answer, None
         self._known: bool | None = None
 
     def settle(self, wait: bool = False) -> bool:

@@ -14,7 +14,14 @@ from __future__ import annotations
 
 import torch
 
-from .api import _FakeQuantizeSTE, _fusable, _raise_nonfinite, _wants_grad, fake_quantize_guided_ste, triton_fp4
+from .api import (
+    _fake_quantize_guided_ste_flagged,
+    _FakeQuantizeSTE,
+    _fusable,
+    _raise_nonfinite,
+    _wants_grad,
+    triton_fp4,
+)
 from .packing import pack_bits
 from .reference import (
     nvfp4_block_amax,
@@ -88,18 +95,19 @@ def fake_quantize_partly_guided(x_RK: torch.Tensor, g: torch.Tensor, scales: tor
     def fused(t):
         rule = (triton_fp4.SCALES_BY_LSB if scale_lsb else triton_fp4.SCALES_GIVEN if scale_known is None
                 else triton_fp4.SCALES_WHERE_KNOWN)
-        out, inside, _, _, bad = triton_fp4.fake_quantize_partly_guided_bf16_triton(
+        out, inside, _, _, bad, all_inside = triton_fp4.fake_quantize_partly_guided_bf16_triton(
             t.contiguous(), g.reshape(-1).contiguous(), scales.contiguous(), bits_c, rule,
             None if scale_known is None else scale_known.contiguous().view(torch.uint8), known_c,
             with_mask=with_mask)
         if check_finite and bool(bad.any()):
             _raise_nonfinite("detected by the Triton kernel")
-        return out, inside
+        return out, inside, all_inside
 
     def unfused(t):
-        return fake_quantize_guided_ste(t, *resolve_partial(t, g, scales, bits, scale_lsb=scale_lsb,
-                                                            scale_known=scale_known, bit_known=bit_known),
-                                        backend=backend, check_finite=check_finite, with_mask=with_mask)
+        guidance = resolve_partial(t, g, scales, bits, scale_lsb=scale_lsb, scale_known=scale_known,
+                                   bit_known=bit_known)
+        return _fake_quantize_guided_ste_flagged(t, *guidance, backend=backend, check_finite=check_finite,
+                                                 with_mask=with_mask)
 
     # _fusable first: without Triton (or off its backend) triton_fp4 may be None; the kernel
     # takes x contiguous (`fused` copies it where it is not)

@@ -710,7 +710,7 @@ def _quantize_bf16_kernel(
     G_MODE: tl.constexpr, GUIDED: tl.constexpr, ROW_PROGRAM: tl.constexpr, BLOCK_B: tl.constexpr,
     INTERPRET: tl.constexpr, FAKE: tl.constexpr = False, MASK_OUT: tl.constexpr = False, mask_ptr=None,
     SCALE_RULE: tl.constexpr = 0, BITS_KNOWN: tl.constexpr = False, scale_known_ptr=None, known_ptr=None,
-    scales_out_ptr=None,
+    scales_out_ptr=None, clip_ptr=None,
 ):
     """Row- or tensor-scaled NVFP4 (RNE) or guided codes of BF16 rows, the same values as
     `_quantize_kernel`, by threshold comparisons (see above).
@@ -723,7 +723,8 @@ def _quantize_bf16_kernel(
     FAKE: codes_ptr (int32 words of BF16 pairs, [NB, 8]) receives the dequantized values instead
     of packed codes, as `dequantize(q, torch.bfloat16)`: fake quantization in one pass. MASK_OUT
     (with FAKE): mask_ptr (int16 words of two bool bytes, [NB, 8]) receives `ste_mask`, |x| <
-    7 * (s * g), s the stored scale byte's value.
+    7 * (s * g), s the stored scale byte's value, and clip_ptr (uint8, one per program) whether any
+    of the program's elements is outside it: whether the mask is all true, without another pass.
     Partial guidance (GUIDED; sparse records, `partial_guidance.resolve_partial` in torch):
     SCALE_RULE 1: each block's own scale, rounded to the E4M3 code whose last bit is the one of
     the byte at scales_ptr; 2: the byte at scales_ptr where scale_known_ptr's byte is non-zero,
@@ -824,9 +825,17 @@ def _quantize_bf16_kernel(
         if FAKE:
             tl.store(codes_ptr + offs + 4 * h, _dequant_pair(codes, s_q[:, None], g_q, INTERPRET), mask=mask)
             if MASK_OUT:
-                tl.store(mask_ptr + offs + 4 * h, _inside_pair(xh, bound), mask=mask)
+                inside = _inside_pair(xh, bound)
+                tl.store(mask_ptr + offs + 4 * h, inside, mask=mask)
+                outside = tl.max(tl.where(mask, inside != 0x0101, 0).to(tl.int32))  # 0x0101: both bytes true
+                if h == 0:
+                    clipped = outside
+                else:
+                    clipped = tl.maximum(clipped, outside)
         else:
             tl.store(codes_ptr + offs + 4 * h, codes, mask=mask)
+    if FAKE and MASK_OUT:
+        tl.store(clip_ptr + pid, clipped.to(tl.uint8))
     if G_MODE != 3:
         bad = tl.max((amax_bits >= 0x7F80).to(tl.int32), axis=0)
         tl.store(bad_ptr + pid, bad.to(tl.uint8))
@@ -857,7 +866,8 @@ def _bf16_launch(row_program: bool, m: int, nb: int, bpr: int, guided: bool = Fa
 
 
 def _quantize_bf16(x_MK, codes, scales, g, g_mode, bits=None, mask=None, partial=None):
-    """Launch `_quantize_bf16_kernel` over contiguous BF16 rows; returns the non-finite flags.
+    """Launch `_quantize_bf16_kernel` over contiguous BF16 rows; returns (the non-finite flags,
+    0-d bool: whether the mask is all true, or None without a mask).
     codes: packed codes uint8 [M, K/2], or bf16 [M, K] for the dequantized values (FAKE); mask:
     bool [M, K] for the straight-through mask (FAKE only), or None. partial (with bits): the
     tuple (SCALE_RULE, scale_known uint8 [M, K/16] or None, bit_known uint8 [M, K/8] or None,
@@ -868,6 +878,7 @@ def _quantize_bf16(x_MK, codes, scales, g, g_mode, bits=None, mask=None, partial
     row_program = g_mode == G_ROW_AMAX or (g_mode == G_ROW and k <= MAX_ROW_ELEMENTS)
     block_b, grid, warps = _bf16_launch(row_program, m, nb, bpr, bits is not None)
     bad = torch.empty((grid,), dtype=torch.uint8, device=x_MK.device)
+    clipped = None if mask is None else torch.empty((grid,), dtype=torch.uint8, device=x_MK.device)
     scale_rule, scale_known, bit_known, scales_out = partial or (0, None, None, None)
     if grid:
         out = codes.view(torch.int32) if fake else codes
@@ -878,9 +889,9 @@ def _quantize_bf16(x_MK, codes, scales, g, g_mode, bits=None, mask=None, partial
             mask_ptr=None if mask is None else mask.view(torch.int16), SCALE_RULE=scale_rule,
             BITS_KNOWN=bit_known is not None, scale_known_ptr=scale_known,
             known_ptr=None if bit_known is None else bit_known.view(torch.int16), scales_out_ptr=scales_out,
-            num_warps=warps, enable_fp_fusion=False,
+            clip_ptr=clipped, num_warps=warps, enable_fp_fusion=False,
         )
-    return bad
+    return bad, None if clipped is None else ~clipped.view(torch.bool).any()  # flags of 0 or 1
 
 
 def fusable(x_MK: torch.Tensor, bits: torch.Tensor | None = None) -> bool:
@@ -895,7 +906,7 @@ def fake_quantize_bf16_triton(
     row_amax: torch.Tensor | None = None,
     guidance: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     with_mask: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """NVFP4 fake quantization (RNE or guided) of BF16 rows and its straight-through mask, in one
     pass: x read once, values and mask written once (`_quantize_bf16_kernel`, FAKE).
 
@@ -908,7 +919,9 @@ def fake_quantize_bf16_triton(
         with_mask: also write the mask.
     Returns:
         (dequantized values bf16 [M, K], mask bool [M, K] or None, block scale bytes uint8 [M, K/16],
-         global scale float32 ([M] for rows, 0-d for tensor), non-finite flag uint8 per program).
+         global scale float32 ([M] for rows, 0-d for tensor), non-finite flag uint8 per program,
+         0-d bool whether the mask is all true (None without a mask): from the kernel's
+         per-program flags, not another pass over the mask).
     """
     if not fusable(x_MK, None if guidance is None else guidance[2]):
         raise ValueError("fake_quantize_bf16_triton: rows must be contiguous 16-byte aligned bfloat16, K % 16 == 0, "
@@ -919,11 +932,11 @@ def fake_quantize_bf16_triton(
     mask = torch.empty((m, k), dtype=torch.bool, device=dev) if with_mask else None
     if guidance is not None:
         g, scales, bits = guidance
-        bad = _quantize_bf16(x_MK, out, scales, g, G_ROW, bits=bits, mask=mask)
-        return out, mask, scales, g, bad
+        bad, all_inside = _quantize_bf16(x_MK, out, scales, g, G_ROW, bits=bits, mask=mask)
+        return out, mask, scales, g, bad, all_inside
     scales = torch.empty((m, k // 16), dtype=torch.uint8, device=dev)
     g, g_mode = _nvfp4_g(x_MK, row_scale, global_amax, row_amax)
-    return out, mask, scales, g, _quantize_bf16(x_MK, out, scales, g, g_mode, mask=mask)
+    return out, mask, scales, g, *_quantize_bf16(x_MK, out, scales, g, g_mode, mask=mask)
 
 
 SCALES_GIVEN, SCALES_BY_LSB, SCALES_WHERE_KNOWN = 0, 1, 2  # SCALE_RULE of `_quantize_bf16_kernel`
@@ -932,7 +945,7 @@ SCALES_GIVEN, SCALES_BY_LSB, SCALES_WHERE_KNOWN = 0, 1, 2  # SCALE_RULE of `_qua
 def fake_quantize_partly_guided_bf16_triton(
     x_MK: torch.Tensor, g: torch.Tensor, scales: torch.Tensor, bits: torch.Tensor, scale_rule: int,
     scale_known: torch.Tensor | None, bit_known: torch.Tensor | None, with_mask: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`fake_quantize_bf16_triton` under partial guidance (sparse records), in the same one pass:
     the block scales and mantissa bits the guidance leaves open are the rows' own (see
     `_quantize_bf16_kernel`'s SCALE_RULE and BITS_KNOWN).
@@ -944,7 +957,7 @@ def fake_quantize_partly_guided_bf16_triton(
         [M, K/16] (SCALES_WHERE_KNOWN only).
     Returns:
         (values bf16 [M, K], mask bool [M, K] or None, the block scale bytes used uint8 [M, K/16],
-         g, non-finite flag uint8 per program).
+         g, non-finite flag uint8 per program, 0-d bool whether the mask is all true or None).
     """
     if not (fusable(x_MK, bits) and (bit_known is None or fusable(x_MK, bit_known))):
         raise ValueError("fake_quantize_partly_guided_bf16_triton: rows must be contiguous 16-byte aligned bfloat16, "
@@ -957,8 +970,8 @@ def fake_quantize_partly_guided_bf16_triton(
     mask = torch.empty((m, k), dtype=torch.bool, device=dev) if with_mask else None
     scales_out = scales if scale_rule == SCALES_GIVEN else torch.empty_like(scales)
     partial = (scale_rule, scale_known, bit_known, scales_out)
-    bad = _quantize_bf16(x_MK, out, scales, g, G_ROW, bits=bits, mask=mask, partial=partial)
-    return out, mask, scales_out, g, bad
+    bad, all_inside = _quantize_bf16(x_MK, out, scales, g, G_ROW, bits=bits, mask=mask, partial=partial)
+    return out, mask, scales_out, g, bad, all_inside
 
 
 def _interpreting() -> bool:
@@ -1033,7 +1046,7 @@ def quantize_rows_triton(
     else:
         g, g_mode = _nvfp4_g(x_MK, row_scale, global_amax, row_amax)
     if fmt is Format.NVFP4 and not stochastic and _bf16_fast_path(x_MK):
-        return codes, scales, g, _quantize_bf16(x_MK, codes, scales, g, g_mode)
+        return codes, scales, g, _quantize_bf16(x_MK, codes, scales, g, g_mode)[0]
     block_b, grid = _launch_grid(g_mode, m, nb, bs)
     num_warps = 8 if block_b * bs >= 4096 else 4
     bad = torch.empty((grid,), dtype=torch.uint8, device=dev)
@@ -1139,7 +1152,7 @@ def quantize_guided_rows_triton(
     nb = m * k // 16
     codes = torch.empty((m, k // 2), dtype=torch.uint8, device=x_MK.device)
     if _bf16_fast_path(x_MK) and bits_packed.is_contiguous() and bits_packed.data_ptr() % 2 == 0:
-        return codes, _quantize_bf16(x_MK, codes, scale_bytes_MB, g_M, G_ROW, bits=bits_packed)
+        return codes, _quantize_bf16(x_MK, codes, scale_bytes_MB, g_M, G_ROW, bits=bits_packed)[0]
     block_b, grid = _flat_grid(nb, 16)
     bad = torch.empty((grid,), dtype=torch.uint8, device=x_MK.device)
     _quantize_kernel[(grid,)](

@@ -28,7 +28,7 @@ from trace_kernels.fp4 import (
     QTensor,
     amax,
     fake_quantize,
-    fake_quantize_ste,
+    fake_quantize_ste_flagged,
     quantize,
     quantize_guided,
 )
@@ -106,7 +106,9 @@ class _CachedSTE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        inside = ctx.mask.get()  # applied while the all-true answer has not arrived: never wrong
+        # waits for the all-true answer: an event behind this weight's quantize, queued long before,
+        # so the GPU's queue is not drained; nearly always true, sparing a pass over the gradient
+        inside = ctx.mask.get(wait=True)
         g = grad if inside is None else grad * inside
         return (None, None, *(g.unbind(0) if ctx.stacked else (g,)))
 
@@ -133,11 +135,12 @@ def _settle_masks(new: ClipMask) -> None:
 
 
 def _cached(params: list[torch.Tensor], compute, peers: tuple = (), each: bool = False):
-    """compute(w) -> (fake-quantized weight(s), STE mask), w the parameter or the parameters
-    stacked (`fake_quantize_ste`); cached. `peers`: other tensors the result depends on (a shared
-    global scale's). `each`: slice i of a stacked result is also parameter i's own entry (one
-    global scale per parameter, as `quantize_weight` gives it), so that a later call for one
-    expert's weight (TE's grouped linear quantizes expert by expert) finds it."""
+    """compute(w) -> (fake-quantized weight(s), STE mask, 0-d bool whether it is all true), w the
+    parameter or the parameters stacked (`fake_quantize_ste_flagged`); cached. `peers`: other
+    tensors the result depends on (a shared global scale's). `each`: slice i of a stacked result
+    is also parameter i's own entry (one global scale per parameter, as `quantize_weight` gives
+    it), so that a later call for one expert's weight (TE's grouped linear quantizes expert by
+    expert) finds it."""
     tensors = (*params, *peers)
     key = tuple(_memory_key(t) for t in tensors)
     version = tuple(t._version for t in tensors)  # aliases share the parameter's version counter
@@ -145,7 +148,7 @@ def _cached(params: list[torch.Tensor], compute, peers: tuple = (), each: bool =
     if hit is None or hit[0] != version:
         with torch.no_grad():
             w = params[0] if len(params) == 1 else torch.stack(params)
-            w_q, inside = compute(w)
+            w_q, inside, all_inside = compute(w)
         # the entry holds the memory it is keyed on, so no other tensor gets that address inside
         # the scope (not even where a parameter's .data is swapped, as sharding frameworks do)
         held = tuple(t.untyped_storage() for t in tensors)
@@ -153,7 +156,7 @@ def _cached(params: list[torch.Tensor], compute, peers: tuple = (), each: bool =
         # its amax; `block_clip_bound`): once its mask is known all true (behind an event, not a
         # stream sync) it is dropped, sparing each micro-batch's backward a pass over the gradient
         # (1.5 ms a layer for Qwen3-30B-A3B's fc1 experts on an H100) and the mask's memory
-        mask = ClipMask(inside.reshape(w.shape))
+        mask = ClipMask(inside.reshape(w.shape), all_inside=all_inside)
         _settle_masks(mask)
         hit = _weight_cache[key] = (version, w_q.reshape(w.shape), mask, held)
         if each and len(params) > 1 and not peers:
@@ -255,8 +258,8 @@ class FP4Site:
             return w
         if _weight_cache is None:
             return fake_quantize(w, "nvfp4", scale="tensor", global_amax=self.weight_amax(w), check_finite=False)
-        return _cached([w], lambda t: fake_quantize_ste(t, "nvfp4", global_amax=self.weight_amax(t),
-                                                        check_finite=False), self.weight_peers)
+        return _cached([w], lambda t: fake_quantize_ste_flagged(t, "nvfp4", global_amax=self.weight_amax(t),
+                                                                check_finite=False), self.weight_peers)
 
     def weight_amax(self, w: torch.Tensor) -> torch.Tensor:
         """The amax of the whole logical tensor: over this shard, its peers' and the other shards."""
@@ -274,8 +277,8 @@ class FP4Site:
             return fake_quant_expert_weights(torch.stack(weights), self.weight_group)
 
         def compute(w_ENK):
-            return fake_quantize_ste(w_ENK.reshape(w_ENK.shape[0], -1), "nvfp4", scale="row",
-                                     global_amax=_expert_amax(w_ENK, self.weight_group), check_finite=False)
+            return fake_quantize_ste_flagged(w_ENK.reshape(w_ENK.shape[0], -1), "nvfp4", scale="row",
+                                             global_amax=_expert_amax(w_ENK, self.weight_group), check_finite=False)
         return _cached(list(weights), compute, each=True)
 
     def quantize_input(self, x: torch.Tensor) -> torch.Tensor:

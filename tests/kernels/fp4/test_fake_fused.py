@@ -19,13 +19,14 @@ from trace_kernels.fp4 import (
     fake_quantize_guided,
     fake_quantize_guided_ste,
     fake_quantize_ste,
+    fake_quantize_ste_flagged,
     pack_bits,
     quantize,
     quantize_guided,
     unpack_codes,
 )
 from trace_kernels.fp4 import triton_fp4 as T
-from trace_kernels.fp4.api import ste_mask
+from trace_kernels.fp4.api import _fake_quantize_guided_ste_flagged, ste_mask
 
 DEV = triton_device()
 G0 = 2.0**-10  # a power-of-two global scale: with s = 448, u = s * g and its multiples are exact
@@ -133,7 +134,7 @@ def test_fused_values_and_mask_equal_the_three_step_chain_and_float64(mode, k):
 def test_fused_kernel_stores_the_scales_and_global_scales_quantize_does():
     x, given = hard_rows()
     for row_amax in (None, given.reshape(-1)):
-        out, _, scales, g, _ = T.fake_quantize_bf16_triton(x.to(DEV), row_amax=_on(row_amax))
+        out, _, scales, g, *_ = T.fake_quantize_bf16_triton(x.to(DEV), row_amax=_on(row_amax))
         q = quantize(x, scale="row", global_amax=None if row_amax is None else given, backend="torch")
         assert torch.equal(scales.cpu(), q.block_scales.view(torch.uint8))
         assert torch.equal(g.cpu(), q.global_scale.reshape(-1))
@@ -168,6 +169,37 @@ def test_fused_guided_values_and_mask_equal_the_three_step_chain_and_float64(k):
     assert torch.equal(mask, _mask64(x, q))
     assert 0 < int((~mask).sum()) < mask.numel()
     assert not bool(mask[2 if k == 128 else 1].all())  # the grid row: 7 u and beyond clip
+
+
+@pytest.mark.parametrize("mode", ["row, amax in the kernel", "row, given amax", "tensor, amax computed", "guided"])
+def test_the_kernels_all_inside_answer_is_the_reference_masks_all(mode):
+    """Whether the mask is all true comes from the kernel's per-program flags (no second pass over
+    the mask): the same answer as the three-step chain's mask.all(), for each hard row alone and
+    for groups of rows (several programs), both answers occurring."""
+    x, given = hard_rows()
+    guidance = _guidance(x, seed=44)
+    drifted = (x.float() * torch.tensor([1.0, 1, 1, 1, 1, 1.3, 1.3]).reshape(-1, 1)).bfloat16()  # 5, 6 clip
+    answers = set()
+    for rows in [[i] for i in range(len(x))] + [[0, 1, 2, 4, 5, 6], list(range(len(x)))]:
+        xs = x[rows]
+        if mode == "guided":
+            xs = drifted[rows]
+            g, s, bits = (t[rows] for t in guidance)
+            _, mask, all_inside = _fake_quantize_guided_ste_flagged(
+                xs.to(DEV), g.to(DEV), s.to(DEV), bits.to(DEV), backend="triton", check_finite=False)
+            q = quantize_guided(xs, g, s, bits, backend="torch")
+        else:
+            kw = dict(MODES[mode])
+            if kw.get("global_amax") == "given":
+                kw["global_amax"] = given[rows]
+            _, mask, all_inside = fake_quantize_ste_flagged(xs.to(DEV), **{**kw, "global_amax": _on(kw.get(
+                "global_amax"))}, backend="triton", check_finite=False)
+            q = quantize(xs, backend="torch", check_finite=False, **kw)
+        want = ste_mask(xs, q)
+        assert torch.equal(mask.cpu(), want)
+        assert all_inside.shape == () and bool(all_inside) == bool(want.all()), rows
+        answers.add(bool(all_inside))
+    assert answers == {True, False}
 
 
 def _near_bf16_ties(s: float, n: int) -> torch.Tensor:

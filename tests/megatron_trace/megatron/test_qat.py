@@ -112,7 +112,7 @@ def test_the_cache_drops_an_all_true_mask_and_keeps_one_that_clips():
     keeps no mask and the backward hands the gradient on untouched; a scale that clips (here a
     global amax 4x below the weight's) keeps its mask, and the clipped elements get no gradient."""
     from megatron_trace.megatron import qat
-    from trace_kernels.fp4 import fake_quantize_ste
+    from trace_kernels.fp4 import fake_quantize_ste_flagged
 
     (w,) = _weights(seed=2, shapes=((64, 48),))
     upstream = torch.randn(64, 48).bfloat16()
@@ -125,7 +125,7 @@ def test_the_cache_drops_an_all_true_mask_and_keeps_one_that_clips():
     w.grad = None
     low = amax(w.detach()) / 4
     with cached_weights():
-        w_q = qat._cached([w], lambda t: fake_quantize_ste(t, "nvfp4", global_amax=low, check_finite=False))
+        w_q = qat._cached([w], lambda t: fake_quantize_ste_flagged(t, "nvfp4", global_amax=low, check_finite=False))
         (w_q * upstream).sum().backward()
         (entry,) = qat._weight_cache.values()
         mask = entry[2].get()
@@ -145,7 +145,7 @@ def test_clip_masks_of_stacked_experts_settle_later_and_each_expert_gets_its_sli
     the stacked mask; the others' gradients pass untouched, the clipped one's are zero where it clipped; past
     the byte budget the oldest unsettled mask is waited for."""
     from megatron_trace.megatron import qat
-    from trace_kernels.fp4 import fake_quantize_ste
+    from trace_kernels.fp4 import fake_quantize_ste_flagged
 
     ws = [w.to(device).detach().requires_grad_() for w in _weights(seed=3, shapes=((32, 48),) * 4)]
     with torch.no_grad():
@@ -156,7 +156,7 @@ def test_clip_masks_of_stacked_experts_settle_later_and_each_expert_gets_its_sli
     try:
         qat.UNSETTLED_MASK_BYTES = 1  # every new mask beyond the first waits for the one before
         with cached_weights():
-            stacked = qat._cached(ws[:3], lambda t: fake_quantize_ste(t.reshape(3, -1), "nvfp4", scale="row",
+            stacked = qat._cached(ws[:3], lambda t: fake_quantize_ste_flagged(t.reshape(3, -1), "nvfp4", scale="row",
                                                                       global_amax=low, check_finite=False), each=True)
             again = qat._cached([ws[0]], lambda t: pytest.fail("expert 0 is cached already"))
             site = FP4Site(name="proj", layer=0, precision=TrainerPrecision.FP4_RNE)
