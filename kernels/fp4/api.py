@@ -425,9 +425,8 @@ def fake_quantize_ste(
     Returns:
         (dequantize(quantize(x, ...), x.dtype) of x's shape and dtype, bool mask of x's shape or None).
     """
-    return fake_quantize_ste_flagged(x, fmt, scale, rounding, seed, global_amax=global_amax,
-                                     mx_scale_rule=mx_scale_rule, backend=backend, check_finite=check_finite,
-                                     with_mask=with_mask)[:2]
+    return _fake_quantize_ste(x, fmt, scale, rounding, seed, global_amax=global_amax, mx_scale_rule=mx_scale_rule,
+                              backend=backend, check_finite=check_finite, with_mask=with_mask, answer=False)[:2]
 
 
 def fake_quantize_ste_flagged(
@@ -442,10 +441,17 @@ def fake_quantize_ste_flagged(
     backend: str = "auto",
     check_finite: bool = True,
     with_mask: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """`fake_quantize_ste` (same arguments), and whether its mask is all true: a 0-d bool tensor on
-    x's device, None without a mask. The one-pass kernel answers it from per-program flags, so no
-    second pass reads the mask (`ClipMask` takes it)."""
+    x's device, given with or without the mask. The one-pass kernel answers it from per-program
+    flags, without writing the mask where with_mask=False and without a second pass over it
+    (`ClipMask` takes the answer)."""
+    return _fake_quantize_ste(x, fmt, scale, rounding, seed, global_amax=global_amax, mx_scale_rule=mx_scale_rule,
+                              backend=backend, check_finite=check_finite, with_mask=with_mask, answer=True)
+
+
+def _fake_quantize_ste(x, fmt="nvfp4", scale=None, rounding="rne", seed=None, *, global_amax=None,
+                       mx_scale_rule="floor", backend="auto", check_finite=True, with_mask=True, answer=True):
     if rounding == "rne" and _parse_format(fmt) is Format.NVFP4 and _fusable(x, backend):
         _validate_input(x, Format.NVFP4)
         x_MK = x.reshape(-1, x.shape[-1]).contiguous()
@@ -455,15 +461,17 @@ def fake_quantize_ste_flagged(
                 given = amax(x_MK)
             return _fused_result(x, check_finite, *triton_fp4.fake_quantize_bf16_triton(
                 x_MK, row_scale, None if row_scale else given, given.reshape(-1) if row_scale and given is not None
-                else None, with_mask=with_mask))
+                else None, with_mask=with_mask, with_answer=answer))
     q = quantize(x, fmt, scale, rounding, seed, global_amax=global_amax, mx_scale_rule=mx_scale_rule,
                  backend=backend, check_finite=check_finite)
-    return _three_step_result(x, q, backend, with_mask)
+    return _three_step_result(x, q, backend, with_mask, answer)
 
 
-def _three_step_result(x, q, backend, with_mask) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    mask = ste_mask(x, q) if with_mask else None
-    return dequantize(q, x.dtype, backend=backend), mask, None if mask is None else mask.all()
+def _three_step_result(x, q, backend, with_mask, answer) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                  torch.Tensor | None]:
+    mask = ste_mask(x, q) if with_mask or answer else None
+    return (dequantize(q, x.dtype, backend=backend), mask if with_mask else None,
+            mask.all() if answer else None)
 
 
 def _fused_result(x, check_finite, out, mask, _scales, _g, bad, all_inside) -> tuple[
@@ -485,12 +493,13 @@ def fake_quantize_guided_ste(x: torch.Tensor, global_scale: torch.Tensor, block_
         (dequantize(quantize_guided(x, ...), x.dtype), bool mask of x's shape or None).
     """
     return _fake_quantize_guided_ste_flagged(x, global_scale, block_scales, mantissa_bits, backend=backend,
-                                             check_finite=check_finite, with_mask=with_mask)[:2]
+                                             check_finite=check_finite, with_mask=with_mask, answer=False)[:2]
 
 
 def _fake_quantize_guided_ste_flagged(x, global_scale, block_scales, mantissa_bits, *, backend="auto",
-                                      check_finite=True, with_mask=True):
-    """`fake_quantize_guided_ste` and whether the mask is all true, as `fake_quantize_ste_flagged`."""
+                                      check_finite=True, with_mask=True, answer=True):
+    """`fake_quantize_guided_ste` and (with `answer`) whether the mask is all true, as
+    `fake_quantize_ste_flagged`."""
     if _fusable(x, backend):
         _validate_input(x, Format.NVFP4)
         _check_guidance_shapes(x, global_scale, block_scales, mantissa_bits)
@@ -503,9 +512,10 @@ def _fake_quantize_guided_ste_flagged(x, global_scale, block_scales, mantissa_bi
             guidance = (global_scale.reshape(-1).contiguous(),
                         block_scales.reshape(-1, k // 16).contiguous().view(torch.uint8), bits_MP)
             return _fused_result(x, check_finite,
-                                 *triton_fp4.fake_quantize_bf16_triton(x_MK, guidance=guidance, with_mask=with_mask))
+                                 *triton_fp4.fake_quantize_bf16_triton(x_MK, guidance=guidance, with_mask=with_mask,
+                                                                       with_answer=answer))
     q = quantize_guided(x, global_scale, block_scales, mantissa_bits, backend=backend, check_finite=check_finite)
-    return _three_step_result(x, q, backend, with_mask)
+    return _three_step_result(x, q, backend, with_mask, answer)
 
 
 def fake_quantize(x: torch.Tensor, fmt: str | Format = "nvfp4", scale: str | None = None,
@@ -523,7 +533,7 @@ def fake_quantize(x: torch.Tensor, fmt: str | Format = "nvfp4", scale: str | Non
     with_mask = _wants_grad(x)
 
     def fake_fn(t):
-        return fake_quantize_ste_flagged(t, fmt, scale, rounding, seed, with_mask=with_mask, **kwargs)
+        return _fake_quantize_ste(t, fmt, scale, rounding, seed, with_mask=with_mask, answer=with_mask, **kwargs)
 
     return _FakeQuantizeSTE.apply(x, fake_fn)
 
@@ -537,6 +547,6 @@ def fake_quantize_guided(x: torch.Tensor, global_scale: torch.Tensor, block_scal
 
     def fake_fn(t):
         return _fake_quantize_guided_ste_flagged(t, global_scale, block_scales, mantissa_bits, with_mask=with_mask,
-                                                 **kwargs)
+                                                 answer=with_mask, **kwargs)
 
     return _FakeQuantizeSTE.apply(x, fake_fn)

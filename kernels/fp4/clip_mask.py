@@ -8,10 +8,13 @@ Asking the GPU whether it is all true costs a host synchronisation, which drains
 `ClipMask` asks without draining it: the answer (from the one-pass kernel's per-program flags, or
 a reduction over the mask) is copied to pinned memory behind a CUDA event. The backward waits for
 that event: the quantize it follows was queued long before, so the GPU keeps the work queued after
-it, and the gradient is spared a pass in the common all-true case.
+it, and the gradient is spared a pass in the common all-true case. A mask that was never written
+(cached weights: `remake`) is computed only where the answer is no.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -20,19 +23,24 @@ class ClipMask:
     """A bool mask (True where the gradient passes) whose all-true answer arrives later.
 
     Args:
-        inside: bool, any shape, on any device (on the CPU the answer is known at once).
+        inside: bool, any shape, on any device (on the CPU the answer is known at once); None where
+            the mask was not written (then `all_inside` and `remake` are needed).
         hold: keep the mask here (`get`), dropped once known all true. Without it only the answer
             is kept (`known_all_true`): autograd functions save the mask for backward themselves,
             so that saved-tensor hooks (offloading, checkpointing) see it.
-        all_inside: 0-d bool on inside's device, the answer where it is already computed (by the
-            quantize kernel); else `inside.all()`.
+        all_inside: 0-d bool, the answer where it is already computed (by the quantize kernel);
+            else `inside.all()`.
+        remake: () -> the mask, for a mask not written: called once, by `get`, if the answer is no.
     """
 
-    def __init__(self, inside: torch.Tensor, hold: bool = True, all_inside: torch.Tensor | None = None):
+    def __init__(self, inside: torch.Tensor | None, hold: bool = True, all_inside: torch.Tensor | None = None,
+                 remake: Callable[[], torch.Tensor] | None = None):
+        if inside is None and (all_inside is None or remake is None):
+            raise ValueError("ClipMask: a mask not written needs its answer (all_inside) and remake")
         self._mask: torch.Tensor | None = inside if hold else None
-        self.nbytes = inside.numel() * inside.element_size() if hold else 0
+        self._remake = remake if inside is None else None
         answer = inside.all() if all_inside is None else all_inside
-        if inside.is_cuda:
+        if answer.is_cuda:
             self._all = torch.empty((), dtype=torch.bool, pin_memory=True)
             self._all.copy_(answer, non_blocking=True)
             self._passed: torch.cuda.Event | None = torch.cuda.Event()
@@ -52,7 +60,7 @@ class ClipMask:
                 self._passed = None
             self._known = bool(self._all)
             if self._known:
-                self._mask = None
+                self._mask = self._remake = None
         return True
 
     def known_all_true(self, wait: bool = False) -> bool:
@@ -60,8 +68,11 @@ class ClipMask:
         return self.settle(wait) and self._known
 
     def get(self, wait: bool = False) -> torch.Tensor | None:
-        """The held mask to multiply the gradient by, or None where it is known to be all true."""
-        self.settle(wait)
+        """The mask to multiply the gradient by, or None where it is known to be all true. A mask
+        not written has nothing to apply before the answer: it waits for it."""
+        self.settle(wait or self._remake is not None)
+        if self._remake is not None and self._known is False:
+            self._mask, self._remake = self._remake(), None
         return self._mask
 
     def part(self, i: int) -> ClipMaskPart:

@@ -98,7 +98,7 @@ def fake_quantize_partly_guided(x_RK: torch.Tensor, g: torch.Tensor, scales: tor
         out, inside, _, _, bad, all_inside = triton_fp4.fake_quantize_partly_guided_bf16_triton(
             t.contiguous(), g.reshape(-1).contiguous(), scales.contiguous(), bits_c, rule,
             None if scale_known is None else scale_known.contiguous().view(torch.uint8), known_c,
-            with_mask=with_mask)
+            with_mask=with_mask, with_answer=with_mask)
         if check_finite and bool(bad.any()):
             _raise_nonfinite("detected by the Triton kernel")
         return out, inside, all_inside
@@ -107,7 +107,7 @@ def fake_quantize_partly_guided(x_RK: torch.Tensor, g: torch.Tensor, scales: tor
         guidance = resolve_partial(t, g, scales, bits, scale_lsb=scale_lsb, scale_known=scale_known,
                                    bit_known=bit_known)
         return _fake_quantize_guided_ste_flagged(t, *guidance, backend=backend, check_finite=check_finite,
-                                                 with_mask=with_mask)
+                                                 with_mask=with_mask, answer=with_mask)
 
     # _fusable first: without Triton (or off its backend) triton_fp4 may be None; the kernel
     # takes x contiguous (`fused` copies it where it is not)

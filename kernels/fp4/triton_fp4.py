@@ -710,7 +710,7 @@ def _quantize_bf16_kernel(
     G_MODE: tl.constexpr, GUIDED: tl.constexpr, ROW_PROGRAM: tl.constexpr, BLOCK_B: tl.constexpr,
     INTERPRET: tl.constexpr, FAKE: tl.constexpr = False, MASK_OUT: tl.constexpr = False, mask_ptr=None,
     SCALE_RULE: tl.constexpr = 0, BITS_KNOWN: tl.constexpr = False, scale_known_ptr=None, known_ptr=None,
-    scales_out_ptr=None, clip_ptr=None,
+    scales_out_ptr=None, CLIP_OUT: tl.constexpr = False, clip_ptr=None,
 ):
     """Row- or tensor-scaled NVFP4 (RNE) or guided codes of BF16 rows, the same values as
     `_quantize_kernel`, by threshold comparisons (see above).
@@ -723,8 +723,9 @@ def _quantize_bf16_kernel(
     FAKE: codes_ptr (int32 words of BF16 pairs, [NB, 8]) receives the dequantized values instead
     of packed codes, as `dequantize(q, torch.bfloat16)`: fake quantization in one pass. MASK_OUT
     (with FAKE): mask_ptr (int16 words of two bool bytes, [NB, 8]) receives `ste_mask`, |x| <
-    7 * (s * g), s the stored scale byte's value, and clip_ptr (uint8, one per program) whether any
-    of the program's elements is outside it: whether the mask is all true, without another pass.
+    7 * (s * g), s the stored scale byte's value. CLIP_OUT (with FAKE): clip_ptr (uint8, one per
+    program) receives whether any of the program's elements is outside that bound, so that whether
+    the mask is all true is known without writing it or another pass over it.
     Partial guidance (GUIDED; sparse records, `partial_guidance.resolve_partial` in torch):
     SCALE_RULE 1: each block's own scale, rounded to the E4M3 code whose last bit is the one of
     the byte at scales_ptr; 2: the byte at scales_ptr where scale_known_ptr's byte is non-zero,
@@ -824,9 +825,11 @@ def _quantize_bf16_kernel(
                                     t6[:, None], t7[:, None], INTERPRET)
         if FAKE:
             tl.store(codes_ptr + offs + 4 * h, _dequant_pair(codes, s_q[:, None], g_q, INTERPRET), mask=mask)
-            if MASK_OUT:
+            if MASK_OUT or CLIP_OUT:
                 inside = _inside_pair(xh, bound)
+            if MASK_OUT:
                 tl.store(mask_ptr + offs + 4 * h, inside, mask=mask)
+            if CLIP_OUT:
                 outside = tl.max(tl.where(mask, inside != 0x0101, 0).to(tl.int32))  # 0x0101: both bytes true
                 if h == 0:
                     clipped = outside
@@ -834,7 +837,7 @@ def _quantize_bf16_kernel(
                     clipped = tl.maximum(clipped, outside)
         else:
             tl.store(codes_ptr + offs + 4 * h, codes, mask=mask)
-    if FAKE and MASK_OUT:
+    if FAKE and CLIP_OUT:
         tl.store(clip_ptr + pid, clipped.to(tl.uint8))
     if G_MODE != 3:
         bad = tl.max((amax_bits >= 0x7F80).to(tl.int32), axis=0)
@@ -865,9 +868,9 @@ def _bf16_launch(row_program: bool, m: int, nb: int, bpr: int, guided: bool = Fa
     return block_b, grid, warps
 
 
-def _quantize_bf16(x_MK, codes, scales, g, g_mode, bits=None, mask=None, partial=None):
+def _quantize_bf16(x_MK, codes, scales, g, g_mode, bits=None, mask=None, partial=None, answer=False):
     """Launch `_quantize_bf16_kernel` over contiguous BF16 rows; returns (the non-finite flags,
-    0-d bool: whether the mask is all true, or None without a mask).
+    with `answer` (FAKE only) a 0-d bool whether the mask is all true, else None).
     codes: packed codes uint8 [M, K/2], or bf16 [M, K] for the dequantized values (FAKE); mask:
     bool [M, K] for the straight-through mask (FAKE only), or None. partial (with bits): the
     tuple (SCALE_RULE, scale_known uint8 [M, K/16] or None, bit_known uint8 [M, K/8] or None,
@@ -878,7 +881,7 @@ def _quantize_bf16(x_MK, codes, scales, g, g_mode, bits=None, mask=None, partial
     row_program = g_mode == G_ROW_AMAX or (g_mode == G_ROW and k <= MAX_ROW_ELEMENTS)
     block_b, grid, warps = _bf16_launch(row_program, m, nb, bpr, bits is not None)
     bad = torch.empty((grid,), dtype=torch.uint8, device=x_MK.device)
-    clipped = None if mask is None else torch.empty((grid,), dtype=torch.uint8, device=x_MK.device)
+    clipped = torch.empty((grid,), dtype=torch.uint8, device=x_MK.device) if answer else None
     scale_rule, scale_known, bit_known, scales_out = partial or (0, None, None, None)
     if grid:
         out = codes.view(torch.int32) if fake else codes
@@ -889,7 +892,7 @@ def _quantize_bf16(x_MK, codes, scales, g, g_mode, bits=None, mask=None, partial
             mask_ptr=None if mask is None else mask.view(torch.int16), SCALE_RULE=scale_rule,
             BITS_KNOWN=bit_known is not None, scale_known_ptr=scale_known,
             known_ptr=None if bit_known is None else bit_known.view(torch.int16), scales_out_ptr=scales_out,
-            clip_ptr=clipped, num_warps=warps, enable_fp_fusion=False,
+            CLIP_OUT=answer, clip_ptr=clipped, num_warps=warps, enable_fp_fusion=False,
         )
     return bad, None if clipped is None else ~clipped.view(torch.bool).any()  # flags of 0 or 1
 
@@ -906,6 +909,7 @@ def fake_quantize_bf16_triton(
     row_amax: torch.Tensor | None = None,
     guidance: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     with_mask: bool = True,
+    with_answer: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """NVFP4 fake quantization (RNE or guided) of BF16 rows and its straight-through mask, in one
     pass: x read once, values and mask written once (`_quantize_bf16_kernel`, FAKE).
@@ -917,11 +921,12 @@ def fake_quantize_bf16_triton(
         guidance: (g float32 [M], scale bytes uint8 [M, K/16], mantissa bits uint8 [M, K/8]), as
             `quantize_guided_rows_triton`; then row_scale, global_amax and row_amax are unused.
         with_mask: also write the mask.
+        with_answer: also answer whether the mask is all true (written or not), from the kernel's
+            per-program flags rather than a pass over the mask.
     Returns:
         (dequantized values bf16 [M, K], mask bool [M, K] or None, block scale bytes uint8 [M, K/16],
          global scale float32 ([M] for rows, 0-d for tensor), non-finite flag uint8 per program,
-         0-d bool whether the mask is all true (None without a mask): from the kernel's
-         per-program flags, not another pass over the mask).
+         the answer: 0-d bool, or None without with_answer).
     """
     if not fusable(x_MK, None if guidance is None else guidance[2]):
         raise ValueError("fake_quantize_bf16_triton: rows must be contiguous 16-byte aligned bfloat16, K % 16 == 0, "
@@ -932,11 +937,11 @@ def fake_quantize_bf16_triton(
     mask = torch.empty((m, k), dtype=torch.bool, device=dev) if with_mask else None
     if guidance is not None:
         g, scales, bits = guidance
-        bad, all_inside = _quantize_bf16(x_MK, out, scales, g, G_ROW, bits=bits, mask=mask)
+        bad, all_inside = _quantize_bf16(x_MK, out, scales, g, G_ROW, bits=bits, mask=mask, answer=with_answer)
         return out, mask, scales, g, bad, all_inside
     scales = torch.empty((m, k // 16), dtype=torch.uint8, device=dev)
     g, g_mode = _nvfp4_g(x_MK, row_scale, global_amax, row_amax)
-    return out, mask, scales, g, *_quantize_bf16(x_MK, out, scales, g, g_mode, mask=mask)
+    return out, mask, scales, g, *_quantize_bf16(x_MK, out, scales, g, g_mode, mask=mask, answer=with_answer)
 
 
 SCALES_GIVEN, SCALES_BY_LSB, SCALES_WHERE_KNOWN = 0, 1, 2  # SCALE_RULE of `_quantize_bf16_kernel`
@@ -945,6 +950,7 @@ SCALES_GIVEN, SCALES_BY_LSB, SCALES_WHERE_KNOWN = 0, 1, 2  # SCALE_RULE of `_qua
 def fake_quantize_partly_guided_bf16_triton(
     x_MK: torch.Tensor, g: torch.Tensor, scales: torch.Tensor, bits: torch.Tensor, scale_rule: int,
     scale_known: torch.Tensor | None, bit_known: torch.Tensor | None, with_mask: bool = True,
+    with_answer: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`fake_quantize_bf16_triton` under partial guidance (sparse records), in the same one pass:
     the block scales and mantissa bits the guidance leaves open are the rows' own (see
@@ -957,7 +963,7 @@ def fake_quantize_partly_guided_bf16_triton(
         [M, K/16] (SCALES_WHERE_KNOWN only).
     Returns:
         (values bf16 [M, K], mask bool [M, K] or None, the block scale bytes used uint8 [M, K/16],
-         g, non-finite flag uint8 per program, 0-d bool whether the mask is all true or None).
+         g, non-finite flag uint8 per program, the answer or None, as `fake_quantize_bf16_triton`).
     """
     if not (fusable(x_MK, bits) and (bit_known is None or fusable(x_MK, bit_known))):
         raise ValueError("fake_quantize_partly_guided_bf16_triton: rows must be contiguous 16-byte aligned bfloat16, "
@@ -970,7 +976,8 @@ def fake_quantize_partly_guided_bf16_triton(
     mask = torch.empty((m, k), dtype=torch.bool, device=dev) if with_mask else None
     scales_out = scales if scale_rule == SCALES_GIVEN else torch.empty_like(scales)
     partial = (scale_rule, scale_known, bit_known, scales_out)
-    bad, all_inside = _quantize_bf16(x_MK, out, scales, g, G_ROW, bits=bits, mask=mask, partial=partial)
+    bad, all_inside = _quantize_bf16(x_MK, out, scales, g, G_ROW, bits=bits, mask=mask, partial=partial,
+                                     answer=with_answer)
     return out, mask, scales_out, g, bad, all_inside
 
 

@@ -85,8 +85,6 @@ def cached_weights():
         yield
     finally:
         _weight_cache = outer
-        if outer is None:
-            _unsettled.clear()
 
 
 def caching_weights() -> bool:
@@ -120,49 +118,47 @@ def _memory_key(t: torch.Tensor) -> tuple:
     return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype
 
 
-# masks whose all-true answer has not been read yet, oldest first, and the bytes they hold
-_unsettled: list[ClipMask] = []
-UNSETTLED_MASK_BYTES = 1 << 30
-
-
-def _settle_masks(new: ClipMask) -> None:
-    """Reads the answers that have arrived and queues `new`; past UNSETTLED_MASK_BYTES of masks
-    waiting, waits for the oldest (an earlier layer's: the GPU still has later work queued)."""
-    _unsettled[:] = [m for m in _unsettled if not m.settle()]
-    _unsettled.append(new)
-    while len(_unsettled) > 1 and sum(m.nbytes for m in _unsettled) > UNSETTLED_MASK_BYTES:
-        _unsettled.pop(0).settle(wait=True)
-
-
 def _cached(params: list[torch.Tensor], compute, peers: tuple = (), each: bool = False):
-    """compute(w) -> (fake-quantized weight(s), STE mask, 0-d bool whether it is all true), w the
-    parameter or the parameters stacked (`fake_quantize_ste_flagged`); cached. `peers`: other
-    tensors the result depends on (a shared global scale's). `each`: slice i of a stacked result
-    is also parameter i's own entry (one global scale per parameter, as `quantize_weight` gives
-    it), so that a later call for one expert's weight (TE's grouped linear quantizes expert by
-    expert) finds it."""
+    """compute(w, with_mask) -> (fake-quantized weight(s), STE mask or None, 0-d bool whether it is
+    all true), w the parameter or the parameters stacked (`fake_quantize_ste_flagged`); cached.
+    `peers`: other tensors the result depends on (a shared global scale's). `each`: slice i of a
+    stacked result is also parameter i's own entry (one global scale per parameter, as
+    `quantize_weight` gives it), so that a later call for one expert's weight (TE's grouped linear
+    quantizes expert by expert) finds it."""
     tensors = (*params, *peers)
     key = tuple(_memory_key(t) for t in tensors)
     version = tuple(t._version for t in tensors)  # aliases share the parameter's version counter
     hit = _weight_cache.get(key)
     if hit is None or hit[0] != version:
+        shape = (len(params), *params[0].shape) if len(params) > 1 else params[0].shape
         with torch.no_grad():
-            w = params[0] if len(params) == 1 else torch.stack(params)
-            w_q, inside, all_inside = compute(w)
+            w_q, _, all_inside = compute(_stacked(params), with_mask=False)
+
+        def remake() -> torch.Tensor:
+            if tuple(t._version for t in tensors) != version:
+                raise RuntimeError("FP4 QAT: a weight changed in place between its forward and its backward; its "
+                                   "straight-through mask can no longer be computed (step the optimizer after "
+                                   "the backward)")
+            with torch.no_grad():
+                return compute(_stacked(params), with_mask=True)[1].reshape(shape)
+
+        # a weight scaled by its own amax clips only in blocks of subnormal scale (under ~2^-15 of
+        # its amax; `block_clip_bound`): the kernel answers whether any element clipped instead of
+        # writing the mask (for Qwen3-30B-A3B's fc1 experts, 400 MB a layer), and the backward
+        # hands the gradient on as is; the mask is computed only where the answer is no
+        mask = ClipMask(None, all_inside=all_inside, remake=remake)
         # the entry holds the memory it is keyed on, so no other tensor gets that address inside
         # the scope (not even where a parameter's .data is swapped, as sharding frameworks do)
         held = tuple(t.untyped_storage() for t in tensors)
-        # a weight scaled by its own amax clips only in blocks of subnormal scale (under ~2^-15 of
-        # its amax; `block_clip_bound`): once its mask is known all true (behind an event, not a
-        # stream sync) it is dropped, sparing each micro-batch's backward a pass over the gradient
-        # (1.5 ms a layer for Qwen3-30B-A3B's fc1 experts on an H100) and the mask's memory
-        mask = ClipMask(inside.reshape(w.shape), all_inside=all_inside)
-        _settle_masks(mask)
-        hit = _weight_cache[key] = (version, w_q.reshape(w.shape), mask, held)
+        hit = _weight_cache[key] = (version, w_q.reshape(shape), mask, held)
         if each and len(params) > 1 and not peers:
             for i, (p, p_q, p_held) in enumerate(zip(params, hit[1], held, strict=True)):
                 _weight_cache[(_memory_key(p),)] = ((p._version,), p_q, mask.part(i), (p_held,))
     return _CachedSTE.apply(hit[1], hit[2], *params)
+
+
+def _stacked(params: list[torch.Tensor]) -> torch.Tensor:
+    return params[0] if len(params) == 1 else torch.stack(params)
 
 
 def fake_quant_rows(x_RK: torch.Tensor, guidance: RowGuidance | None = None, group=None) -> torch.Tensor:
@@ -258,8 +254,8 @@ class FP4Site:
             return w
         if _weight_cache is None:
             return fake_quantize(w, "nvfp4", scale="tensor", global_amax=self.weight_amax(w), check_finite=False)
-        return _cached([w], lambda t: fake_quantize_ste_flagged(t, "nvfp4", global_amax=self.weight_amax(t),
-                                                                check_finite=False), self.weight_peers)
+        return _cached([w], lambda t, with_mask: fake_quantize_ste_flagged(
+            t, "nvfp4", global_amax=self.weight_amax(t), check_finite=False, with_mask=with_mask), self.weight_peers)
 
     def weight_amax(self, w: torch.Tensor) -> torch.Tensor:
         """The amax of the whole logical tensor: over this shard, its peers' and the other shards."""
@@ -276,9 +272,10 @@ class FP4Site:
         if _weight_cache is None:
             return fake_quant_expert_weights(torch.stack(weights), self.weight_group)
 
-        def compute(w_ENK):
+        def compute(w_ENK, with_mask):
             return fake_quantize_ste_flagged(w_ENK.reshape(w_ENK.shape[0], -1), "nvfp4", scale="row",
-                                             global_amax=_expert_amax(w_ENK, self.weight_group), check_finite=False)
+                                             global_amax=_expert_amax(w_ENK, self.weight_group), check_finite=False,
+                                             with_mask=with_mask)
         return _cached(list(weights), compute, each=True)
 
     def quantize_input(self, x: torch.Tensor) -> torch.Tensor:

@@ -14,13 +14,32 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, re
 def test_an_all_true_mask_is_dropped_once_known_and_a_clipping_one_is_kept(device):
     inside = torch.ones(3, 5, dtype=torch.bool, device=device)
     held = ClipMask(inside)
-    assert held.get(wait=True) is None and held.known_all_true() and held.nbytes == 15
+    assert held.get(wait=True) is None and held.known_all_true()
     inside[1, 2] = False
     clipping = ClipMask(inside)
     assert not clipping.known_all_true(wait=True) and clipping.get() is inside
     assert torch.equal(clipping.part(1).get(), inside[1]) and clipping.part(0).get().all()
     unheld = ClipMask(inside, hold=False)
-    assert unheld.get(wait=True) is None and not unheld.known_all_true() and unheld.nbytes == 0
+    assert unheld.get(wait=True) is None and not unheld.known_all_true()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_mask_not_written_is_made_once_and_only_where_the_answer_is_no(device):
+    made = []
+
+    def remake():
+        made.append(1)
+        return inside
+
+    inside = torch.ones(3, 5, dtype=torch.bool, device=device)
+    inside[2, 0] = False
+    unwritten = ClipMask(None, all_inside=inside.all(), remake=remake)
+    assert unwritten.get() is inside and unwritten.part(2).get() is not None and made == [1]  # get waits
+    assert torch.equal(unwritten.part(2).get(), inside[2]) and made == [1]
+    fine = ClipMask(None, all_inside=torch.ones((), dtype=torch.bool, device=device), remake=remake)
+    assert fine.get() is None and fine.known_all_true() and made == [1]
+    with pytest.raises(ValueError, match="needs its answer"):
+        ClipMask(None, all_inside=inside.all())
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -174,8 +174,9 @@ def test_fused_guided_values_and_mask_equal_the_three_step_chain_and_float64(k):
 @pytest.mark.parametrize("mode", ["row, amax in the kernel", "row, given amax", "tensor, amax computed", "guided"])
 def test_the_kernels_all_inside_answer_is_the_reference_masks_all(mode):
     """Whether the mask is all true comes from the kernel's per-program flags (no second pass over
-    the mask): the same answer as the three-step chain's mask.all(), for each hard row alone and
-    for groups of rows (several programs), both answers occurring."""
+    the mask, and none written where with_mask=False): the same answer as the three-step chain's
+    mask.all(), for each hard row alone and for groups of rows (several programs), both answers
+    occurring."""
     x, given = hard_rows()
     guidance = _guidance(x, seed=44)
     drifted = (x.float() * torch.tensor([1.0, 1, 1, 1, 1, 1.3, 1.3]).reshape(-1, 1)).bfloat16()  # 5, 6 clip
@@ -192,8 +193,11 @@ def test_the_kernels_all_inside_answer_is_the_reference_masks_all(mode):
             kw = dict(MODES[mode])
             if kw.get("global_amax") == "given":
                 kw["global_amax"] = given[rows]
-            _, mask, all_inside = fake_quantize_ste_flagged(xs.to(DEV), **{**kw, "global_amax": _on(kw.get(
-                "global_amax"))}, backend="triton", check_finite=False)
+            on_dev = {**kw, "global_amax": _on(kw.get("global_amax"))}
+            _, mask, all_inside = fake_quantize_ste_flagged(xs.to(DEV), **on_dev, backend="triton", check_finite=False)
+            _, unwritten, answer = fake_quantize_ste_flagged(xs.to(DEV), **on_dev, backend="triton",
+                                                             check_finite=False, with_mask=False)
+            assert unwritten is None and bool(answer) == bool(all_inside)  # the same answer, the mask not written
             q = quantize(xs, backend="torch", check_finite=False, **kw)
         want = ste_mask(xs, q)
         assert torch.equal(mask.cpu(), want)

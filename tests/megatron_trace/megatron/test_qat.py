@@ -107,10 +107,17 @@ def test_expert_weights_quantized_at_once_are_found_expert_by_expert():
         assert again.data_ptr() != stacked[2].data_ptr()
 
 
-def test_the_cache_drops_an_all_true_mask_and_keeps_one_that_clips():
+def _recording(compute, calls: list):
+    """compute(t, with_mask), noting each call's with_mask in `calls`."""
+    return lambda t, with_mask: calls.append(with_mask) or compute(t, with_mask)
+
+
+def test_the_cache_writes_no_mask_and_computes_one_only_where_a_weight_clips():
     """A weight scaled by its own amax (no block of subnormal scale here) does not clip: the cache
-    keeps no mask and the backward hands the gradient on untouched; a scale that clips (here a
-    global amax 4x below the weight's) keeps its mask, and the clipped elements get no gradient."""
+    quantizes it once without a mask and the backward hands the gradient on untouched; under a
+    scale that clips (a global amax 4x below the weight's) the mask is computed once, by the
+    backward, and the clipped elements get no gradient; a weight changed in place before that
+    backward is refused."""
     from megatron_trace.megatron import qat
     from trace_kernels.fp4 import fake_quantize_ste_flagged
 
@@ -124,50 +131,55 @@ def test_the_cache_drops_an_all_true_mask_and_keeps_one_that_clips():
     assert torch.equal(w.grad, upstream)
     w.grad = None
     low = amax(w.detach()) / 4
+    calls = []
+    compute = _recording(lambda t, with_mask: fake_quantize_ste_flagged(
+        t, "nvfp4", global_amax=low, check_finite=False, with_mask=with_mask), calls)
     with cached_weights():
-        w_q = qat._cached([w], lambda t: fake_quantize_ste_flagged(t, "nvfp4", global_amax=low, check_finite=False))
+        w_q = qat._cached([w], compute)
         (w_q * upstream).sum().backward()
+        (qat._cached([w], compute) * upstream).sum().backward()
         (entry,) = qat._weight_cache.values()
         mask = entry[2].get()
+    assert calls == [False, True]  # quantized without the mask; the mask made once, for the first backward
     # the largest block scale (448) reaches 6 * 448 * g = low (g = low / 2688); past 7/6 of it, values saturate
     clipped = w.detach().abs() > 7 * low / 6
     assert mask is not None and bool(clipped.any()) and not bool(clipped.all())
     assert torch.equal(w.grad[clipped], torch.zeros_like(w.grad[clipped]))
     assert torch.equal(w.grad[~mask], torch.zeros_like(w.grad[~mask]))
-    assert torch.equal(w.grad[mask], upstream[mask])
+    assert torch.equal(w.grad[mask], 2 * upstream[mask])
+    with cached_weights():
+        w_q = qat._cached([w], compute)
+        with torch.no_grad():
+            w.mul_(2)
+        with pytest.raises(RuntimeError, match="changed in place between its forward and its backward"):
+            (w_q * upstream).sum().backward()
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="the pinned copy behind an event needs a GPU"))])
-def test_clip_masks_of_stacked_experts_settle_later_and_each_expert_gets_its_slice(device):
-    """The all-true answer of each cached weight's mask is read later (a GPU event, not a stream
-    sync): of experts quantized at once with a scale that clips one of them, each gets its slice of
-    the stacked mask; the others' gradients pass untouched, the clipped one's are zero where it clipped; past
-    the byte budget the oldest unsettled mask is waited for."""
+def test_stacked_experts_each_get_their_slice_of_a_mask_made_only_because_one_clipped(device):
+    """Experts quantized at once under a scale that clips one of them: the all-true answer comes
+    later (a GPU event, not a stream sync) and is no, so the backward makes the stacked mask once;
+    each expert gets its slice: the others' gradients pass untouched, the clipped one's are zero
+    where it clipped."""
     from megatron_trace.megatron import qat
     from trace_kernels.fp4 import fake_quantize_ste_flagged
 
-    ws = [w.to(device).detach().requires_grad_() for w in _weights(seed=3, shapes=((32, 48),) * 4)]
+    ws = [w.to(device).detach().requires_grad_() for w in _weights(seed=3, shapes=((32, 48),) * 3)]
     with torch.no_grad():
         ws[1].mul_(8)  # expert 1 far above the shared global amax below: it clips, 0 and 2 do not
     low = torch.maximum(amax(ws[0]), amax(ws[2])).reshape(1, 1).expand(3, 1).contiguous()
     upstream = torch.randn(3, 32, 48).bfloat16().to(device)
-    budget = qat.UNSETTLED_MASK_BYTES
-    try:
-        qat.UNSETTLED_MASK_BYTES = 1  # every new mask beyond the first waits for the one before
-        with cached_weights():
-            stacked = qat._cached(ws[:3], lambda t: fake_quantize_ste_flagged(t.reshape(3, -1), "nvfp4", scale="row",
-                                                                      global_amax=low, check_finite=False), each=True)
-            again = qat._cached([ws[0]], lambda t: pytest.fail("expert 0 is cached already"))
-            site = FP4Site(name="proj", layer=0, precision=TrainerPrecision.FP4_RNE)
-            site.quantize_weight(ws[3])
-            assert [m is qat._weight_cache[(qat._memory_key(ws[3]),)][2] for m in qat._unsettled] == [True]
-            (stacked * upstream).sum().backward()
-            (again * upstream[0]).sum().backward()
-            parts = [qat._weight_cache[(qat._memory_key(w),)][2] for w in ws[:3]]
-        assert not qat._unsettled  # the scope's end forgets them
-    finally:
-        qat.UNSETTLED_MASK_BYTES = budget
+    calls = []
+    compute = _recording(lambda t, with_mask: fake_quantize_ste_flagged(
+        t.reshape(3, -1), "nvfp4", scale="row", global_amax=low, check_finite=False, with_mask=with_mask), calls)
+    with cached_weights():
+        stacked = qat._cached(ws, compute, each=True)
+        again = qat._cached([ws[0]], lambda t, with_mask: pytest.fail("expert 0 is cached already"))
+        (stacked * upstream).sum().backward()
+        (again * upstream[0]).sum().backward()
+        parts = [qat._weight_cache[(qat._memory_key(w),)][2] for w in ws]
+    assert calls == [False, True]
     mask = parts[1].get()
     clipped = ws[1].detach().abs() > 7 * low[1, 0] / 6
     assert bool(parts[0].get().all()) and bool(parts[2].get().all())  # slices of the one stacked mask
