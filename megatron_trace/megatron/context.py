@@ -45,6 +45,8 @@ class MicroBatchGuidance:
     expert_rows: dict[int, tuple[RowGuidance, list[int] | torch.Tensor]] = field(default_factory=dict)
     # checks the forward defers to its end (`defer_check`): (layer, what failed) -> bool tensor, True = passed
     pending_checks: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    # routed experts clamped into range for indexing, while their check is pending (`check_routed_experts`)
+    indexable_experts: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for layer, ids in self.routed_experts.items():
@@ -71,26 +73,37 @@ class MicroBatchGuidance:
         return counts
 
     def check_routed_experts(self, num_experts: int) -> None:
-        """Refuse routed expert ids outside 0..num_experts-1 or repeated within a token, every
-        layer's in one reduction (one host synchronisation a forward on a GPU, not one a layer).
-
-        Raises:
-            GuidanceFormatError: naming the first layer that fails.
-        """
-        layers = [L for L in sorted(self.routed_experts) if self.routed_experts[L].numel()]
-        if not layers:
-            return
-        stats = []
-        for L in layers:
-            ids = self.routed_experts[L]
+        """Check each layer's routed expert ids (within 0..num_experts-1, none repeated within a
+        token) without a host synchronisation: the checks are deferred (`defer_check`: read at the
+        forward's end, or at `checks_read_at_end`'s), and the layers index with `routed_ids`, the
+        ids clamped into range, so that a bad id cannot index out of bounds before its error is
+        raised. Its error comes before any optimizer step, so nothing computed from it is applied.
+        A sync here would drain the GPU's queue once a micro-batch."""
+        self.indexable_experts = {}
+        for layer, ids in sorted(self.routed_experts.items()):
+            if not ids.numel():
+                continue
             ordered = ids.sort(dim=1).values
-            stats.append(torch.stack([ids.min(), ids.max(), (ordered[:, 1:] == ordered[:, :-1]).sum()]))
-        for L, (lo, hi, repeats) in zip(layers, torch.stack(stats).tolist(), strict=True):
-            if lo < 0 or hi >= num_experts:
-                raise GuidanceFormatError(f"layer {L}: routed expert ids outside 0..{num_experts - 1} "
-                                          f"(found {lo}..{hi})")
-            if repeats:
-                raise GuidanceFormatError(f"layer {L}: {repeats} routed expert ids repeat within their token")
+            self.defer_check(layer, f"routed expert ids outside 0..{num_experts - 1}",
+                             ((ids >= 0) & (ids < num_experts)).all())
+            self.defer_check(layer, "routed expert ids repeat within their token",
+                             (ordered[:, 1:] != ordered[:, :-1]).all())
+            self.indexable_experts[layer] = ids.clamp(0, num_experts - 1)
+
+    def routed_ids(self, layer: int) -> torch.Tensor | None:
+        """The engine's routed experts of `layer` [num_tokens, top_k] to index with (clamped into
+        range while `check_routed_experts`' check is pending), or None."""
+        return self.indexable_experts.get(layer, self.routed_experts.get(layer))
+
+    def raise_failed_checks(self) -> None:
+        """Read this forward's pending checks now and raise if one failed: called where the forward
+        failed otherwise, since a bad input behind a deferred check may be the cause (repeated
+        routed ids break the dispatcher's split sizes), so that the cause is named first."""
+        passed = [bool(t) for t in self.pending_checks.values()]
+        if not all(passed):
+            keys = list(self.pending_checks)
+            self.pending_checks.clear()  # forgotten once raised, as by `close_checks`
+            _raise_failed([f"layer {layer}: {what}" for layer, what in keys], passed)
 
     def defer_check(self, layer: int, what: str, passed: torch.Tensor) -> None:
         """Keep a check of this forward (a bool tensor, True when it passed) for `close_checks`,

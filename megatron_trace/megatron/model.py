@@ -110,6 +110,10 @@ class TraceGPTModel(GPTModel):
         context.activate(guidance)
         try:
             out = super().forward(*args, **kwargs)
+        except Exception:
+            if guidance is not None:  # a bad input behind a deferred check may have caused this: named first
+                guidance.raise_failed_checks()
+            raise
         finally:
             context.activate(None)
         if guidance is not None:

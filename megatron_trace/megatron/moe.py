@@ -19,11 +19,11 @@ Where the dispatch group is this rank alone and nothing is dropped or padded, th
 only sorts the (token, slot) rows by expert, so the fc2 rows are taken in that order directly:
 no second dispatch, no byte rows, no host synchronisation.
 
-Checks that would otherwise wait for the GPU once a layer run less often. Routed ids in range
-are checked once a forward, before any layer indexes with them (`MicroBatchGuidance.check_routed_experts`).
-That the tokens' experts are those the engine routed is deferred (`defer_check`). It is read once
-after all of a call's micro-batches (`checks_read_at_end`), or at the forward's end outside such a
-call.
+Checks that would otherwise wait for the GPU once a layer are deferred (`defer_check`): routed
+ids in range and not repeated within a token (`MicroBatchGuidance.check_routed_experts`; the
+layers index with the ids clamped into range meanwhile), and that the tokens' experts are those
+the engine routed. They are read once after all of a call's micro-batches (`checks_read_at_end`),
+or at the forward's end outside such a call.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class TraceMoELayer(MoELayer):
     # -- routing replay ---------------------------------------------------------------------
     def route(self, hidden_states, padding_mask=None):
         mb = context.active()
-        ids = None if mb is None else mb.routed_experts.get(self.layer)
+        ids = None if mb is None else mb.routed_ids(self.layer)
         replay = self.router.router_replay
         if ids is not None:
             if replay is None:
@@ -127,7 +127,7 @@ class TraceMoELayer(MoELayer):
                                           "whether fc2 carries guidance (or its coding)")
         if fc2 is None:
             return None, None, 0
-        ids = mb.routed_experts.get(self.layer)
+        ids = mb.routed_ids(self.layer)
         if ids is None:
             raise GuidanceFormatError(f"layer {self.layer}: guided fc2 needs the engine's routed experts "
                                       "(rollout routing replay)")

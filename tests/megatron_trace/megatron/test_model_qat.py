@@ -210,6 +210,31 @@ def test_guidance_that_does_not_fit_is_refused_with_a_named_reason(case):
     assert "routed expert ids repeat within their token" in errors["expert ids repeated"]
 
 
+def test_routed_ids_are_checked_later_and_indexed_clamped_meanwhile():
+    """`check_routed_experts` defers its checks (no host synchronisation at a forward's start): the
+    layers index with the ids clamped into range until the checks are read, which name each bad
+    layer and what is wrong; `raise_failed_checks` reads them early, where a forward failed."""
+    from megatron_trace.guidance import GuidanceFormatError
+    from megatron_trace.megatron.context import MicroBatchGuidance
+
+    good = torch.tensor([[0, 3], [2, 1]])
+    mb = MicroBatchGuidance(num_tokens=2, routed_experts={0: good, 1: torch.tensor([[0, 4], [-1, 2]]),
+                                                          2: torch.tensor([[1, 1], [0, 2]])})
+    mb.check_routed_experts(num_experts=4)
+    assert torch.equal(mb.routed_ids(0), good) and torch.equal(mb.routed_ids(1), torch.tensor([[0, 3], [0, 2]]))
+    assert mb.routed_ids(5) is None
+    with pytest.raises(GuidanceFormatError, match="^layer 1: routed expert ids outside 0..3; "
+                                                  "layer 2: routed expert ids repeat within their token$"):
+        mb.close_checks()
+    mb.check_routed_experts(num_experts=4)
+    with pytest.raises(GuidanceFormatError, match="layer 1: routed expert ids outside 0..3"):
+        mb.raise_failed_checks()
+    mb.routed_experts = {0: good}
+    mb.check_routed_experts(num_experts=4)
+    mb.raise_failed_checks()  # all pass: nothing raised
+    mb.close_checks()
+
+
 def test_deferred_checks_raise_once_naming_each_layer_that_failed():
     """The MoE layers' checks that run at the forward's end (no host synchronisation a layer), and,
     inside `checks_read_at_end` (a call's micro-batches), at the scope's end, naming the forward."""
