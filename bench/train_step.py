@@ -243,6 +243,7 @@ def main() -> None:
     _init()
     from tqdm import tqdm
 
+    from megatron_trace.megatron.context import checks_read_at_end
     from megatron_trace.megatron.model import build_model, set_precision
     from megatron_trace.megatron.qat import cached_weights
     from megatron_trace.megatron.trainer import linears_for
@@ -268,7 +269,8 @@ def main() -> None:
               f"{reproduces(model, ids, pos, psp, guidance, captured)}")
 
         def step(mode, micro_batches, model=model, opt=opt, guidance=guidance):
-            with cached_weights():
+            # as the trainer's run_microbatches: guided forwards' deferred checks read once a step
+            with cached_weights(), checks_read_at_end():
                 for _ in range(micro_batches):
                     loss = model(ids, pos, None, labels=labels, packed_seq_params=psp,
                                  guidance=guidance if mode == "fp4-guided" else None).float().mean()
