@@ -452,6 +452,8 @@ def fake_quantize_ste_flagged(
 
 def _fake_quantize_ste(x, fmt="nvfp4", scale=None, rounding="rne", seed=None, *, global_amax=None,
                        mx_scale_rule="floor", backend="auto", check_finite=True, with_mask=True, answer=True):
+    """`fake_quantize_ste_flagged`; without `answer` the all-true answer is None (the three-step
+    path then makes no mask it does not return)."""
     if rounding == "rne" and _parse_format(fmt) is Format.NVFP4 and _fusable(x, backend):
         _validate_input(x, Format.NVFP4)
         x_MK = x.reshape(-1, x.shape[-1]).contiguous()
@@ -492,12 +494,12 @@ def fake_quantize_guided_ste(x: torch.Tensor, global_scale: torch.Tensor, block_
     Returns:
         (dequantize(quantize_guided(x, ...), x.dtype), bool mask of x's shape or None).
     """
-    return _fake_quantize_guided_ste_flagged(x, global_scale, block_scales, mantissa_bits, backend=backend,
-                                             check_finite=check_finite, with_mask=with_mask, answer=False)[:2]
+    return _fake_quantize_guided_ste(x, global_scale, block_scales, mantissa_bits, backend=backend,
+                                     check_finite=check_finite, with_mask=with_mask, answer=False)[:2]
 
 
-def _fake_quantize_guided_ste_flagged(x, global_scale, block_scales, mantissa_bits, *, backend="auto",
-                                      check_finite=True, with_mask=True, answer=True):
+def _fake_quantize_guided_ste(x, global_scale, block_scales, mantissa_bits, *, backend="auto",
+                              check_finite=True, with_mask=True, answer=True):
     """`fake_quantize_guided_ste` and (with `answer`) whether the mask is all true, as
     `fake_quantize_ste_flagged`."""
     if _fusable(x, backend):
@@ -546,7 +548,7 @@ def fake_quantize_guided(x: torch.Tensor, global_scale: torch.Tensor, block_scal
     with_mask = _wants_grad(x)
 
     def fake_fn(t):
-        return _fake_quantize_guided_ste_flagged(t, global_scale, block_scales, mantissa_bits, with_mask=with_mask,
-                                                 answer=with_mask, **kwargs)
+        return _fake_quantize_guided_ste(t, global_scale, block_scales, mantissa_bits, with_mask=with_mask,
+                                         answer=with_mask, **kwargs)
 
     return _FakeQuantizeSTE.apply(x, fake_fn)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .api import (
-    _fake_quantize_guided_ste_flagged,
+    _fake_quantize_guided_ste,
     _FakeQuantizeSTE,
     _fusable,
     _raise_nonfinite,
@@ -106,8 +106,8 @@ def fake_quantize_partly_guided(x_RK: torch.Tensor, g: torch.Tensor, scales: tor
     def unfused(t):
         guidance = resolve_partial(t, g, scales, bits, scale_lsb=scale_lsb, scale_known=scale_known,
                                    bit_known=bit_known)
-        return _fake_quantize_guided_ste_flagged(t, *guidance, backend=backend, check_finite=check_finite,
-                                                 with_mask=with_mask, answer=with_mask)
+        return _fake_quantize_guided_ste(t, *guidance, backend=backend, check_finite=check_finite,
+                                         with_mask=with_mask, answer=with_mask)
 
     # _fusable first: without Triton (or off its backend) triton_fp4 may be None; the kernel
     # takes x contiguous (`fused` copies it where it is not)
