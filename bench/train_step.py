@@ -17,6 +17,7 @@ and a markdown table beside it.
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import json
 import os
@@ -24,6 +25,8 @@ import socket
 import statistics
 import sys
 import time
+import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -47,6 +50,33 @@ def _init():
         torch.cuda.set_device(0)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     initialize_model_parallel_cpu()  # the CPU patches apply only without CUDA
+
+
+def sync_sites(fn, *args) -> collections.Counter:
+    """Call fn(*args) under torch's CUDA sync debug mode; the synchronising operations it ran, counted by
+    their innermost call site in TRACE, Megatron or TE (or the innermost frame elsewhere)."""
+    sites = collections.Counter()
+    ours = ("megatron_trace", "trace_kernels", "megatron/", "transformer_engine", "kernels/")
+
+    def note(message, *_args, **_kwargs):
+        frames = traceback.extract_stack()[:-2]
+        frame = next((f for f in reversed(frames) if any(k in f.filename for k in ours)), frames[-1])
+        where = "/".join(frame.filename.split("/")[-2:])
+        sites[f"{where}:{frame.lineno} {frame.name}: {str(message).split('.')[0][:60]}"] += 1
+
+    shown = warnings.showwarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = note
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn(*args)
+            torch.cuda.set_sync_debug_mode(0)
+            torch.cuda.synchronize()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            warnings.showwarning = shown
+    return sites
 
 
 def own_guidance(model, ids, pos, psp, cfg):
@@ -227,6 +257,8 @@ def main() -> None:
     ap.add_argument("--micro-batches", default="1",
                     help="comma list: forward+backward passes per optimizer step (weights quantized once per step)")
     ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one step per mode")
+    ap.add_argument("--sync-sites", action="store_true",
+                    help="print where one step per mode waits for the GPU (torch's sync debug mode), by call site")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--sequential-experts", action="store_true", help="SequentialMLP instead of grouped GEMMs")
@@ -321,6 +353,12 @@ def main() -> None:
                     f"--- {impl} {mode}: top host operations of one step (self CPU time)",
                     table.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60)]))
                 print(profiles[-1])
+        if args.sync_sites and dev.type == "cuda":
+            for mode in args.modes.split(","):
+                set_precision(model, mode)
+                print(f"--- {impl} {mode}: host synchronisations of one step, by call site")
+                for site, n in sync_sites(step, mode, 1).most_common(25):
+                    print(f"{n:5d}  {site}")
         del model, opt, step
         if dev.type == "cuda":
             torch.cuda.empty_cache()
