@@ -429,25 +429,13 @@ def fake_quantize_ste(
                               backend=backend, check_finite=check_finite, with_mask=with_mask, answer=False)[:2]
 
 
-def fake_quantize_ste_flagged(
-    x: torch.Tensor,
-    fmt: str | Format = "nvfp4",
-    scale: str | None = None,
-    rounding: str = "rne",
-    seed: int | None = None,
-    *,
-    global_amax: torch.Tensor | None = None,
-    mx_scale_rule: str | MXScaleRule = "floor",
-    backend: str = "auto",
-    check_finite: bool = True,
-    with_mask: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """`fake_quantize_ste` (same arguments), and whether its mask is all true: a 0-d bool tensor on
-    x's device, given with or without the mask. The one-pass kernel answers it from per-program
-    flags, without writing the mask where with_mask=False and without a second pass over it
-    (`ClipMask` takes the answer)."""
-    return _fake_quantize_ste(x, fmt, scale, rounding, seed, global_amax=global_amax, mx_scale_rule=mx_scale_rule,
-                              backend=backend, check_finite=check_finite, with_mask=with_mask, answer=True)
+def fake_quantize_ste_flagged(x: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                           torch.Tensor]:
+    """`fake_quantize_ste` (the same arguments), and whether its mask is all true: a 0-d bool
+    tensor on x's device, given with or without the mask. The one-pass kernel answers it from
+    per-program flags, without writing the mask where with_mask=False and without a second pass
+    over it (`ClipMask` takes the answer)."""
+    return _fake_quantize_ste(x, *args, answer=True, **kwargs)
 
 
 def _fake_quantize_ste(x, fmt="nvfp4", scale=None, rounding="rne", seed=None, *, global_amax=None,
