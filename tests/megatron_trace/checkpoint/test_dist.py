@@ -20,6 +20,7 @@ from megatron_trace.checkpoint.dist import (
 )
 from megatron_trace.megatron.spawn import spawn, world_size
 from megatron_trace.model_config import PRESETS
+from tests.support.ranks import skip_unless_gpus_for
 from tests.support.scenarios import random_full_state_dict
 
 CFG = PRESETS["tiny"]
@@ -94,8 +95,7 @@ def _parallel(rank, *, full, a, b):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    if torch.cuda.is_available() and world_size(PARALLEL) > torch.cuda.device_count():
-        pytest.skip(f"needs {world_size(PARALLEL)} GPUs")
+    skip_unless_gpus_for(PARALLEL)
     root = tmp_path_factory.mktemp("ckpt")
     paths = dict(a=str(root / "a"), b=str(root / "b"), empty=str(root / "empty"))
     os.mkdir(paths["empty"])

@@ -14,10 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_trace.megatron.spawn import spawn, world_size
+from megatron_trace.megatron.spawn import spawn
 from megatron_trace.model_config import PRESETS
 from tests.support import qwen3_moe_reference as ref
 from tests.support import scenarios as sc
+from tests.support.ranks import skip_unless_gpus_for
 
 CFG = PRESETS["tiny"]
 SITES = [(layer, site) for layer in range(CFG.num_layers) for site in sc.SITE_ORDER]
@@ -78,8 +79,7 @@ def one_process(case):
 def layout_run(request, case):
     sd, batches = case
     layout, kw = LAYOUTS[request.param]
-    if torch.cuda.is_available() and world_size(layout) > torch.cuda.device_count():
-        pytest.skip(f"{request.param} needs {world_size(layout)} GPUs, this machine has {torch.cuda.device_count()}")
+    skip_unless_gpus_for(layout, request.param)
     return request.param, _run(sd, batches, layout, ["fp4-rne", "fp4-guided"], **kw)
 
 
@@ -146,6 +146,7 @@ def test_sparse_guidance_through_tensor_and_expert_parallel_layout(case, one_pro
     carried through EP dispatch: every shipped element gets the engine's code; the others follow
     the trainer's own rounding, so flips remain only where drift exceeded the margin tau."""
     sd, _ = case
+    skip_unless_gpus_for(dict(tp=2, ep=2, etp=1))
     batches = _batches(sd, "sparse")
     run = _run(sd, batches, dict(tp=2, ep=2, etp=1), ["fp4-guided"], dispatcher="alltoall")
     for b, m in run.items():
@@ -180,6 +181,7 @@ def test_routing_replay_forces_the_supplied_experts(case):
 
 def test_sharded_weight_quantization_equals_unsharded(case):
     sd, _ = case
+    skip_unless_gpus_for(dict(tp=2, etp=2))
     results = spawn(sc.run_weight_codes, dict(tp=2, etp=2), cfg=CFG, sd=sd)
     for diffs, compared in results:
         assert compared == CFG.num_layers * (2 + 2 * CFG.num_experts)
@@ -190,6 +192,7 @@ def test_sharded_weight_quantization_equals_unsharded(case):
 def test_token_logprobs_are_the_log_softmax_of_the_logits(case, layout):
     """Vocab-parallel log-probabilities equal a float64 log-softmax of the gathered logits."""
     sd, batches = case
+    skip_unless_gpus_for(layout)
     for lp, logits, targets in spawn(sc.run_token_logprobs, layout, cfg=CFG, sd=sd, seqs=batches[1]["seqs"]):
         want = torch.log_softmax(logits.double(), -1).gather(1, targets[:, None])[:, 0]
         torch.testing.assert_close(lp.double(), want, atol=1e-4, rtol=1e-5)
