@@ -18,6 +18,8 @@ from collections.abc import Callable
 
 import torch
 
+from ..host_copy import HostCopy
+
 
 class ClipMask:
     """A bool mask (True where the gradient passes) whose all-true answer arrives later.
@@ -39,26 +41,16 @@ class ClipMask:
             raise ValueError("ClipMask: a mask not written needs its answer (all_inside) and remake")
         self._mask: torch.Tensor | None = inside if hold else None
         self._remake = remake if inside is None else None
-        answer = inside.all() if all_inside is None else all_inside
-        if answer.is_cuda:
-            self._all = torch.empty((), dtype=torch.bool, pin_memory=True)
-            self._all.copy_(answer, non_blocking=True)
-            self._passed: torch.cuda.Event | None = torch.cuda.Event()
-            self._passed.record()
-        else:
-            self._all, self._passed = answer, None
+        self._answer = HostCopy(inside.all() if all_inside is None else all_inside)
         self._known: bool | None = None
 
     def settle(self, wait: bool = False) -> bool:
         """Reads the answer if it has arrived (with `wait`, waits for it); True once read. A held
         mask is dropped once known to be all true."""
         if self._known is None:
-            if self._passed is not None:
-                if not (wait or self._passed.query()):
-                    return False
-                self._passed.synchronize()
-                self._passed = None
-            self._known = bool(self._all)
+            if not (wait or self._answer.ready()):
+                return False
+            self._known = bool(self._answer.get())
             if self._known:
                 self._mask = self._remake = None
         return True

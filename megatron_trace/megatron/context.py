@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from trace_kernels.host_copy import HostCopy
+
 from ..guidance.batch import GuidanceBatch
 from ..guidance.codec import GuidanceFormatError
 from ..guidance.record import SITES, GuidanceRecord
@@ -112,7 +114,8 @@ class MicroBatchGuidance:
 
     def close_checks(self) -> None:
         """The end of a forward: its deferred checks are read now (one host synchronisation) or,
-        inside `checks_read_at_end`, handed to that scope; then forgotten.
+        inside `checks_read_at_end`, sent to the host behind an event and read at that scope's
+        end; then forgotten.
 
         Raises:
             GuidanceFormatError: naming each layer whose check failed and what failed.
@@ -123,7 +126,7 @@ class MicroBatchGuidance:
         passed = torch.stack([t.reshape(()).to(torch.bool) for t in self.pending_checks.values()])
         self.pending_checks.clear()
         if _forward_checks is not None:
-            _forward_checks.append((keys, passed))
+            _forward_checks.append((keys, HostCopy(passed)))
             return
         _raise_failed([f"layer {layer}: {what}" for layer, what in keys], passed.tolist())
 
@@ -215,18 +218,22 @@ def _raise_failed(labels: list[str], passed: list[bool]) -> None:
         raise GuidanceFormatError("; ".join(failed))
 
 
-# the forwards' checks inside `checks_read_at_end`: (keys, bool [n]) per forward, in order
-_forward_checks: list[tuple[list, torch.Tensor]] | None = None
+# the forwards' checks inside `checks_read_at_end`: (keys, bool [n] on its way to the host) per
+# forward, in order
+_forward_checks: list[tuple[list, HostCopy]] | None = None
 
 
 @contextlib.contextmanager
 def checks_read_at_end():
     """Within this scope (one call's micro-batches), each forward's deferred checks are read once
-    at the scope's end, with every other forward's, not at the forward's end. Reading waits for
-    the GPU: between a forward and its backward that drained the GPU's queue, which then idled
-    while the host launched the backward. A failed check is raised at the scope's end, naming
-    the forward (the micro-batch, in the order of the forwards) and the layer, before any
-    optimizer step; the gradients of that call are not to be used.
+    at the scope's end, with every other forward's, not at the forward's end. Reading a GPU
+    tensor waits for all the work queued so far, and the GPU then idles while the host queues
+    what comes next: between a forward and its backward, or, at the scope's end, before the
+    optimizer step. So each forward's flags are copied to the host behind an event at its end
+    (`HostCopy`), and the scope's end waits only for the last forward, long done on the GPU
+    while the host queued the backward. A failed check is raised at the scope's end, naming the
+    forward (the micro-batch, in the order of the forwards) and the layer, before any optimizer
+    step; the gradients of that call are not to be used.
 
     Raises:
         GuidanceFormatError: at the end, naming each forward and layer whose check failed.
@@ -240,7 +247,7 @@ def checks_read_at_end():
         _forward_checks = outer
     if forwards:
         _raise_failed([f"micro-batch {i}: layer {layer}: {what}" for i, (keys, _) in enumerate(forwards)
-                       for layer, what in keys], torch.cat([p for _, p in forwards]).tolist())
+                       for layer, what in keys], torch.cat([p.get() for _, p in forwards]).tolist())
 
 
 _active: MicroBatchGuidance | None = None

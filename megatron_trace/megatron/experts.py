@@ -66,6 +66,17 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def expert_offsets(tokens_per_expert: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The grouped GEMMs' `offs`: where each local expert's rows end, int32 [E] on `device`, from
+    rows per expert (integer [E], on the host as Megatron's dispatcher hands them over, or on the
+    device). A host tensor goes over from pinned memory, so the copy does not wait for the GPU's
+    queue (from pageable memory it would: a host synchronisation a layer)."""
+    counts = tokens_per_expert
+    if torch.device(device).type == "cuda" and not counts.is_cuda:
+        counts = counts.pin_memory().to(device, non_blocking=True)
+    return torch.cumsum(counts.to(device), 0).to(torch.int32)
+
+
 class TraceSequentialMLP(SequentialMLP):
     """Each local expert's MLP (FP4 linears) on its tokens, in turn."""
 
@@ -93,7 +104,7 @@ class TraceGroupedMLP(GroupedExpertSites, TraceSequentialMLP):
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         x = permuted_local_hidden_states
-        offs = torch.cumsum(tokens_per_expert.to(x.device), 0).to(torch.int32)
+        offs = expert_offsets(tokens_per_expert, x.device)
         # [E, 2F, H] and [E, H, F]; the fc1 input arrived quantized, per token
         w1 = self.fc1_site.quantize_expert_weights([e.linear_fc1.weight for e in self.local_experts])
         w2 = self.fc2_site.quantize_expert_weights([e.linear_fc2.weight for e in self.local_experts])

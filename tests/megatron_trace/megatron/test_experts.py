@@ -40,3 +40,32 @@ def test_swiglu_is_torchs_silu_times_up_with_its_gradient():
         assert torch.equal(got, want), device
         ulp = b.grad.float().abs() * 2**-7 + 2**-126
         assert ((a.grad.float() - b.grad.float()).abs() <= ulp).all(), device
+
+
+def test_expert_offsets_are_the_running_sums_and_a_host_count_needs_no_host_synchronisation():
+    """`expert_offsets` against numpy's cumsum, from host and device counts; on a GPU, host counts
+    (as Megatron's dispatcher hands them over, pinned or not) go over without a stream sync."""
+    import numpy as np
+    import pytest
+
+    from megatron_trace.megatron.experts import expert_offsets
+
+    counts = torch.tensor([3, 0, 7, 1, 0, 12])
+    want = np.cumsum(counts.numpy()).astype(np.int32)
+    got = expert_offsets(counts, torch.device("cpu"))
+    assert got.dtype == torch.int32 and got.tolist() == want.tolist()
+    if not torch.cuda.is_available():
+        return
+    for host in (counts, counts.pin_memory()):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = expert_offsets(host, torch.device("cuda"))
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert got.is_cuda and got.cpu().tolist() == want.tolist()
+    with pytest.raises(RuntimeError):  # the check itself: a pageable copy is a sync
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            counts.to("cuda")
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
