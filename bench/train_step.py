@@ -191,6 +191,28 @@ def _pct(fraction: float | None) -> str:
     return "-" if fraction is None else f"{100 * fraction:.1f}%"
 
 
+def write_trace(step, mode: str, path: Path) -> Path:
+    """One step(mode, 1) under torch's profiler (host ops with Python stacks; kernels on a GPU),
+    written to `path` as a gzipped Chrome trace."""
+    import gzip
+    import shutil
+
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities, with_stack=True) as prof:
+        step(mode, 1)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    plain = path.with_suffix("")
+    prof.export_chrome_trace(str(plain))
+    with open(plain, "rb") as src, gzip.open(path, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    plain.unlink()
+    return path
+
+
 def step_flops(cfg, tokens: int, seq_len: int) -> float:
     """Model FLOPs of one micro-batch's forward + backward (3x the forward): 2 per weight a token
     multiplies (routed experts: top_k of them, the output layer, the router; no embedding), plus
@@ -257,6 +279,8 @@ def main() -> None:
     ap.add_argument("--micro-batches", default="1",
                     help="comma list: forward+backward passes per optimizer step (weights quantized once per step)")
     ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one step per mode")
+    ap.add_argument("--trace", metavar="DIR", help="write a gzipped Chrome trace of one step per mode (host ops with "
+                    "their Python stacks, kernels) to DIR/train_step_<impl>_<mode>.json.gz, for bench/trace_gaps.py")
     ap.add_argument("--sync-sites", action="store_true",
                     help="print where one step per mode waits for the GPU (torch's sync debug mode), by call site")
     ap.add_argument("--steps", type=int, default=5)
@@ -353,6 +377,11 @@ def main() -> None:
                     f"--- {impl} {mode}: top host operations of one step (self CPU time)",
                     table.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60)]))
                 print(profiles[-1])
+        if args.trace:
+            for mode in args.modes.split(","):
+                set_precision(model, mode)
+                path = write_trace(step, mode, Path(args.trace) / f"train_step_{impl}_{mode}.json.gz")
+                print(f"--- {impl} {mode}: trace of one step in {path}")
         if args.sync_sites and dev.type == "cuda":
             for mode in args.modes.split(","):
                 set_precision(model, mode)
