@@ -15,7 +15,8 @@ class HostCopy:
     """`values` (any shape and dtype, on any device) on its way to the host.
 
     The copy holds the values as they are when it is made, on any device: on the CPU a clone, at
-    hand at once; on a GPU a copy to pinned memory on the current stream, an event recorded after it.
+    hand at once; on a GPU a copy to pinned memory on its device's current stream, an event
+    recorded after it.
     """
 
     def __init__(self, values: torch.Tensor):
@@ -23,7 +24,7 @@ class HostCopy:
             self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
             self._host.copy_(values, non_blocking=True)
             self._copied: torch.cuda.Event | None = torch.cuda.Event()
-            self._copied.record()
+            self._copied.record(torch.cuda.current_stream(values.device))  # the stream the copy went on
         else:
             self._host, self._copied = values.clone(), None
 
