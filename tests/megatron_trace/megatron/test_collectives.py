@@ -7,6 +7,7 @@ import torch
 from megatron_trace.megatron.spawn import spawn
 from megatron_trace.model_config import PRESETS
 from tests.support import scenarios as sc
+from tests.support.ranks import skip_unless_gpus_for
 
 CFG = PRESETS["tiny"]
 
@@ -55,6 +56,7 @@ def test_gathered_weights_and_reduced_grads_match_one_process():
     seqs = sc.make_sequences(CFG, [10, 10], seed=4)  # equal lengths: the mean of means is the mean
     (full, want, _), = spawn(run_grads, {}, sd=sd, seqs=seqs)
     assert set(full) == set(sd) and all(torch.equal(full[k], sd[k]) for k in sd)
+    skip_unless_gpus_for({"dp": 2})
     for layout in ({"ep": 2, "dp": 2}, {"tp": 2}):
         results = spawn(run_grads, layout, sd=sd, seqs=seqs)
         gathered = results[0][0]

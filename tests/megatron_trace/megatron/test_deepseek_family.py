@@ -19,6 +19,7 @@ from megatron_trace.megatron.spawn import spawn
 from megatron_trace.model_config import from_hf
 from tests.support import scenarios as sc
 from tests.support.hf_families import hf_model, routed_experts, run_expert_bias_update
+from tests.support.ranks import skip_unless_gpus_for
 
 LAYERS = 4  # a dense layer then three MoE layers: PP2 splits them 2 + 2
 
@@ -72,6 +73,7 @@ def test_config_reads_back_and_only_the_sglang_engine_lacks_the_family(family):
     ("deepseek-v3-direct-q", dict(tp=2)),  # MLA without the query latent (q_lora_rank null)
 ], ids=["deepseek-v3-tp2", "deepseek-v3-ep2", "deepseek-v3-pp2", "glm-4.5-tp2", "deepseek-v3-direct-q-tp2"])
 def test_logits_match_transformers_in_float32(families, name, layout):
+    skip_unless_gpus_for(layout)
     family = families(name)
     runs = spawn(sc.run_layout, layout, cfg=family["cfg"], sd=family["sd"],
                  batches=[{"seqs": seqs} for seqs in family["batches"]], modes=["bf16", "fp4-rne"], backward=True,

@@ -14,6 +14,7 @@ import torch
 from megatron_trace.megatron.spawn import spawn
 from megatron_trace.model_config import PRESETS
 from tests.support import scenarios as sc
+from tests.support.ranks import skip_unless_gpus_for
 
 CFG = PRESETS["tiny"]
 STEPS = 3
@@ -127,22 +128,34 @@ def _check_layout(layout, want, sd, seqs):
     return results
 
 
-def test_distributed_optimizer_equals_the_plain_one_and_one_process_under_dp_ep_tp_pp():
+@pytest.fixture(scope="module")
+def one_process_training():
+    """(state dict, sequences, one process's runs by (param dtype, distributed optimizer))."""
     sd = sc.random_full_state_dict(CFG, seed=3)
     seqs = sc.make_sequences(CFG, [12, 9, 14, 7], seed=5)  # unequal: the loss is the global token mean
     (one, _, _), = spawn(run_training, {}, sd=sd, seqs=seqs, clip=0.5)
-    want = one[torch.float32, False]
-    for dtype in (torch.bfloat16, torch.float32):  # one rank: the distributed optimizer is the plain one
+    return sd, seqs, one
+
+
+def test_the_distributed_optimizer_on_one_rank_is_the_plain_one(one_process_training):
+    _, _, one = one_process_training
+    for dtype in (torch.bfloat16, torch.float32):
         torch.testing.assert_close(torch.tensor(one[dtype, True]["norms"]), torch.tensor(one[dtype, False]["norms"]),
                                    rtol=1e-6, atol=0)
         _same_weights(one[dtype, True]["weights"], one[dtype, False]["weights"], "one process")
-    assert max(want["norms"]) > 0.5  # the clip acted
-    dp2 = _check_layout({"dp": 2}, want, sd, seqs)
-    for out, _, _ in dp2:  # each rank holds half of the FP32 main parameters and moments
-        plain, sharded = out[torch.bfloat16, False]["bytes"], out[torch.bfloat16, True]["bytes"]
-        assert abs(sharded - plain / 2) <= 0.02 * plain, (sharded, plain)
-    _check_layout({"ep": 2, "dp": 2}, want, sd, seqs)
-    _check_layout({"tp": 2, "pp": 2}, want, sd, seqs)
+    assert max(one[torch.float32, False]["norms"]) > 0.5  # the clip acted
+
+
+@pytest.mark.parametrize("layout", [{"dp": 2}, {"ep": 2, "dp": 2}, {"tp": 2, "pp": 2}],
+                         ids=["dp2", "ep2-dp2", "tp2-pp2"])
+def test_distributed_optimizer_equals_the_plain_one_and_one_process_under(one_process_training, layout):
+    sd, seqs, one = one_process_training
+    skip_unless_gpus_for(layout)
+    results = _check_layout(layout, one[torch.float32, False], sd, seqs)
+    if layout == {"dp": 2}:
+        for out, _, _ in results:  # each rank holds half of the FP32 main parameters and moments
+            plain, sharded = out[torch.bfloat16, False]["bytes"], out[torch.bfloat16, True]["bytes"]
+            assert abs(sharded - plain / 2) <= 0.02 * plain, (sharded, plain)
 
 
 def run_clipped_adamw(rank, *, sd, seqs, clip, lr, warmup):
@@ -273,6 +286,7 @@ def test_a_dp2_optimizer_checkpoint_resumes_under_one_rank_and_under_tp2(tmp_pat
     same weights lands far from it (its moments matter)."""
     sd = sc.random_full_state_dict(CFG, seed=7)
     seqs = sc.make_sequences(CFG, [12, 9, 14, 7], seed=8)
+    skip_unless_gpus_for({"tp": 2})
     saved = spawn(run_resharded_resume, {"dp": 2}, sd=sd, seqs=seqs, directory=str(tmp_path), save=True)
     want = saved[0][0]
     for layout in ({}, {"tp": 2}):
