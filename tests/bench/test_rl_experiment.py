@@ -1,7 +1,6 @@
 """bench/rl_experiment.py without training: its modes, how it keeps finished work across
 sessions, and the report it writes from a recorded state."""
 
-import importlib.util
 import json
 import sys
 from dataclasses import asdict, replace
@@ -9,17 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.bench_scripts import bench_module
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def rx():
-    spec = importlib.util.spec_from_file_location("rl_experiment", ROOT / "bench" / "rl_experiment.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["rl_experiment"] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules["rl_experiment"]
+    yield from bench_module("rl_experiment")
 
 
 def test_modes_name_their_settings_and_how_they_are_served(rx):

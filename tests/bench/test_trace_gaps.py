@@ -2,24 +2,17 @@
 and each idle gap laid to the right frame."""
 
 import gzip
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.bench_scripts import bench_module
 
 
 @pytest.fixture(scope="module")
 def tg():
-    spec = importlib.util.spec_from_file_location("trace_gaps", ROOT / "bench" / "trace_gaps.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["trace_gaps"] = module  # its dataclass looks its module up
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules["trace_gaps"]
+    yield from bench_module("trace_gaps")
 
 
 def _x(cat, name, ts, dur, corr=None):
