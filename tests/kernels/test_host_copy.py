@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.support.fp4 import EVENT_PATH_DEVICES as DEVICES
+from tests.support.fp4 import HAS_CUDA
 from trace_kernels.host_copy import HostCopy
-
-HAS_CUDA = torch.cuda.is_available()
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="the event path needs a GPU"))]
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -3,12 +3,16 @@
 import math
 
 import numpy as np
+import pytest
 import torch
 
 from trace_kernels.fp4 import E2M1_MAGNITUDES, dequantize, quantize
 
 BACKENDS = ("torch", "triton")
 HAS_CUDA = torch.cuda.is_available()
+# the CPU, and the GPU where there is one: results read on the host behind a CUDA event
+EVENT_PATH_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA,
+                                                                           reason="the event path needs a GPU"))]
 
 
 def triton_device() -> str:

@@ -3,11 +3,10 @@
 import pytest
 import torch
 
-from tests.support.fp4 import HAS_CUDA, triton_device
+from tests.support.fp4 import EVENT_PATH_DEVICES as DEVICES
+from tests.support.fp4 import triton_device
 from trace_kernels.fp4 import ClipMask, fake_quantize
 from trace_kernels.fp4.api import quantize, ste_mask
-
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="the event path needs a GPU"))]
 
 
 @pytest.mark.parametrize("device", DEVICES)
