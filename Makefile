@@ -50,7 +50,9 @@ demo: $(VENV)/.base
 
 test: $(VENV)/.sglang $(VENV)/.te
 	$(VENV)/bin/ruff check .
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q
+	# two workers, a file to one worker (its module fixtures are built once); most tests spawn ranks and
+	# SGLang processes whose imports leave a core idle in one worker
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
