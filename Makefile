@@ -48,10 +48,10 @@ $(VENV)/.te: $(VENV)/.test setup.cfg
 demo: $(VENV)/.base
 	OMP_NUM_THREADS=1 $(VENV)/bin/trace-rl train
 
+# Two pytest workers, a test file to one worker (its module fixtures are built once): most tests spawn
+# ranks and SGLang processes whose imports leave a core idle in one worker.
 test: $(VENV)/.sglang $(VENV)/.te
 	$(VENV)/bin/ruff check .
-	# two workers, a file to one worker (its module fixtures are built once); most tests spawn ranks and
-	# SGLang processes whose imports leave a core idle in one worker
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile
 
 clean:
