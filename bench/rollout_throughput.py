@@ -190,6 +190,7 @@ def time_generate(engine, cfg, batch: int, prompt_len: int, new_tokens: int, sam
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - t0)
+        print(f"  generate call {rep + 1}/{reps}: {seconds[-1]:.2f} s", flush=True)
         errors = {s.error for s in out.samples if s.error}
         if errors:
             raise SystemExit(f"--generate {batch}:{prompt_len}:{new_tokens}: {sorted(errors)}")

@@ -4,7 +4,9 @@ torch.Generator), at a Qwen3 vocabulary.
 
     python bench/sampling.py [--batch 64] [--vocab 151936] [--record]
 
-Times one step's sampling (median of --reps after a warm-up), for top-p 1 and 0.95.
+Times one step's sampling (median of --reps after a warm-up), for top-p 1 and 0.95; on a GPU
+also the device time of one step's draw from BF16 logits (tokens and log-probabilities, no host
+copy), the fused `sample_tempered` against the unfused passes it replaced.
 """
 
 from __future__ import annotations
@@ -49,6 +51,27 @@ def timed(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+def unfused_draw(logits: torch.Tensor, temperature: float, keys: torch.Tensor, steps: torch.Tensor):
+    """The draw before `sample_tempered`: float copy, division, Gumbel argmax, log_softmax, gather."""
+    from trace_kernels.sampling import gumbel_argmax
+
+    scaled = logits.float() / temperature
+    tokens = gumbel_argmax(scaled, keys, steps)
+    return tokens, torch.log_softmax(scaled, -1).gather(-1, tokens[:, None])[:, 0]
+
+
+def device_ms(fn, reps: int = 100) -> float:
+    """Mean GPU milliseconds of fn() over reps back-to-back calls (CUDA events), after a warm-up."""
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
 def main() -> None:
     from megatron_trace.rollout import SamplingParams
     from sglang_rollout.engine.sampler import sample_key, sample_rows
@@ -73,16 +96,34 @@ def main() -> None:
                      "sample_rows_ms": batched * 1e3, "speedup": host / batched, "device": gpu})
         print(f"top_p {top_p}: per-row host sampling {host * 1e3:.2f} ms, sample_rows {batched * 1e3:.3f} ms "
               f"({host / batched:.0f}x)", flush=True)
+    fused_rows = []
+    if device == "cuda":
+        from trace_kernels.sampling import sample_tempered
+
+        bf16 = logits.bfloat16()
+        keys_t, steps_t = torch.tensor(keys), torch.zeros(args.batch, dtype=torch.int64)
+        for temperature in (1.0, 0.7):
+            old = device_ms(lambda: unfused_draw(bf16, temperature, keys_t, steps_t))
+            new = device_ms(lambda: sample_tempered(bf16, temperature, keys_t, steps_t))
+            fused_rows.append({"temperature": temperature, "unfused_ms": old, "fused_ms": new})
+            print(f"temperature {temperature}: draw from bf16 logits, unfused {old:.3f} ms, fused {new:.3f} ms "
+                  f"({old / new:.2f}x)", flush=True)
     if args.record:
         date = datetime.date.today().isoformat()
         stem = RESULTS / f"sampling_{date}_{gpu.split()[-1].lower()}"
         cmd = "python bench/sampling.py " + " ".join(sys.argv[1:])
-        stem.with_suffix(".json").write_text(json.dumps({"date": date, "command": cmd, "rows": rows}, indent=1) + "\n")
+        stem.with_suffix(".json").write_text(json.dumps({"date": date, "command": cmd, "rows": rows,
+                                                         "draw_rows": fused_rows}, indent=1) + "\n")
         lines = [f"# Sampling one decode step, {date}, {gpu}", "", f"`{cmd}`", "",
                  f"Batch {args.batch}, vocabulary {args.vocab}, temperature 1; median of {args.reps} steps.", "",
                  "| top-p | per-row host sampling ms | sample_rows ms | speedup |", "|---|---|---|---|"]
         lines += [f"| {r['top_p']} | {r['host_rows_ms']:.2f} | {r['sample_rows_ms']:.3f} | {r['speedup']:.0f}x |"
                   for r in rows]
+        if fused_rows:
+            lines += ["", "Device time of one step's draw from BF16 logits (mean of 100, no host copy):", "",
+                      "| temperature | unfused ms | fused ms | unfused / fused |", "|---|---|---|---|"]
+            lines += [f"| {r['temperature']} | {r['unfused_ms']:.3f} | {r['fused_ms']:.3f} | "
+                      f"{r['unfused_ms'] / r['fused_ms']:.2f}x |" for r in fused_rows]
         stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 

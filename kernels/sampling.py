@@ -11,6 +11,14 @@ change a token where two candidates tie to within that.
 
 Shapes: x float32 [B, V] (logits already scaled by 1 / temperature and masked), keys int64 [B]
 (32-bit values), steps int64 [B]; tokens int64 [B].
+
+`sample_tempered` is the RL default (temperature only, the full distribution) in one pass over
+the logits as the model wrote them: the token, and its log-probability from a running
+log-sum-exp. Unfused, a decode step at Qwen3's vocabulary makes five passes over [B, V] (the
+float copy, the division, the draw, log_softmax and its gather) and the draw runs one program a
+row, fewer than the GPU's multiprocessors; here each row is split over several programs and a
+second launch joins the pieces. It has run in the Triton interpreter only so far: the engine
+keeps the unfused passes until `bench/sampling.py` and the GPU tests have run it on a GPU.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ except ImportError:  # pragma: no cover - triton is optional on the CPU
     triton = None
 
 BLOCK_V = 4096  # vocabulary entries per loop step of the Triton kernel
+SPLIT_PROGRAMS = 1024  # programs `sample_tempered` aims for: a few waves on an H100's 132 multiprocessors
 
 
 def gumbel_argmax(x: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
@@ -58,7 +67,125 @@ def gumbel_argmax(x: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, *, b
     return tokens
 
 
+def sample_tempered(logits: torch.Tensor, temperature: float, keys: torch.Tensor, steps: torch.Tensor, *,
+                    backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """A token per row drawn from softmax(x / temperature), x = logits.float() ([B, V], any float
+    dtype), with row b's stream (keys[b], steps[b]) as `gumbel_argmax` draws it, and its
+    log-probability under that distribution: (tokens int64 [B], log-probabilities float32 [B]).
+    The tokens are `gumbel_argmax(x / temperature)`'s; the log-probabilities match log_softmax's
+    to float32 rounding, and are NaN for rows whose logits hold NaN.
+
+    Raises ValueError for temperature <= 0 (greedy is an argmax), shapes that do not fit, or
+    keys outside 32 bits.
+    """
+    if not temperature > 0:
+        raise ValueError(f"sample_tempered: temperature must be > 0, got {temperature}")
+    if logits.dim() != 2 or keys.shape != (logits.shape[0],) or steps.shape != (logits.shape[0],):
+        raise ValueError(f"sample_tempered: logits [B, V] with keys and steps [B], got {tuple(logits.shape)}, "
+                         f"{tuple(keys.shape)}, {tuple(steps.shape)}")
+    if not _use_triton(logits, backend):
+        scaled = logits.float() / temperature
+        tokens = gumbel_argmax(scaled, keys, steps, backend="torch")
+        return tokens, torch.log_softmax(scaled, -1).gather(-1, tokens[:, None])[:, 0]
+    if bool(((keys < 0) | (keys > MASK32)).any()) or bool((steps < 0).any()):  # pass host tensors: no sync
+        raise ValueError("sample_tempered: keys must be 32-bit and steps >= 0")
+    if logits.shape[1] >= 2**24:  # token ids travel through float32 partials
+        raise ValueError(f"sample_tempered: a vocabulary of {logits.shape[1]} is over 2**24")
+    if logits.is_cuda:
+        keys, steps = (t.to(logits.device, torch.int64) if t.is_cuda else
+                       t.to(torch.int64).pin_memory().to(logits.device, non_blocking=True) for t in (keys, steps))
+    else:
+        keys, steps = keys.to(logits.device, torch.int64), steps.to(logits.device, torch.int64)
+    logits = logits.contiguous()
+    b, v = logits.shape
+    tokens = torch.empty(b, dtype=torch.int64, device=logits.device)
+    logps = torch.empty(b, dtype=torch.float32, device=logits.device)
+    if b == 0:
+        return tokens, logps
+    block = min(BLOCK_V, triton.next_power_of_2(v))
+    splits = max(1, min(triton.cdiv(v, block), triton.cdiv(SPLIT_PROGRAMS, b)))
+    chunk = triton.cdiv(triton.cdiv(v, splits), block) * block  # a whole number of loop steps a program
+    splits = triton.cdiv(v, chunk)
+    part = torch.empty(5, b, splits, dtype=torch.float32, device=logits.device)  # score, index, max, sum, NaN
+    _sample_split_kernel[(b, splits)](logits, keys, steps, part, float(temperature), splits, V=v, CHUNK=chunk,
+                                      BLOCK=block, SCALE=temperature != 1.0)
+    _sample_join_kernel[(b,)](logits, part, tokens, logps, float(temperature), splits, V=v,
+                              SPLITS=triton.next_power_of_2(splits), SCALE=temperature != 1.0)
+    return tokens, logps
+
+
 if triton is not None:
+
+    @triton.jit
+    def _tempered(logit, t, SCALE: tl.constexpr):
+        """float32(logit) / t, rounded as torch divides (the division skipped when t is 1)."""
+        x = logit.to(tl.float32)
+        if SCALE:
+            x = tl.math.div_rn(x, t)
+        return x
+
+    @triton.jit
+    def _sample_split_kernel(logits_ptr, keys_ptr, steps_ptr, part_ptr, t, splits, V: tl.constexpr,
+                             CHUNK: tl.constexpr, BLOCK: tl.constexpr, SCALE: tl.constexpr):
+        """Program (b, s), vocabulary [s * CHUNK, + CHUNK) of row b: the best Gumbel score and its
+        first index (as `_gumbel_argmax_kernel`), the largest tempered logit m, sum(exp(x - m)),
+        and whether a logit is NaN, to part[0..4, b, s]."""
+        b = tl.program_id(0).to(tl.int64)
+        s = tl.program_id(1)
+        key = tl.load(keys_ptr + b).to(tl.uint32)
+        base = tl.load(steps_ptr + b) * V
+        best = -float("inf")
+        best_idx = tl.zeros((), dtype=tl.int64)
+        m = -float("inf")
+        total = 0.0
+        nan = 0.0
+        for off in range(0, CHUNK, BLOCK):
+            v = s * CHUNK + off + tl.arange(0, BLOCK)
+            ok = v < V
+            x = tl.where(ok, _tempered(tl.load(logits_ptr + b * V + v, mask=ok, other=0.0), t, SCALE), -float("inf"))
+            u = _uniform(base + v, key)
+            score = tl.where(ok, x - tl.log(-tl.log(u)), -float("inf"))
+            top = tl.max(score, 0)
+            i = tl.argmax(score, 0).to(tl.int64) + s * CHUNK + off
+            take = top > best  # strict: an earlier block keeps a tie
+            best_idx = tl.where(take, i, best_idx)
+            best = tl.where(take, top, best)
+            nan = tl.maximum(nan, tl.max((x != x).to(tl.float32), 0))
+            m_new = tl.maximum(m, tl.max(x, 0))
+            finite = m_new > -float("inf")  # all -inf so far: nothing to add
+            total = tl.where(finite, total * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0), 0.0)
+            m = m_new
+        at = part_ptr + b * splits + s
+        rows = tl.num_programs(0).to(tl.int64) * splits
+        tl.store(at, best)
+        tl.store(at + rows, best_idx.to(tl.float32))  # < 2**24: exact
+        tl.store(at + 2 * rows, m)
+        tl.store(at + 3 * rows, total)
+        tl.store(at + 4 * rows, nan)
+
+    @triton.jit
+    def _sample_join_kernel(logits_ptr, part_ptr, tokens_ptr, logps_ptr, t, splits, V: tl.constexpr,
+                            SPLITS: tl.constexpr, SCALE: tl.constexpr):
+        """Row b: the token of the best split (the first on ties, so the lowest index, as one
+        program over the row would pick) and x[token] - log(sum over splits of total * exp(m - M)) - M."""
+        b = tl.program_id(0).to(tl.int64)
+        s = tl.arange(0, SPLITS)
+        ok = s < splits
+        rows = tl.num_programs(0).to(tl.int64) * splits
+        at = part_ptr + b * splits + s
+        score = tl.load(at, mask=ok, other=-float("inf"))
+        index = tl.load(at + rows, mask=ok, other=0.0)
+        m = tl.load(at + 2 * rows, mask=ok, other=-float("inf"))
+        total = tl.load(at + 3 * rows, mask=ok, other=0.0)
+        nan = tl.max(tl.load(at + 4 * rows, mask=ok, other=0.0), 0)
+        first = tl.argmax(score, 0)  # the lowest split among equal scores
+        token = tl.sum(tl.where(s == first, index, 0.0), 0).to(tl.int64)
+        top = tl.max(m, 0)
+        log_z = top + tl.log(tl.sum(tl.where(m > -float("inf"), total * tl.exp(m - top), 0.0), 0))
+        x = _tempered(tl.load(logits_ptr + b * V + token), t, SCALE)
+        tl.store(tokens_ptr + b, token)
+        tl.store(logps_ptr + b, tl.where(nan > 0, float("nan"), x - log_z))
+
 
     @triton.jit
     def _gumbel_argmax_kernel(x_ptr, keys_ptr, steps_ptr, out_ptr, V: tl.constexpr, BLOCK: tl.constexpr):

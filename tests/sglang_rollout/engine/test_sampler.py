@@ -9,7 +9,7 @@ import torch
 from megatron_trace.rollout import SamplingParams
 from sglang_rollout.engine.sampler import sample_key, sample_rows
 from tests.support.fp4 import triton_device
-from trace_kernels.sampling import gumbel_argmax
+from trace_kernels.sampling import gumbel_argmax, sample_tempered
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.3, 0.0, -0.5, -1.0, -3.0])
 
@@ -68,6 +68,43 @@ def test_triton_kernel_draws_the_torch_paths_tokens():
     assert want[3] % 2 == 1
 
 
+def _check_fused(logits: torch.Tensor, temperature: float, keys: torch.Tensor, steps: torch.Tensor,
+                 device: str) -> None:
+    """The fused kernel on `device` against the unfused torch path on the CPU (tokens bit for bit)
+    and float64 log_softmax (log-probabilities)."""
+    scaled = logits.float() / temperature
+    want = gumbel_argmax(scaled, keys, steps, backend="torch")
+    tokens, logps = sample_tempered(logits.to(device), temperature, keys, steps, backend="triton")
+    assert torch.equal(tokens.cpu(), want)
+    ref = torch.log_softmax(scaled.double(), -1).gather(-1, want[:, None])[:, 0]
+    torch.testing.assert_close(logps.cpu().double(), ref, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_fused_kernel_draws_the_unfused_tokens_and_log_softmax(temperature):
+    """Rows split over several programs (V over one loop block), bf16 logits as the model writes them."""
+    g = torch.Generator().manual_seed(4)
+    logits = (torch.randn(3, 9000, generator=g) * 3).bfloat16()
+    logits[1, 4100] = 40.0  # one token dominates row 1, in the second split
+    keys = torch.tensor([sample_key(5, f"t{i}") for i in range(3)])
+    steps = torch.tensor([0, 17, 3])
+    _check_fused(logits, temperature, keys, steps, triton_device())
+    nan = logits.clone()
+    nan[2, 8999] = float("nan")
+    _, logps = sample_tempered(nan.to(triton_device()), temperature, keys, steps, backend="triton")
+    assert logps[:2].isfinite().all() and logps[2].isnan()
+
+
+def test_fused_kernel_refuses_bad_input():
+    x = torch.zeros(2, 4)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        sample_tempered(x, 0.0, torch.tensor([1, 2]), torch.tensor([0, 0]))
+    with pytest.raises(ValueError, match=r"keys and steps \[B\]"):
+        sample_tempered(x, 1.0, torch.tensor([1]), torch.tensor([0, 0]))
+    with pytest.raises(ValueError, match="32-bit"):
+        sample_tempered(x.to(triton_device()), 1.0, torch.tensor([1, -1]), torch.tensor([0, 0]), backend="triton")
+
+
 def test_logprob_is_the_full_tempered_distributions_and_greedy_takes_the_max():
     params = SamplingParams(temperature=0.5, top_k=2)
     tokens, logps = sample_rows(LOGITS[None], params, [sample_key(0, "a")], [0])
@@ -102,3 +139,12 @@ def test_gpu_kernel_draws_the_cpu_tokens_at_a_full_vocabulary():
     want = gumbel_argmax(x, keys, steps, backend="torch")
     assert torch.equal(gumbel_argmax(x.cuda(), keys, steps).cpu(), want)
     assert torch.equal(gumbel_argmax(x.cuda(), keys, steps, backend="torch").cpu(), want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_gpu_fused_kernel_at_a_full_vocabulary(temperature):
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(64, 151936, generator=g) * 2).bfloat16()
+    keys = torch.tensor([sample_key(12, f"f{i}") for i in range(64)])
+    _check_fused(logits, temperature, keys, torch.arange(64) * 41, "cuda")
