@@ -6,7 +6,7 @@ torch.Generator), at a Qwen3 vocabulary.
 
 Times one step's sampling (median of --reps after a warm-up), for top-p 1 and 0.95; on a GPU
 also the device time of one step's draw from BF16 logits (tokens and log-probabilities, no host
-copy), the fused `sample_tempered` against the unfused passes it replaced.
+copy), the fused `sample_tempered` against the engine's `draw_rows` (unfused passes).
 """
 
 from __future__ import annotations
@@ -51,15 +51,6 @@ def timed(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def unfused_draw(logits: torch.Tensor, temperature: float, keys: torch.Tensor, steps: torch.Tensor):
-    """The draw before `sample_tempered`: float copy, division, Gumbel argmax, log_softmax, gather."""
-    from trace_kernels.sampling import gumbel_argmax
-
-    scaled = logits.float() / temperature
-    tokens = gumbel_argmax(scaled, keys, steps)
-    return tokens, torch.log_softmax(scaled, -1).gather(-1, tokens[:, None])[:, 0]
-
-
 def device_ms(fn, reps: int = 100) -> float:
     """Mean GPU milliseconds of fn() over reps back-to-back calls (CUDA events), after a warm-up."""
     fn()
@@ -74,7 +65,7 @@ def device_ms(fn, reps: int = 100) -> float:
 
 def main() -> None:
     from megatron_trace.rollout import SamplingParams
-    from sglang_rollout.engine.sampler import sample_key, sample_rows
+    from sglang_rollout.engine.sampler import draw_rows, sample_key, sample_rows
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=64)
@@ -101,10 +92,11 @@ def main() -> None:
         from trace_kernels.sampling import sample_tempered
 
         bf16 = logits.bfloat16()
-        keys_t, steps_t = torch.tensor(keys), torch.zeros(args.batch, dtype=torch.int64)
         for temperature in (1.0, 0.7):
-            old = device_ms(lambda: unfused_draw(bf16, temperature, keys_t, steps_t))
-            new = device_ms(lambda: sample_tempered(bf16, temperature, keys_t, steps_t))
+            # the engine's draw today: float copy, division, Gumbel argmax, log_softmax, gather
+            old = device_ms(lambda: draw_rows(bf16, SamplingParams(temperature=temperature), keys, [0] * args.batch))
+            new = device_ms(lambda: sample_tempered(bf16, temperature, torch.tensor(keys),
+                                                    torch.zeros(args.batch, dtype=torch.int64)))
             fused_rows.append({"temperature": temperature, "unfused_ms": old, "fused_ms": new})
             print(f"temperature {temperature}: draw from bf16 logits, unfused {old:.3f} ms, fused {new:.3f} ms "
                   f"({old / new:.2f}x)", flush=True)

@@ -40,21 +40,26 @@ BLOCK_V = 4096  # vocabulary entries per loop step of the Triton kernel
 SPLIT_PROGRAMS = 1024  # programs `sample_tempered` aims for: a few waves on an H100's 132 multiprocessors
 
 
+def _streams_on(x: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, name: str):
+    """keys and steps (int64 [B]) checked against x [B, V] and moved to x's device. Raises
+    ValueError naming `name` for shapes that do not fit, keys outside 32 bits or negative steps."""
+    if x.dim() != 2 or keys.shape != (x.shape[0],) or steps.shape != (x.shape[0],):
+        raise ValueError(f"{name}: x [B, V] with keys and steps [B], got {tuple(x.shape)}, "
+                         f"{tuple(keys.shape)}, {tuple(steps.shape)}")
+    if bool(((keys < 0) | (keys > MASK32)).any()) or bool((steps < 0).any()):  # where they are: pass host tensors
+        raise ValueError(f"{name}: keys must be 32-bit and steps >= 0")
+    if x.is_cuda:  # from pinned memory: a plain copy from pageable memory waits for the device's queue
+        return tuple(t.to(x.device, torch.int64) if t.is_cuda else
+                     t.to(torch.int64).pin_memory().to(x.device, non_blocking=True) for t in (keys, steps))
+    return keys.to(x.device, torch.int64), steps.to(x.device, torch.int64)
+
+
 def gumbel_argmax(x: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     """One token per row of x, drawn from softmax(x[b]) with row b's stream (keys[b], steps[b]).
 
     Raises ValueError for shapes that do not fit or keys outside 32 bits.
     """
-    if x.dim() != 2 or keys.shape != (x.shape[0],) or steps.shape != (x.shape[0],):
-        raise ValueError(f"gumbel_argmax: x [B, V] with keys and steps [B], got {tuple(x.shape)}, "
-                         f"{tuple(keys.shape)}, {tuple(steps.shape)}")
-    if bool(((keys < 0) | (keys > MASK32)).any()) or bool((steps < 0).any()):  # where they are: pass host tensors
-        raise ValueError("gumbel_argmax: keys must be 32-bit and steps >= 0")
-    if x.is_cuda:  # from pinned memory: a plain copy from pageable memory waits for the device's queue
-        keys, steps = (t.to(x.device, torch.int64) if t.is_cuda else
-                       t.to(torch.int64).pin_memory().to(x.device, non_blocking=True) for t in (keys, steps))
-    else:
-        keys, steps = keys.to(x.device, torch.int64), steps.to(x.device, torch.int64)
+    keys, steps = _streams_on(x, keys, steps, "gumbel_argmax")
     x = x.float().contiguous()
     b, v = x.shape
     if not _use_triton(x, backend):
@@ -80,22 +85,13 @@ def sample_tempered(logits: torch.Tensor, temperature: float, keys: torch.Tensor
     """
     if not temperature > 0:
         raise ValueError(f"sample_tempered: temperature must be > 0, got {temperature}")
-    if logits.dim() != 2 or keys.shape != (logits.shape[0],) or steps.shape != (logits.shape[0],):
-        raise ValueError(f"sample_tempered: logits [B, V] with keys and steps [B], got {tuple(logits.shape)}, "
-                         f"{tuple(keys.shape)}, {tuple(steps.shape)}")
+    keys, steps = _streams_on(logits, keys, steps, "sample_tempered")
     if not _use_triton(logits, backend):
         scaled = logits.float() / temperature
         tokens = gumbel_argmax(scaled, keys, steps, backend="torch")
         return tokens, torch.log_softmax(scaled, -1).gather(-1, tokens[:, None])[:, 0]
-    if bool(((keys < 0) | (keys > MASK32)).any()) or bool((steps < 0).any()):  # pass host tensors: no sync
-        raise ValueError("sample_tempered: keys must be 32-bit and steps >= 0")
     if logits.shape[1] >= 2**24:  # token ids travel through float32 partials
         raise ValueError(f"sample_tempered: a vocabulary of {logits.shape[1]} is over 2**24")
-    if logits.is_cuda:
-        keys, steps = (t.to(logits.device, torch.int64) if t.is_cuda else
-                       t.to(torch.int64).pin_memory().to(logits.device, non_blocking=True) for t in (keys, steps))
-    else:
-        keys, steps = keys.to(logits.device, torch.int64), steps.to(logits.device, torch.int64)
     logits = logits.contiguous()
     b, v = logits.shape
     tokens = torch.empty(b, dtype=torch.int64, device=logits.device)
