@@ -52,15 +52,40 @@ def timed(fn, reps: int) -> float:
 
 
 def device_ms(fn, reps: int = 100) -> float:
-    """Mean GPU milliseconds of fn() over reps back-to-back calls (CUDA events), after a warm-up."""
+    """Mean GPU milliseconds of fn() over reps back-to-back calls (CUDA events), after a warm-up.
+    The device first sleeps while the host queues every call, so host overhead between launches
+    does not count."""
     fn()
+    torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(400_000_000)  # ~0.2 s at 2 GHz: longer than the host takes to queue the calls
     start.record()
     for _ in range(reps):
         fn()
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / reps
+
+
+def sweep_split_kernel(bf16: torch.Tensor, keys: list[int]) -> list[dict]:
+    """Device ms of `sample_tempered` (temperature 0.7) on bf16 [B, V] CUDA logits for a few loop
+    blocks and warp counts of its split kernel (the module's constants, restored after)."""
+    from trace_kernels import sampling
+
+    default = (sampling.SPLIT_BLOCK, sampling.SPLIT_WARPS)
+    keys_t, steps = torch.tensor(keys), torch.zeros(len(keys), dtype=torch.int64)
+    copy_gb_s = 2 * bf16.numel() * 2 / device_ms(bf16.clone) / 1e6  # the ceiling: a copy's read + write
+    out = []
+    try:
+        for block, warps in [(1024, 4), (2048, 4), (2048, 8), (4096, 4), (4096, 8)]:
+            sampling.SPLIT_BLOCK, sampling.SPLIT_WARPS = block, warps
+            ms = device_ms(lambda: sampling.sample_tempered(bf16, 0.7, keys_t, steps))
+            out.append({"block": block, "warps": warps, "default": (block, warps) == default, "fused_ms": ms,
+                        "read_gb_s": bf16.numel() * 2 / ms / 1e6, "copy_gb_s": copy_gb_s})
+            print(f"split kernel block {block} warps {warps}: {ms:.3f} ms", flush=True)
+    finally:
+        sampling.SPLIT_BLOCK, sampling.SPLIT_WARPS = default
+    return out
 
 
 def main() -> None:
@@ -87,7 +112,7 @@ def main() -> None:
                      "sample_rows_ms": batched * 1e3, "speedup": host / batched, "device": gpu})
         print(f"top_p {top_p}: per-row host sampling {host * 1e3:.2f} ms, sample_rows {batched * 1e3:.3f} ms "
               f"({host / batched:.0f}x)", flush=True)
-    fused_rows = []
+    fused_rows, split_rows = [], []
     if device == "cuda":
         from trace_kernels.sampling import sample_tempered
 
@@ -100,12 +125,14 @@ def main() -> None:
             fused_rows.append({"temperature": temperature, "unfused_ms": old, "fused_ms": new})
             print(f"temperature {temperature}: draw from bf16 logits, unfused {old:.3f} ms, fused {new:.3f} ms "
                   f"({old / new:.2f}x)", flush=True)
+        split_rows = sweep_split_kernel(bf16, keys)
     if args.record:
         date = datetime.date.today().isoformat()
         stem = RESULTS / f"sampling_{date}_{gpu.split()[-1].lower()}"
         cmd = "python bench/sampling.py " + " ".join(sys.argv[1:])
         stem.with_suffix(".json").write_text(json.dumps({"date": date, "command": cmd, "rows": rows,
-                                                         "draw_rows": fused_rows}, indent=1) + "\n")
+                                                         "draw_rows": fused_rows,
+                                                         "split_kernel": split_rows}, indent=1) + "\n")
         lines = [f"# Sampling one decode step, {date}, {gpu}", "", f"`{cmd}`", "",
                  f"Batch {args.batch}, vocabulary {args.vocab}, temperature 1; median of {args.reps} steps.", "",
                  "| top-p | per-row host sampling ms | sample_rows ms | speedup |", "|---|---|---|---|"]
@@ -116,6 +143,13 @@ def main() -> None:
                       "| temperature | unfused ms | fused ms | unfused / fused |", "|---|---|---|---|"]
             lines += [f"| {r['temperature']} | {r['unfused_ms']:.3f} | {r['fused_ms']:.3f} | "
                       f"{r['unfused_ms'] / r['fused_ms']:.2f}x |" for r in fused_rows]
+        if split_rows:
+            copy = split_rows[0]["copy_gb_s"]
+            lines += ["", "The fused draw (temperature 0.7) by its split kernel's loop block and warps (the default "
+                      f"marked): its one read of the logits against a copy's {copy:.0f} GB/s:", "",
+                      "| block | warps | fused ms | logits read GB/s |", "|---|---|---|---|"]
+            lines += [f"| {r['block']} | {r['warps']}{' (default)' if r['default'] else ''} | {r['fused_ms']:.3f} | "
+                      f"{r['read_gb_s']:.0f} |" for r in split_rows]
         stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 

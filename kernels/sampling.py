@@ -37,6 +37,10 @@ except ImportError:  # pragma: no cover - triton is optional on the CPU
     triton = None
 
 BLOCK_V = 4096  # vocabulary entries per loop step of the Triton kernel
+# sample_tempered's split kernel: 2048 entries a step over 4 warps compile (Triton 3.6, sm_90) to
+# 96-111 registers a thread, 4-5 programs an SM; 4096 took up to 249, 2 programs (8 warps) an SM
+# (tests/support/compile_sm90.py reports them without a GPU)
+SPLIT_BLOCK, SPLIT_WARPS = 2048, 4
 SPLIT_PROGRAMS = 1024  # programs `sample_tempered` aims for: a few waves on an H100's 132 multiprocessors
 
 
@@ -98,13 +102,13 @@ def sample_tempered(logits: torch.Tensor, temperature: float, keys: torch.Tensor
     logps = torch.empty(b, dtype=torch.float32, device=logits.device)
     if b == 0:
         return tokens, logps
-    block = min(BLOCK_V, triton.next_power_of_2(v))
+    block = min(SPLIT_BLOCK, triton.next_power_of_2(v))
     splits = max(1, min(triton.cdiv(v, block), triton.cdiv(SPLIT_PROGRAMS, b)))
     chunk = triton.cdiv(triton.cdiv(v, splits), block) * block  # a whole number of loop steps a program
     splits = triton.cdiv(v, chunk)
     part = torch.empty(5, b, splits, dtype=torch.float32, device=logits.device)  # score, index, max, sum, NaN
     _sample_split_kernel[(b, splits)](logits, keys, steps, part, float(temperature), splits, V=v, CHUNK=chunk,
-                                      BLOCK=block, SCALE=temperature != 1.0)
+                                      BLOCK=block, SCALE=temperature != 1.0, num_warps=SPLIT_WARPS)
     _sample_join_kernel[(b,)](logits, part, tokens, logps, float(temperature), splits, V=v,
                               SPLITS=triton.next_power_of_2(splits), SCALE=temperature != 1.0)
     return tokens, logps

@@ -85,7 +85,7 @@ def test_fused_kernel_draws_the_unfused_tokens_and_log_softmax(temperature):
     """Rows split over several programs (V over one loop block), bf16 logits as the model writes them."""
     g = torch.Generator().manual_seed(4)
     logits = (torch.randn(3, 9000, generator=g) * 3).bfloat16()
-    logits[1, 4100] = 40.0  # one token dominates row 1, in the second split
+    logits[1, 4100] = 40.0  # one token dominates row 1, in a split past the first
     keys = torch.tensor([sample_key(5, f"t{i}") for i in range(3)])
     steps = torch.tensor([0, 17, 3])
     _check_fused(logits, temperature, keys, steps, triton_device())
