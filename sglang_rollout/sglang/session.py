@@ -44,6 +44,7 @@ from sglang_rollout.engine.sampler import sample_key
 from . import capture
 from .config import EngineConfig, check_layout, server_args
 from .plugin import SEEDED
+from .weight_group import free_port
 from .weight_payload import LOADER, MODEL_ENV, PACKED_AT_START
 
 CPU_SITE = Path(__file__).with_name("cpu_site")
@@ -82,6 +83,8 @@ class Session:
             if engine_cfg.tp_size > 1:
                 env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(i % max(1, os.cpu_count())) for i in
                                                               range(engine_cfg.tp_size))
+        if args.get("nccl_port") is None:  # SGLang's own pick (bind to port 0) races outgoing connections
+            args["nccl_port"] = free_port()
         import sglang
 
         with _environment(env):  # inherited by the scheduler processes SGLang spawns

@@ -9,8 +9,11 @@ trainer process keeps its own default group untouched. NCCL between GPUs, gloo b
 
 from __future__ import annotations
 
+import contextlib
+import random
 import socket
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -18,7 +21,20 @@ from torch.distributed import distributed_c10d as c10d
 
 
 def free_port() -> int:
-    """A TCP port that was free a moment ago on this host."""
+    """A TCP port that was free a moment ago on this host, below the kernel's ephemeral range
+    (ip_local_port_range) where it can: a port from bind(("", 0)) comes from that range, and on a
+    host busy with gloo connections an outgoing one was given it before its listener bound it
+    (SGLang's scheduler failed to start with EADDRINUSE in a CI run)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux: the kernel's choice
+        low = 0
+    pick = random.SystemRandom()
+    for _ in range(64 if low > 21000 else 0):
+        port = pick.randrange(20000, low)
+        with socket.socket() as s, contextlib.suppress(OSError):
+            s.bind(("", port))
+            return port
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
